@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything `make test` / `make demo` need. Idempotent and quick when cached:
+# Python packages come from the uv cache (~/.cache/uv), system tools from apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_system=${1:-python}   # python | test (adds the system tools the suite drives)
+
+if ! command -v uv >/dev/null 2>&1; then
+  python3 -m pip install --quiet --user uv || python3 -m pip install --quiet uv
+  export PATH="$HOME/.local/bin:$PATH"
+fi
+
+# uv.lock pins every version; --frozen refuses to silently re-resolve.
+uv sync --frozen --extra worker --extra dev --quiet
+
+if [ "$want_system" = "test" ]; then
+  # A real Prometheus server backs the autoscaler's metrics-source tests.
+  if ! command -v prometheus >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq >/dev/null
+      apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+      # The Debian package starts a system service on :9090; the tests run their own.
+      (systemctl stop prometheus 2>/dev/null || service prometheus stop 2>/dev/null || true) >/dev/null
+    else
+      echo "setup: prometheus not found and apt-get unavailable; install Prometheus >= 2.x" >&2
+      exit 1
+    fi
+  fi
+fi

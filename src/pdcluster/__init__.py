@@ -1,0 +1,3 @@
+"""pdcluster: prefill/decode-disaggregated LLM inference on Kubernetes."""
+
+__version__ = "0.1.0"

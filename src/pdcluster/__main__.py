@@ -1,0 +1,3 @@
+from pdcluster.cli import main
+
+raise SystemExit(main())
