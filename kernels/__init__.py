@@ -1,0 +1,24 @@
+"""pdcluster.kernels: paged decode attention and KV cache quantization (Triton kernels + torch paths).
+
+Contract: ../shared DESIGN.md "Kernels". Importing this package never imports triton.
+"""
+
+from .cache import KV_DTYPES, allocate_kv_cache, kv_bits, kv_bytes_per_token
+from .dispatch import BACKENDS, paged_decode_attention, resolve_backend, triton_available, write_kv_cache
+from .kv_quant import dequantize_kv, pack_int4, quantize_kv, unpack_int4
+
+__all__ = [
+    "BACKENDS",
+    "KV_DTYPES",
+    "allocate_kv_cache",
+    "dequantize_kv",
+    "kv_bits",
+    "kv_bytes_per_token",
+    "pack_int4",
+    "paged_decode_attention",
+    "quantize_kv",
+    "resolve_backend",
+    "triton_available",
+    "unpack_int4",
+    "write_kv_cache",
+]

@@ -7,3 +7,36 @@ import os
 if not os.environ.get("PDCLUSTER_TEST_CUDA"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+# The shape every area's tests share: GQA (4 heads over 2 KV heads), head_dim 16, 3 layers, a real
+# byte-level BPE tokenizer (vocab 1024) with a chat template and an EOS id. Random weights.
+TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama HF folder with tokenizer (config.json, model.safetensors, tokenizer.json, ...)."""
+    from pdcluster.worker.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("tiny-model"), **TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shape without tokenizer files: serves token-id prompts only (vocab 512, no EOS)."""
+    from pdcluster.worker.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("tiny-model-ids"), tokenizer=False, vocab_size=512, **TINY_MODEL)
+
+
+@pytest.fixture
+def tiny_engine_config(tiny_model_dir: Path):  # noqa: ANN201 - avoids importing torch at collection time
+    """An EngineConfig for the tiny model with a small, fixed KV cache (256 blocks of 16)."""
+    from pdcluster.worker.engine import EngineConfig
+
+    return EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, num_threads=None)

@@ -1,0 +1,230 @@
+"""Generate the PDCluster CRD from the pydantic models.
+
+`python -m pdcluster.operator.crd > crds/pdcluster.yaml` regenerates the committed file; a test fails if
+the two differ. The pydantic JSON Schema (draft 2020-12) is turned into a Kubernetes *structural*
+OpenAPI v3 schema: `$ref`s are inlined, `X | None` becomes an optional X, numeric exclusive bounds use
+the OpenAPI 3.0 boolean form, `int | str` maps become `x-kubernetes-int-or-string`, nested objects get
+`default: {}` so that the API server fills in their defaults, and the models' CEL rules are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import yaml
+
+from pdcluster.operator import models
+
+_KEEP = {
+    "type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "default",
+    "description", "format", "minItems", "maxItems", "x-kubernetes-validations",
+}
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        name = node["$ref"].split("/")[-1]
+        merged = copy.deepcopy(defs[name])
+        for k, v in node.items():
+            if k != "$ref":
+                merged[k] = v
+        return merged
+    return node
+
+
+def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    node = _resolve(node, defs)
+    if "anyOf" in node:
+        options = [_resolve(o, defs) for o in node["anyOf"]]
+        non_null = [o for o in options if o.get("type") != "null"]
+        types = sorted(o.get("type", "") for o in non_null)
+        if types == ["integer", "string"]:
+            out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+            for k in ("description",):
+                if k in node:
+                    out[k] = node[k]
+            return out
+        if len(non_null) != 1:
+            raise ValueError(f"cannot express {node!r} as a structural schema")
+        inner = dict(non_null[0])
+        for k, v in node.items():
+            if k not in ("anyOf", "default") and k not in inner:
+                inner[k] = v
+        if node.get("default") is not None:
+            inner["default"] = node["default"]
+        return _convert(inner, defs)
+
+    out = {}
+    for key, value in node.items():
+        if key == "exclusiveMinimum":
+            out["minimum"] = value
+            out["exclusiveMinimum"] = True
+        elif key == "exclusiveMaximum":
+            out["maximum"] = value
+            out["exclusiveMaximum"] = True
+        elif key in _KEEP:
+            out[key] = copy.deepcopy(value)
+
+    typ = node.get("type")
+    if typ == "object" or "properties" in node:
+        out["type"] = "object"
+        props = node.get("properties", {})
+        if props:
+            out["properties"] = {}
+            for name, sub in props.items():
+                converted = _convert(sub, defs)
+                if (
+                    converted.get("type") == "object"
+                    and "properties" in converted
+                    and "default" not in converted
+                    and not converted.get("required")
+                ):
+                    # Let the API server default nested fields even when the parent is omitted.
+                    converted["default"] = {}
+                out["properties"][name] = converted
+        required = [r for r in node.get("required", [])]
+        if required:
+            out["required"] = required
+        addl = node.get("additionalProperties")
+        if isinstance(addl, dict):
+            out["additionalProperties"] = _convert(addl, defs)
+        elif addl is True:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+    elif typ == "array":
+        out["items"] = _convert(node.get("items", {}), defs)
+    if "enum" in out and "type" not in out:
+        first = out["enum"][0]
+        out["type"] = "integer" if isinstance(first, int) else "string"
+    return out
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = models.PDClusterSpec.model_json_schema(mode="validation")
+    defs = raw.pop("$defs", {})
+    schema = _convert(raw, defs)
+    schema.pop("default", None)
+    schema["description"] = "Desired state of a prefill/decode-disaggregated inference deployment."
+    return schema
+
+
+def _status_schema() -> dict[str, Any]:
+    pool = {
+        "type": "object",
+        "properties": {
+            "replicas": {"type": "integer"},
+            "readyReplicas": {"type": "integer"},
+            "desiredReplicas": {"type": "integer"},
+        },
+    }
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer"},
+        },
+    }
+    return {
+        "type": "object",
+        "description": "Observed state, written by the operator only.",
+        "properties": {
+            "observedGeneration": {"type": "integer"},
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "prefill": copy.deepcopy(pool),
+            "decode": copy.deepcopy(pool),
+            "router": copy.deepcopy(pool),
+            "ratio": {"type": "number", "description": "Decode replicas per prefill replica."},
+            "endpoint": {"type": "string", "description": "In-cluster URL of the router."},
+            "autoscaler": {
+                "type": "object",
+                "description": "Last decision with its inputs and reason, learned capacities, stabilization state.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+        },
+    }
+
+
+def build_crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{models.PLURAL}.{models.API_GROUP}",
+            "labels": {"app.kubernetes.io/name": "pdcluster"},
+        },
+        "spec": {
+            "group": models.API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": models.KIND,
+                "listKind": f"{models.KIND}List",
+                "plural": models.PLURAL,
+                "singular": models.SINGULAR,
+                "shortNames": list(models.SHORT_NAMES),
+                "categories": ["all"],
+            },
+            "versions": [
+                {
+                    "name": models.API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.replicas",
+                         "description": "Prefill replicas"},
+                        {"name": "Decode", "type": "integer", "jsonPath": ".status.decode.replicas",
+                         "description": "Decode replicas"},
+                        {"name": "Ratio", "type": "number", "jsonPath": ".status.ratio",
+                         "description": "Decode replicas per prefill replica"},
+                        {"name": "Ready", "type": "string",
+                         "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "PDCluster: a prefill/decode-disaggregated LLM inference deployment.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": _status_schema(),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+HEADER = (
+    "# GENERATED from pdcluster.operator.models by `python -m pdcluster.operator.crd > crds/pdcluster.yaml`.\n"
+    "# Do not edit by hand: tests/operator/test_crd.py fails when this file and the models disagree.\n"
+)
+
+
+def render_yaml() -> str:
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+
+
+def main() -> int:
+    sys.stdout.write(render_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""The PDCluster spec as pydantic models.
+
+These models are the single source of truth: `pdcluster.operator.crd` generates the CRD's structural
+OpenAPI schema (types, enums, ranges, defaults, CEL rules) from them, and a test checks that the
+committed `crds/pdcluster.yaml` equals the generated one, so the two can never drift.
+
+Field names are the camelCase names of the CRD. Every cross-field CEL rule
+(`x-kubernetes-validations`) is mirrored by a pydantic validator, so a cluster whose API server does
+not run CEL (or a spec applied before the CRD was updated) is still checked by the operator, which
+reports a `Degraded` condition instead of crashing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+API_GROUP = "pdcluster.dev"
+API_VERSION = "v1alpha1"
+KIND = "PDCluster"
+PLURAL = "pdclusters"
+SINGULAR = "pdcluster"
+SHORT_NAMES = ["pdc"]
+
+WORKER_PORT = 8000
+KV_TRANSFER_PORT = 9000
+
+# Model URIs the operator knows how to mount; anything else is caught by the schema pattern.
+MODEL_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hostpath:///.+|file:///.+|/.+)$"
+
+
+def _cel(rule: str, message: str) -> dict[str, str]:
+    return {"rule": rule, "message": message}
+
+
+class _Base(BaseModel):
+    # The API server prunes unknown fields; the operator ignores them rather than failing.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+IntOrString = int | str
+
+
+class Resources(_Base):
+    """Container resources (a subset of core/v1 ResourceRequirements)."""
+
+    requests: dict[str, IntOrString] = Field(
+        default_factory=dict, description="Minimum resources, e.g. cpu: 4, memory: 64Gi."
+    )
+    limits: dict[str, IntOrString] = Field(
+        default_factory=dict, description="Maximum resources, e.g. nvidia.com/gpu: 1."
+    )
+
+
+class Toleration(_Base):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+class Model(_Base):
+    name: str = Field(min_length=1, description="Served model name (the OpenAI `model` field).")
+    uri: str = Field(
+        pattern=MODEL_URI_PATTERN,
+        description=(
+            "Where the weights live: pvc://CLAIM[/SUBPATH] (mounted read-only), hostpath:///PATH, "
+            "or file:///PATH (or /PATH) for a directory already inside the image."
+        ),
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weight/activation dtype passed to the worker (--dtype)."
+    )
+    maxModelLen: int | None = Field(default=None, ge=1, description="Longest sequence (prompt + output).")
+
+
+_POOL_RULES = [
+    _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+    _cel(
+        "!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+        "replicas must be within [minReplicas, maxReplicas]",
+    ),
+]
+
+
+class _Pool(_Base):
+    replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Replicas when autoscaling is disabled; the starting point when it is enabled. "
+            "Defaults to minReplicas."
+        ),
+    )
+    minReplicas: int = Field(default=1, ge=1, le=1000)
+    maxReplicas: int = Field(default=8, ge=1, le=1000)
+    resources: Resources = Field(default_factory=Resources)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> _Pool:
+        if self.minReplicas > self.maxReplicas:
+            raise ValueError("minReplicas must be <= maxReplicas")
+        if self.replicas is not None and not (self.minReplicas <= self.replicas <= self.maxReplicas):
+            raise ValueError("replicas must be within [minReplicas, maxReplicas]")
+        return self
+
+    @property
+    def initial_replicas(self) -> int:
+        return self.replicas if self.replicas is not None else self.minReplicas
+
+
+class PrefillPool(_Pool):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+    maxBatchTokens: int = Field(default=8192, ge=1, description="Token budget of one prefill batch.")
+    maxBatchSize: int = Field(default=64, ge=1, description="Sequences in one prefill batch.")
+
+
+class DecodePool(_Pool):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+    maxBatchSize: int = Field(default=16, ge=1, le=1024, description="Sequences decoded together.")
+    maxBatchTokens: int = Field(default=8192, ge=1, description="Token budget of one decode step.")
+
+
+class KVCache(_Base):
+    blockSize: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV-cache block.")
+    dtype: Literal["auto", "int8", "int4"] = Field(default="auto", description="KV-cache element type.")
+    fullPrecisionLayers: list[int] = Field(
+        default_factory=list, description="Layers kept at full precision when dtype is int8/int4."
+    )
+    gpuMemoryUtilization: float = Field(default=0.9, ge=0.1, le=0.99)
+    swapSpaceGiB: float = Field(default=4.0, ge=0, le=1024, description="CPU swap space for preempted KV.")
+    preemption: Literal["swap", "recompute", "auto"] = Field(default="auto")
+    swapWatermark: float = Field(
+        default=0.01, ge=0, le=0.5, description="Fraction of GPU blocks kept free before admitting work."
+    )
+
+
+class KVTransfer(_Base):
+    compression: Literal["none", "int8"] = Field(default="none")
+    layerwise: bool = Field(default=True, description="Stream KV layer by layer as prefill proceeds.")
+    timeoutSeconds: float = Field(default=30.0, gt=0, le=3600)
+    maxRetries: int = Field(default=3, ge=0, le=20)
+
+
+class Router(_Base):
+    replicas: int = Field(default=1, ge=1, le=100)
+    maxQueueDepth: int = Field(default=256, ge=1)
+    requestTimeoutSeconds: float = Field(default=300.0, gt=0, le=86400)
+    disaggregationThreshold: int = Field(
+        default=64, ge=0, description="Prompts shorter than this many tokens prefill on the decode worker."
+    )
+    serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class Capacity(_Base):
+    prefillTokensPerSecond: float | None = Field(
+        default=None, gt=0, description="Prompt tokens/s one prefill instance sustains (C_p)."
+    )
+    decodeTokensPerSecond: float | None = Field(
+        default=None, gt=0, description="Output tokens/s one decode instance sustains (C_d)."
+    )
+
+
+class Autoscaling(_Base):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.enabled || (has(self.prometheusUrl) && size(self.prometheusUrl) > 0)",
+                    "autoscaling.prometheusUrl is required when autoscaling is enabled",
+                ),
+            ]
+        }
+    )
+    enabled: bool = Field(default=False)
+    prometheusUrl: str | None = Field(default=None, pattern=r"^https?://.+")
+    intervalSeconds: int = Field(default=30, ge=5, le=3600)
+    windowSeconds: int = Field(default=120, ge=10, le=86400)
+    headroom: float = Field(default=1.5, ge=1.0, le=10.0)
+    scaleDownStabilizationSeconds: int = Field(default=300, ge=0, le=86400)
+    maxScaleUpStep: int = Field(default=4, ge=1, le=1000, description="Most replicas added per decision.")
+    maxScaleDownStep: int = Field(default=1, ge=1, le=1000, description="Most replicas removed per decision.")
+    maxTotalReplicas: int | None = Field(
+        default=None, ge=2, description="Budget for prefill + decode replicas together."
+    )
+    rolloutTimeoutSeconds: int = Field(
+        default=600, ge=0, le=86400,
+        description="How long to wait for a previous scale change to become ready before deciding anyway.",
+    )
+    capacity: Capacity = Field(default_factory=Capacity)
+
+    @model_validator(mode="after")
+    def _url(self) -> Autoscaling:
+        if self.enabled and not self.prometheusUrl:
+            raise ValueError("autoscaling.prometheusUrl is required when autoscaling is enabled")
+        return self
+
+
+class NetworkPolicySpec(_Base):
+    enabled: bool = Field(default=True, description="Render a NetworkPolicy for the worker pods.")
+
+
+class PDClusterSpec(_Base):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.autoscaling.maxTotalReplicas) || "
+                    "self.autoscaling.maxTotalReplicas >= self.prefill.minReplicas + self.decode.minReplicas",
+                    "autoscaling.maxTotalReplicas must be >= prefill.minReplicas + decode.minReplicas",
+                ),
+            ]
+        }
+    )
+    model: Model
+    image: str = Field(min_length=1, description="Image with the `pdcluster` CLI (worker extra installed).")
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
+    prefill: PrefillPool = Field(default_factory=PrefillPool)
+    decode: DecodePool = Field(default_factory=DecodePool)
+    kvCache: KVCache = Field(default_factory=KVCache)
+    kvTransfer: KVTransfer = Field(default_factory=KVTransfer)
+    router: Router = Field(default_factory=Router)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    networkPolicy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    nodeSelector: dict[str, str] = Field(default_factory=dict, description="Applied to worker pods.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Applied to worker pods.")
+
+    @model_validator(mode="after")
+    def _budget(self) -> PDClusterSpec:
+        budget = self.autoscaling.maxTotalReplicas
+        if budget is not None and budget < self.prefill.minReplicas + self.decode.minReplicas:
+            raise ValueError(
+                "autoscaling.maxTotalReplicas must be >= prefill.minReplicas + decode.minReplicas"
+            )
+        return self
+
+
+def parse_spec(spec: dict[str, Any] | Any) -> PDClusterSpec:
+    """Validate a CR's `.spec` (raises pydantic.ValidationError)."""
+    return PDClusterSpec.model_validate(dict(spec or {}))
+
+
+def short_error(exc: Exception) -> str:
+    """One line describing a validation error (for conditions and Events)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = []
+        for e in errors()[:3]:
+            loc = ".".join(str(p) for p in e.get("loc", ()))
+            msg = e.get("msg", "invalid")
+            parts.append(f"spec.{loc}: {msg}" if loc else msg)
+        return "; ".join(parts)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

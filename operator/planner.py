@@ -1,0 +1,221 @@
+"""The P:D formula and the KV-cache budget: pure functions shared by the autoscaler and the CLI.
+
+Per request, prefill spends `I / C_p` seconds of one prefill instance and decode spends `O / C_d` seconds
+of one decode instance (I, O: mean input/output tokens; C_p, C_d: prompt/output tokens per second one
+instance sustains). At a request rate λ the pools need `λ·I/C_p` and `λ·O/C_d` instances; with headroom h
+(1.5: provision for 1.5x the observed rate):
+
+    P = ceil(h·λ·I / C_p)        D = ceil(h·λ·O / C_d)        ratio D/P = (O/C_d) / (I/C_p)
+
+then clamped to [min, max] per pool, and, when a total budget is set, both scaled down together so the
+ratio holds within the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# A tiny tolerance so 12.000000000001 (float noise) does not become 13.
+_EPS = 1e-9
+
+
+class PlanError(ValueError):
+    """Invalid planner input (zero capacity, negative lengths, ...)."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_prefill: int = 1
+    max_prefill: int | None = None
+    min_decode: int = 1
+    max_decode: int | None = None
+    max_total: int | None = None
+
+    def validate(self) -> None:
+        for name in ("min_prefill", "min_decode"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"{name.replace('_', '-')} must be >= 0")
+        for lo, hi in (("min_prefill", "max_prefill"), ("min_decode", "max_decode")):
+            top = getattr(self, hi)
+            if top is not None and top < getattr(self, lo):
+                raise PlanError(f"{hi.replace('_', '-')} must be >= {lo.replace('_', '-')}")
+        if self.max_total is not None and self.max_total < self.min_prefill + self.min_decode:
+            raise PlanError("max-total-replicas must be >= min-prefill + min-decode")
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill_seconds_per_request: float
+    decode_seconds_per_request: float
+    ratio: float  # decode instances per prefill instance, unclamped
+    prefill_replicas: int | None
+    decode_replicas: int | None
+    raw_prefill: float | None  # h·λ·I/C_p before ceil and clamps
+    raw_decode: float | None
+    limited: bool
+    limited_by: list[str] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive(name: str, value: float) -> float:
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{name} must be a positive number (got {value})")
+    return float(value)
+
+
+def seconds_per_request(input_len: float, output_len: float, prefill_capacity: float,
+                        decode_capacity: float) -> tuple[float, float]:
+    i = _positive("input-len", input_len)
+    o = _positive("output-len", output_len)
+    cp = _positive("prefill-capacity", prefill_capacity)
+    cd = _positive("decode-capacity", decode_capacity)
+    return i / cp, o / cd
+
+
+def replicas_for(load: float) -> int:
+    """ceil() that ignores float noise below 1e-9."""
+    if load <= 0:
+        return 0
+    return max(0, math.ceil(load - _EPS))
+
+
+def clamp_pair(p: int, d: int, bounds: Bounds) -> tuple[int, int, list[str]]:
+    """Clamp to per-pool bounds, then fit into the total budget keeping the D/P ratio."""
+    limited: list[str] = []
+    if p < bounds.min_prefill:
+        p, _ = bounds.min_prefill, limited.append("min-prefill")
+    if d < bounds.min_decode:
+        d, _ = bounds.min_decode, limited.append("min-decode")
+    if bounds.max_prefill is not None and p > bounds.max_prefill:
+        p, _ = bounds.max_prefill, limited.append("max-prefill")
+    if bounds.max_decode is not None and d > bounds.max_decode:
+        d, _ = bounds.max_decode, limited.append("max-decode")
+    budget = bounds.max_total
+    if budget is not None and p + d > budget:
+        limited.append("max-total-replicas")
+        p, d = fit_budget(p, d, budget, bounds.min_prefill, bounds.min_decode)
+    return p, d, limited
+
+
+def fit_budget(p: int, d: int, budget: int, min_p: int = 1, min_d: int = 1) -> tuple[int, int]:
+    """Scale (p, d) down proportionally so p + d <= budget, keeping each >= its minimum.
+
+    Among the splits of the budget, pick the one whose ratio d/p is closest to the requested one;
+    prefer using the whole budget.
+    """
+    if p + d <= budget:
+        return p, d
+    target = d / p if p > 0 else math.inf
+    best: tuple[float, int, int] | None = None
+    for pp in range(max(min_p, 0), budget - min_d + 1):
+        dd = budget - pp
+        if pp > p or dd > d:
+            continue
+        r = dd / pp if pp > 0 else math.inf
+        err = abs(math.log(r / target)) if 0 < r < math.inf and 0 < target < math.inf else math.inf
+        cand = (err, pp, dd)
+        if best is None or cand[0] < best[0]:
+            best = cand
+    if best is None:  # unreachable when budget >= min_p + min_d and p >= min_p, d >= min_d
+        return min_p, max(min_d, budget - min_p)
+    return best[1], best[2]
+
+
+def plan(
+    *,
+    input_len: float,
+    output_len: float,
+    prefill_capacity: float,
+    decode_capacity: float,
+    request_rate: float | None = None,
+    headroom: float = 1.5,
+    bounds: Bounds | None = None,
+) -> Plan:
+    bounds = bounds or Bounds()
+    bounds.validate()
+    sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity)
+    if headroom is None or not math.isfinite(headroom) or headroom < 1.0:
+        raise PlanError(f"headroom must be >= 1.0 (got {headroom})")
+    if request_rate is not None and (not math.isfinite(request_rate) or request_rate < 0):
+        raise PlanError(f"request-rate must be >= 0 (got {request_rate})")
+    inputs = {
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_capacity": prefill_capacity,
+        "decode_capacity": decode_capacity,
+        "request_rate": request_rate,
+        "headroom": headroom,
+        "min_prefill": bounds.min_prefill,
+        "max_prefill": bounds.max_prefill,
+        "min_decode": bounds.min_decode,
+        "max_decode": bounds.max_decode,
+        "max_total_replicas": bounds.max_total,
+    }
+    ratio = sd / sp
+    if request_rate is None:
+        return Plan(sp, sd, ratio, None, None, None, None, False, [], inputs)
+    raw_p = headroom * request_rate * sp
+    raw_d = headroom * request_rate * sd
+    p, d, limited_by = clamp_pair(replicas_for(raw_p), replicas_for(raw_d), bounds)
+    return Plan(sp, sd, ratio, p, d, raw_p, raw_d, bool(limited_by), limited_by, inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# KV-cache budget
+
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4, "float32": 4,
+    "fp16": 2, "float16": 2, "half": 2,
+    "bf16": 2, "bfloat16": 2,
+    "fp8": 1, "int8": 1,
+    "int4": 0.5,
+}
+QUANTIZED = {"int8", "int4", "fp8"}
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    bytes_per_token: int
+    total_bytes: int
+    scale_bytes_per_token: int
+    total_bytes_with_scales: int
+    inputs: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_gb"] = self.total_bytes / 1e9
+        d["total_gib"] = self.total_bytes / 2**30
+        return d
+
+
+def kv_budget(*, layers: int, kv_heads: int, head_dim: int, dtype: str, seq_len: int, batch: int) -> KVBudget:
+    """K and V for every layer, KV head and head dim: 2 · layers · kv_heads · head_dim · bytes/element.
+
+    pdcluster's int8/int4 caches also keep one float32 scale per (token, KV head) for K and for V; that
+    overhead is reported separately (`scale_bytes_per_token`) and not included in `bytes_per_token`.
+    """
+    for name, v in (("layers", layers), ("kv-heads", kv_heads), ("head-dim", head_dim),
+                    ("seq-len", seq_len), ("batch", batch)):
+        if v is None or int(v) != v or v <= 0:
+            raise PlanError(f"{name} must be a positive integer (got {v})")
+    key = dtype.lower()
+    if key not in DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {dtype!r} (choose from {', '.join(sorted(DTYPE_BYTES))})")
+    if key == "int4" and head_dim % 2:
+        raise PlanError("int4 needs an even head-dim (two values per byte)")
+    per_token = int(2 * layers * kv_heads * head_dim * DTYPE_BYTES[key])
+    scales = 2 * layers * kv_heads * 4 if key in ("int8", "int4") else 0
+    tokens = seq_len * batch
+    return KVBudget(
+        bytes_per_token=per_token,
+        total_bytes=per_token * tokens,
+        scale_bytes_per_token=scales,
+        total_bytes_with_scales=(per_token + scales) * tokens,
+        inputs={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
+                "seq_len": seq_len, "batch": batch},
+    )

@@ -1,0 +1,131 @@
+"""The autoscaler's metrics source: PromQL over the DESIGN.md series via prometheus-api-client.
+
+All series are filtered by `pdcluster="<name>"` (in Kubernetes, Prometheus relabelling copies the pod
+label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
+
+- λ  = sum(rate(pdcluster_requests_total{role="router"}))  (fallback: role="decode": every request
+  ends on a decode worker)
+- I  = rate(pdcluster_prompt_tokens_total) / λ, O = rate(pdcluster_generation_tokens_total) / λ
+  (router series first, else prefill/decode workers)
+- per-instance throughput: prompt tok/s of role="prefill" (output tok/s of role="decode") divided by the
+  number of instances reporting `pdcluster_requests_waiting` for that role
+- saturated: min over the window of sum(pdcluster_requests_waiting{role=...}) > 0, i.e. the queue never
+  emptied.
+
+The client is synchronous (requests); call `observe` from a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from pdcluster.operator.autoscaler import Observation
+
+log = logging.getLogger(__name__)
+
+
+class MetricsUnavailable(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _sel(cluster: str, role: str) -> str:
+    cluster = cluster.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{{pdcluster="{cluster}",role="{role}"}}'
+
+
+class PrometheusSource:
+    def __init__(self, url: str, *, timeout: float = 10.0, client: Any = None) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._client = client
+
+    def _prom(self) -> Any:
+        if self._client is None:
+            from prometheus_api_client import PrometheusConnect
+            from urllib3.util.retry import Retry
+
+            # One quick retry: the autoscaler asks again next interval anyway.
+            self._client = PrometheusConnect(url=self.url, disable_ssl=not self.url.startswith("https"),
+                                             timeout=self.timeout,
+                                             retry=Retry(total=1, backoff_factor=0.2,
+                                                         status_forcelist=[502, 503, 504]))
+        return self._client
+
+    def scalar(self, query: str) -> float | None:
+        """The value of a one-element instant vector; None when the vector is empty or NaN."""
+        try:
+            result = self._prom().custom_query(query=query)
+        except Exception as e:  # requests errors, PrometheusApiClientException, bad JSON
+            raise MetricsUnavailable("PrometheusUnreachable",
+                                     f"query to {self.url} failed: {type(e).__name__}: {e}") from e
+        if not result:
+            return None
+        try:
+            value = float(result[0]["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        return None if math.isnan(value) or math.isinf(value) else value
+
+    def _first(self, *queries: str) -> float | None:
+        for q in queries:
+            v = self.scalar(q)
+            if v is not None:
+                return v
+        return None
+
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None) -> Observation:
+        w = f"{int(window_seconds)}s"
+        step = f"{max(1, min(15, int(window_seconds) // 10))}s"
+        router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
+        rate = self._first(
+            f"sum(rate(pdcluster_requests_total{router}[{w}]))",
+            f"sum(rate(pdcluster_requests_total{decode}[{w}]))",
+        )
+        if rate is None:
+            raise MetricsUnavailable(
+                "SeriesMissing",
+                f"no pdcluster_requests_total series for pdcluster={cluster!r} (router or decode) in Prometheus",
+            )
+        prompt_rate = self._first(
+            f"sum(rate(pdcluster_prompt_tokens_total{router}[{w}]))",
+            f"sum(rate(pdcluster_prompt_tokens_total{prefill}[{w}]))",
+        )
+        gen_rate = self._first(
+            f"sum(rate(pdcluster_generation_tokens_total{router}[{w}]))",
+            f"sum(rate(pdcluster_generation_tokens_total{decode}[{w}]))",
+        )
+        if rate > 0 and (prompt_rate is None or gen_rate is None):
+            raise MetricsUnavailable(
+                "SeriesMissing",
+                f"no prompt/generation token series for pdcluster={cluster!r} in Prometheus",
+            )
+        mean_in = prompt_rate / rate if rate > 0 and prompt_rate is not None else None
+        mean_out = gen_rate / rate if rate > 0 and gen_rate is not None else None
+
+        def per_instance(counter: str, sel: str, role: str) -> float | None:
+            total = self.scalar(f"sum(rate({counter}{sel}[{w}]))")
+            n = self.scalar(f"count(pdcluster_requests_waiting{sel})")
+            if not n and ready:
+                n = ready.get(role)
+            if total is None or not n:
+                return None
+            return total / n
+
+        def saturated(sel: str) -> bool:
+            v = self.scalar(f"min_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
+            return bool(v is not None and v > 0)
+
+        return Observation(
+            request_rate=rate,
+            mean_input_tokens=mean_in,
+            mean_output_tokens=mean_out,
+            prefill_tokens_per_instance=per_instance("pdcluster_prompt_tokens_total", prefill, "prefill"),
+            decode_tokens_per_instance=per_instance("pdcluster_generation_tokens_total", decode, "decode"),
+            prefill_saturated=saturated(prefill),
+            decode_saturated=saturated(decode),
+        )

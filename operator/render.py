@@ -1,0 +1,470 @@
+"""Pure rendering: (PDCluster identity, validated spec, replica counts, KV secret) -> child objects.
+
+No I/O. Every object carries the standard labels and a controller owner reference to the PDCluster, so
+Kubernetes garbage-collects children when the PDCluster is deleted. The operator applies these with
+server-side apply; fields it does not render (status, defaults the API server fills in) stay untouched.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import models
+from pdcluster.operator.models import KV_TRANSFER_PORT, WORKER_PORT, PDClusterSpec
+
+ROLES = ("prefill", "decode", "router")
+WORKER_ROLES = ("prefill", "decode")
+KV_SECRET_KEY = "key"
+KV_SECRET_DIR = "/etc/pdcluster/kv-secret"
+CONFIG_DIR = "/etc/pdcluster/config"
+MODEL_MOUNT = "/models"
+RUN_AS = 65532
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdcluster-operator"}
+
+
+class RenderError(ValueError):
+    """A spec the schema accepted but the operator cannot render (reported as Degraded)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+    api_version: str = f"{models.API_GROUP}/{models.API_VERSION}"
+    kind: str = models.KIND
+
+    @classmethod
+    def from_body(cls, body: Any) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
+
+
+# ---- names and labels ------------------------------------------------------------------------------
+
+def child_name(owner: Owner | str, role: str) -> str:
+    name = owner.name if isinstance(owner, Owner) else owner
+    return f"{name}-{role}"
+
+
+def config_map_name(owner: Owner) -> str:
+    return f"{owner.name}-config"
+
+
+def secret_name(owner: Owner) -> str:
+    return f"{owner.name}-kv-secret"
+
+
+def network_policy_name(owner: Owner) -> str:
+    return f"{owner.name}-workers"
+
+
+def instance_labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/name": "pdcluster",
+        "app.kubernetes.io/managed-by": "pdcluster-operator",
+    }
+
+
+def selector_labels(owner: Owner, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": owner.name, "app.kubernetes.io/name": "pdcluster",
+            "pdcluster.dev/role": role}
+
+
+def role_labels(owner: Owner, role: str) -> dict[str, str]:
+    return {**instance_labels(owner), "pdcluster.dev/role": role, "app.kubernetes.io/component": role}
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": owner.api_version,
+        "kind": owner.kind,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": dict(labels),
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def service_url(owner: Owner, role: str) -> str:
+    return f"http://{child_name(owner, role)}.{owner.namespace}.svc:{WORKER_PORT}"
+
+
+def endpoint(owner: Owner) -> str:
+    return service_url(owner, "router")
+
+
+# ---- model volume ----------------------------------------------------------------------------------
+
+def model_source(uri: str) -> tuple[str, dict[str, Any] | None, str | None]:
+    """(model dir inside the container, volume or None, subPath or None) for a model URI."""
+    if uri.startswith("pvc://"):
+        rest = uri[len("pvc://"):]
+        claim, _, sub = rest.partition("/")
+        if not claim:
+            raise RenderError(f"model.uri {uri!r}: missing claim name")
+        sub = sub.strip("/")
+        vol = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return (f"{MODEL_MOUNT}/{sub}" if sub else MODEL_MOUNT), vol, None
+    if uri.startswith("hostpath://"):
+        path = uri[len("hostpath://"):]
+        if not path.startswith("/") or path == "/":
+            raise RenderError(f"model.uri {uri!r}: hostpath needs an absolute directory")
+        return MODEL_MOUNT, {"name": "model", "hostPath": {"path": path, "type": "Directory"}}, None
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        if not path.startswith("/"):
+            raise RenderError(f"model.uri {uri!r}: file:// needs an absolute path")
+        return path, None, None
+    if uri.startswith("/"):
+        return uri, None, None
+    raise RenderError(f"model.uri {uri!r}: unsupported scheme (use pvc://, hostpath://, file:// or /path)")
+
+
+# ---- worker and router commands --------------------------------------------------------------------
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
+    pool = spec.prefill if role == "prefill" else spec.decode
+    kv, tr = spec.kvCache, spec.kvTransfer
+    cmd = [
+        "pdcluster", "serve",
+        "--model", model_dir,
+        "--role", role,
+        "--port", str(WORKER_PORT),
+        "--block-size", str(kv.blockSize),
+        "--kv-cache-dtype", kv.dtype,
+        "--max-batch-size", str(pool.maxBatchSize),
+        "--max-batch-tokens", str(pool.maxBatchTokens),
+        "--kv-transfer-compression", tr.compression,
+        "--kv-transfer-timeout", _num(tr.timeoutSeconds),
+        "--kv-transfer-max-retries", str(tr.maxRetries),
+        "--kv-transfer-port", str(KV_TRANSFER_PORT),
+        "--kv-transfer-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}",
+        "--swap-space", _num(kv.swapSpaceGiB),
+        "--preemption", kv.preemption,
+        "--gpu-memory-utilization", _num(kv.gpuMemoryUtilization),
+    ]
+    if spec.model.dtype != "auto":
+        cmd += ["--dtype", spec.model.dtype]
+    if kv.fullPrecisionLayers:
+        cmd += ["--full-precision-layers", ",".join(str(i) for i in kv.fullPrecisionLayers)]
+    return cmd
+
+
+def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
+    r = spec.router
+    return [
+        "pdcluster", "router",
+        "--prefill-service", service_url(owner, "prefill"),
+        "--decode-service", service_url(owner, "decode"),
+        "--port", str(WORKER_PORT),
+        "--max-queue-depth", str(r.maxQueueDepth),
+        "--request-timeout", _num(r.requestTimeoutSeconds),
+        "--disaggregation-threshold", str(r.disaggregationThreshold),
+    ]
+
+
+# ---- pod template pieces ---------------------------------------------------------------------------
+
+def _env(owner: Owner, role: str) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+    return [
+        {"name": "NODE_NAME", **field("spec.nodeName")},
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "POD_IP", **field("status.podIP")},
+        {"name": "PDCLUSTER_NAME", "value": owner.name},
+        {"name": "PDCLUSTER_ROLE", "value": role},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
+    ]
+
+
+def _probes() -> dict[str, Any]:
+    http = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        # Model loading can take many minutes: the startup probe holds liveness off meanwhile.
+        "startupProbe": {**http, "periodSeconds": 10, "failureThreshold": 180, "timeoutSeconds": 5},
+        "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
+        # Generous: a draining worker answers 503 on /health while it finishes in-flight work.
+        "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 12, "timeoutSeconds": 5},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _resources(res: models.Resources) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if res.requests:
+        out["requests"] = dict(res.requests)
+    if res.limits:
+        out["limits"] = dict(res.limits)
+    return out
+
+
+def _topology_spread(owner: Owner, role: str) -> list[dict[str, Any]]:
+    return [{
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": selector_labels(owner, role)},
+    }, {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": selector_labels(owner, role)},
+    }]
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(WORKER_PORT),
+            "prometheus.io/path": "/metrics"}
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def secret_fingerprint(key: bytes) -> str:
+    return hashlib.sha256(b"pdcluster-kv-secret:" + key).hexdigest()[:16]
+
+
+def _deployment(owner: Owner, role: str, replicas: int, pod_spec: dict[str, Any],
+                template_annotations: dict[str, str], strategy: dict[str, Any]) -> dict[str, Any]:
+    labels = role_labels(owner, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, child_name(owner, role), labels),
+        "spec": {
+            "replicas": int(replicas),
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            "selector": {"matchLabels": selector_labels(owner, role)},
+            "strategy": strategy,
+            "template": {
+                "metadata": {"labels": labels, "annotations": template_annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, replicas: int,
+                             kv_secret_fingerprint: str) -> dict[str, Any]:
+    model_dir, model_volume, _ = model_source(spec.model.uri)
+    pool = spec.prefill if role == "prefill" else spec.decode
+    command = worker_command(spec, role, model_dir)
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        {"name": "kv-secret", "secret": {"secretName": secret_name(owner), "defaultMode": 0o440}},
+        {"name": "config", "configMap": {"name": config_map_name(owner)}},
+    ]
+    if model_volume is not None:
+        volumes.append(model_volume)
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    container = {
+        "name": "worker",
+        "image": spec.image,
+        "imagePullPolicy": spec.imagePullPolicy,
+        "command": command,
+        "ports": [
+            {"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"},
+            {"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"},
+        ],
+        "env": _env(owner, role),
+        "resources": _resources(pool.resources),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+        **_probes(),
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        # In-flight requests get the router's timeout to finish after SIGTERM.
+        "terminationGracePeriodSeconds": int(math.ceil(spec.router.requestTimeoutSeconds)) + 30,
+        "containers": [container],
+        "volumes": volumes,
+        "topologySpreadConstraints": _topology_spread(owner, role),
+    }
+    if spec.nodeSelector:
+        pod_spec["nodeSelector"] = dict(spec.nodeSelector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.tolerations]
+    annotations = {
+        **_scrape_annotations(),
+        "pdcluster.dev/config-hash": _hash([command, spec.kvCache.model_dump(), spec.kvTransfer.model_dump()]),
+        "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint,
+    }
+    # Workers hold a GPU each: roll without surging so an upgrade never needs a spare GPU.
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return _deployment(owner, role, replicas, pod_spec, annotations, strategy)
+
+
+def render_router_deployment(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
+    command = router_command(owner, spec)
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.imagePullPolicy,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "env": _env(owner, "router"),
+        "resources": _resources(spec.router.resources),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": _container_security(),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 2, "timeoutSeconds": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6, "timeoutSeconds": 5, "initialDelaySeconds": 10},
+    }
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": int(math.ceil(spec.router.requestTimeoutSeconds)) + 30,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "topologySpreadConstraints": _topology_spread(owner, "router"),
+    }
+    annotations = {**_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command)}
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return _deployment(owner, "router", spec.router.replicas, pod_spec, annotations, strategy)
+
+
+def render_service(owner: Owner, spec: PDClusterSpec, role: str) -> dict[str, Any]:
+    svc_spec: dict[str, Any] = {
+        "selector": selector_labels(owner, role),
+        "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if role in WORKER_ROLES:
+        # Headless: DNS returns every ready worker, which is how the router discovers endpoints.
+        svc_spec["clusterIP"] = "None"
+        svc_spec["ports"].append({"name": "kv-transfer", "port": KV_TRANSFER_PORT,
+                                  "targetPort": "kv-transfer", "protocol": "TCP"})
+    else:
+        svc_spec["type"] = spec.router.serviceType
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(owner, child_name(owner, role), role_labels(owner, role)), "spec": svc_spec}
+
+
+def render_config_map(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
+    config = {
+        "name": owner.name,
+        "model": spec.model.model_dump(),
+        "kvCache": spec.kvCache.model_dump(),
+        "kvTransfer": spec.kvTransfer.model_dump(),
+        "router": {k: v for k, v in spec.router.model_dump().items() if k != "resources"},
+        "services": {r: service_url(owner, r) for r in ROLES},
+        "ports": {"http": WORKER_PORT, "kvTransfer": KV_TRANSFER_PORT},
+    }
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(owner, config_map_name(owner), instance_labels(owner)),
+            "data": {"pdcluster.json": json.dumps(config, indent=2, sort_keys=True)}}
+
+
+def new_kv_secret_key() -> bytes:
+    """32 random bytes, URL-safe base64 text (the worker strips whitespace and needs >= 16 bytes)."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=")
+
+
+def render_secret(owner: Owner, key: bytes) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(owner, secret_name(owner), instance_labels(owner)),
+            "data": {KV_SECRET_KEY: base64.b64encode(key).decode()}}
+
+
+def render_pdb(owner: Owner, role: str) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(owner, child_name(owner, role), role_labels(owner, role)),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, role)}}}
+
+
+def render_network_policy(owner: Owner) -> dict[str, Any]:
+    """Workers accept HTTP only from this instance's router (and the operator, for /drain, and
+    Prometheus in any namespace for /metrics scraping), and KV transfers only from prefill to decode."""
+    router_peer = {"podSelector": {"matchLabels": selector_labels(owner, "router")}}
+    operator_peer = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    prometheus_peer = {"namespaceSelector": {},
+                       "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, network_policy_name(owner), instance_labels(owner)),
+        "spec": {
+            "podSelector": {"matchExpressions": [
+                {"key": "app.kubernetes.io/instance", "operator": "In", "values": [owner.name]},
+                {"key": "app.kubernetes.io/name", "operator": "In", "values": ["pdcluster"]},
+                {"key": "pdcluster.dev/role", "operator": "In", "values": list(WORKER_ROLES)},
+            ]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [router_peer, operator_peer, prometheus_peer],
+                 "ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
+                {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "prefill")}}],
+                 "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]},
+            ],
+        },
+    }
+
+
+def render_children(owner: Owner, spec: PDClusterSpec, replicas: dict[str, int],
+                    kv_secret_fingerprint: str) -> list[dict[str, Any]]:
+    """Everything applied with server-side apply, in apply order (the Secret is handled separately:
+    it is created once and never overwritten)."""
+    objs: list[dict[str, Any]] = [render_config_map(owner, spec)]
+    for role in WORKER_ROLES:
+        objs.append(render_service(owner, spec, role))
+    objs.append(render_service(owner, spec, "router"))
+    for role in WORKER_ROLES:
+        objs.append(render_worker_deployment(owner, spec, role, replicas[role], kv_secret_fingerprint))
+    objs.append(render_router_deployment(owner, spec))
+    for role in ROLES:
+        objs.append(render_pdb(owner, role))
+    if spec.networkPolicy.enabled:
+        objs.append(render_network_policy(owner))
+    return objs

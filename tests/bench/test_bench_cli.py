@@ -1,0 +1,100 @@
+"""`pdcluster bench` end to end against the fake server: files, compare, and failures without tracebacks."""
+
+import csv
+import json
+
+import pytest
+
+from pdcluster.cli import main
+from pdcluster.worker.bench import heatmap
+from pdcluster.worker.bench.stats import CELL_FIELDS
+
+GRID = ["--prompt-lens", "4,16", "--output-lens", "2,5", "--requests", "3", "--no-progress"]
+
+
+def bench(*argv):
+    return main(["bench", *argv])
+
+
+def test_grid_sweep_writes_results_csv_and_heatmaps(fake_server, tmp_path, capsys):
+    s = fake_server()
+    assert bench("--url", s.url, *GRID, "--concurrency", "2", "--out", str(tmp_path)) == 0
+    cells = json.loads((tmp_path / "results.json").read_text())
+    assert isinstance(cells, list) and len(cells) == 4
+    assert {(c["prompt_len"], c["output_len"]) for c in cells} == {(4, 2), (4, 5), (16, 2), (16, 5)}
+    for c in cells:
+        assert set(CELL_FIELDS) <= set(c)
+        assert c["completed"] == 3 and c["errors"] == 0
+        assert c["mean_output_tokens"] == c["output_len"]  # ignore_eos + max_tokens: exact lengths
+        assert c["ttft_p50"] > 0 and c["output_tokens_per_second"] > 0
+    # exact prompt lengths as token ids (the warmup and probe requests come first)
+    assert sorted({len(p) for p in s.behaviour.prompts[-12:]}) == [4, 16]
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(rows) == 4 and list(rows[0]) == CELL_FIELDS
+    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 12
+    for key in heatmap.METRICS:
+        png = tmp_path / f"heatmap_{key}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["model"] == "fake-model" and meta["mode"] == "closed"
+    assert "12/12 requests succeeded" in capsys.readouterr().out
+
+
+def test_compare_writes_ratio_maps(fake_server, tmp_path):
+    s = fake_server()
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert bench("--url", s.url, *GRID, "--out", str(a), "--no-plots") == 0
+    assert bench("--url", s.url, *GRID, "--rate", "50", "--out", str(b), "--compare", str(a)) == 0
+    ratios = json.loads((b / "ratio.json").read_text())
+    assert len(ratios) == 4 and all(r["ttft_p50"] > 0 for r in ratios)
+    assert (b / "ratio_output_tokens_per_second.png").exists()
+    assert json.loads((b / "meta.json").read_text())["mode"] == "open"
+
+
+def test_error_responses_are_counted(fake_server, tmp_path, capsys):
+    s = fake_server(fail_every=3)
+    assert bench("--url", s.url, *GRID, "--concurrency", "1", "--warmup", "0", "--out", str(tmp_path)) == 0
+    cells = json.loads((tmp_path / "results.json").read_text())
+    errors = sum(c["errors"] for c in cells)
+    assert errors >= 3 and all(set(c["error_kinds"]) <= {"http_500"} for c in cells)
+    assert sum(c["completed"] for c in cells) + errors == 12
+    assert "http_500" in capsys.readouterr().out
+
+
+def test_unreachable_server_reports_without_traceback(free_port, tmp_path, capsys):
+    rc = bench("--url", f"http://127.0.0.1:{free_port}", *GRID, "--out", str(tmp_path))
+    assert rc == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert "0/12 requests succeeded" in out and "connect" in err
+    cells = json.loads((tmp_path / "results.json").read_text())
+    assert all(c["error_kinds"] == {"connect": 3} for c in cells)
+
+
+def test_server_rejecting_everything_is_reported(fake_server, tmp_path, capsys):
+    s = fake_server(status=503)
+    assert bench("--url", s.url, *GRID, "--out", str(tmp_path)) == 1
+    assert "http_503" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--url", "localhost:1", "--prompt-lens", "4", "--output-lens", "2"],
+        ["--url", "http://127.0.0.1:1", "--prompt-lens", "4,x", "--output-lens", "2"],
+        ["--url", "http://127.0.0.1:1", "--prompt-lens", "4", "--output-lens", "2", "--requests", "0"],
+        ["--url", "http://127.0.0.1:1", "--prompt-lens", "4", "--output-lens", "2", "--compare", "/nonexistent"],
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, tmp_path, capsys):
+    assert bench(*argv, "--out", str(tmp_path)) == 2
+    out, err = capsys.readouterr()
+    assert "pdcluster bench:" in err and "Traceback" not in out + err
+
+
+def test_text_fallback_when_ids_rejected(fake_server, tmp_path, capsys):
+    s = fake_server(reject_ids=True)
+    assert bench("--url", s.url, "--prompt-lens", "8", "--output-lens", "3", "--requests", "2",
+                 "--no-progress", "--no-plots", "--out", str(tmp_path)) == 0
+    assert "text prompts" in capsys.readouterr().err
+    assert isinstance(s.behaviour.prompts[-1], str)

@@ -1,0 +1,93 @@
+"""In-process clusters for the disaggregation tests: real uvicorn servers (router + workers) on loopback
+ports in background threads, each worker with its own AsyncEngine thread and KV transfer listener."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+SECRET = b"test-secret-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
+                compression: str = "none", secret: bytes = SECRET, **engine_kw: Any) -> tuple[Any, Any]:
+    """(app, AsyncEngine) of one worker with the disaggregation routes mounted."""
+    from pdcluster.worker.async_engine import AsyncEngine
+    from pdcluster.worker.disagg_routes import Disaggregation
+    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.server import build_app
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model), block_size=block_size,
+                                                  num_kv_blocks=num_kv_blocks, num_threads=1, **engine_kw))
+    d = Disaggregation(engine, role=role, secret=secret, compression=compression, timeout=10.0)
+
+    async def shutdown() -> None:
+        engine.shutdown()
+
+    app = build_app(engine, role=role, served_model_name="tiny", routers=[d.router], on_startup=[d.start],
+                    on_shutdown=[d.stop, shutdown], request_timeout=60)
+    app.state.disagg = d
+    return app, engine
+
+
+@dataclass
+class Cluster:
+    router: str
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    engines: list[Any] = field(default_factory=list)
+    state: Any = None
+
+
+@contextlib.contextmanager
+def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_blocks: tuple[int, ...] = (16,),
+            threshold: int = 0, max_queue_depth: int | None = None, request_timeout: float | None = 60.0,
+            max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256) -> Iterator[Cluster]:
+    from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.pool import Pool
+
+    with contextlib.ExitStack() as stack:
+        c = Cluster(router="")
+        for role, sizes, urls in (("prefill", prefill_blocks, c.prefill), ("decode", decode_blocks, c.decode)):
+            for bs in sizes:
+                app, engine = make_worker(model, role, block_size=bs, compression=compression,
+                                          num_kv_blocks=num_kv_blocks)
+                c.engines.append(engine)
+                urls.append(stack.enter_context(serve(app)))
+        pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2)
+        c.state = RouterState(pool, max_queue_depth=max_queue_depth, threshold=threshold,
+                              request_timeout=request_timeout, max_retries=max_retries)
+        c.router = stack.enter_context(serve(build_router_app(c.state)))
+        yield c

@@ -1,0 +1,245 @@
+"""Fast checks of the Helm chart (helm/pdcluster-operator): lint, render with every ci/*-values.yaml, the
+copies it carries (CRD, alert rules, dashboard) are identical to their sources, and its RBAC is exactly what
+the operator declares it uses (operator/rbac.yaml).
+
+The helm binary is the pinned one that e2e/build.sh builds into ~/.cache/pdcluster/bin (or $PDCLUSTER_HELM);
+without it the tests that need it are skipped, saying so. The server-side dry-run and `helm install` against
+a real API server are in the e2e suite (e2e/test_helm.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdcluster-operator"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "e2e" / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def _helm_path() -> Path:
+    if os.environ.get("PDCLUSTER_HELM"):
+        return Path(os.environ["PDCLUSTER_HELM"])
+    cache = Path(os.environ.get("PDCLUSTER_CACHE", Path.home() / ".cache" / "pdcluster"))
+    return cache / "bin" / f"helm-{_versions()['HELM_VERSION']}"
+
+
+HELM = _helm_path()
+needs_helm = pytest.mark.skipif(
+    not HELM.exists(),
+    reason=f"helm binary not built yet ({HELM}); run `e2e/build.sh helm` (about 3 minutes, cached)",
+)
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cp = subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
+    if check and cp.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({cp.returncode}):\n{cp.stdout}\n{cp.stderr}")
+    return cp
+
+
+def render(*values_args: str) -> list[dict]:
+    out = helm("template", "pdc", str(CHART), "--namespace", "pdc-system", *values_args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _observability_ready() -> bool:
+    return (CHART / "files" / "prometheus-rules.yaml").exists() and (
+        CHART / "files" / "grafana-dashboard.json"
+    ).exists()
+
+
+# ----------------------------------------------------------------------------------------------- copies
+
+
+def test_chart_crds_identical_to_top_level():
+    top = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert top, "no CRDs in crds/"
+    assert chart == top, f"helm/pdcluster-operator/crds/ has {chart}, crds/ has {top}"
+    for name in top:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+            f"helm/pdcluster-operator/crds/{name} differs from crds/{name}: "
+            f"cp crds/{name} helm/pdcluster-operator/crds/{name}"
+        )
+
+
+@pytest.mark.parametrize(
+    "source,copy",
+    [
+        ("observability/prometheus-rules.yaml", "files/prometheus-rules.yaml"),
+        ("observability/grafana-dashboard.json", "files/grafana-dashboard.json"),
+    ],
+)
+def test_observability_copies_identical(source: str, copy: str):
+    src = ROOT / source
+    if not src.exists():
+        pytest.skip(f"{source} does not exist yet (observability work)")
+    dst = CHART / copy
+    assert dst.exists(), f"{source} exists but the chart has no copy: cp {source} helm/pdcluster-operator/{copy}"
+    assert dst.read_bytes() == src.read_bytes(), (
+        f"helm/pdcluster-operator/{copy} differs from {source}: cp {source} helm/pdcluster-operator/{copy}"
+    )
+
+
+def test_values_schema_is_valid_json_and_closed():
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert schema["additionalProperties"] is False
+    # every top-level value is described by the schema and documented by a comment in values.yaml
+    assert set(values) <= set(schema["properties"]), set(values) - set(schema["properties"])
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line and not line.startswith((" ", "#")) and ":" in line:
+            key = line.split(":", 1)[0]
+            has_own_comment = i > 0 and lines[i - 1].lstrip().startswith("#")
+            is_section = line.rstrip().endswith(":")  # a map whose children carry the comments
+            assert has_own_comment or is_section, f"values.yaml: top-level key {key!r} has no comment"
+
+
+# ----------------------------------------------------------------------------------------------- helm
+
+
+@needs_helm
+def test_helm_lint_strict():
+    for values in [None, *CI_VALUES]:
+        if values is not None and values.name == "full-values.yaml" and not _observability_ready():
+            continue
+        args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+        helm(*args)
+
+
+@needs_helm
+@pytest.mark.parametrize("values", CI_VALUES, ids=[p.name for p in CI_VALUES])
+def test_helm_template_ci_values(values: Path):
+    if values.name == "full-values.yaml" and not _observability_ready():
+        pytest.skip("files/prometheus-rules.yaml / files/grafana-dashboard.json not in the chart yet")
+    docs = render("-f", str(values))
+    kinds = {d["kind"] for d in docs}
+    assert "Deployment" in kinds
+    for d in docs:
+        assert d["metadata"]["name"], d
+        assert d["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    cfg = yaml.safe_load(values.read_text()) or {}
+    (dep,) = by_kind(docs, "Deployment")
+    (ctr,) = dep["spec"]["template"]["spec"]["containers"]
+    assert ctr["command"] == ["pdcluster", "operator"]
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    if cfg.get("rbac", {}).get("create", True):
+        assert {"ClusterRole", "ClusterRoleBinding"} <= kinds
+        (crb,) = by_kind(docs, "ClusterRoleBinding")
+        assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    else:
+        assert not ({"ClusterRole", "ClusterRoleBinding"} & kinds)
+    if cfg.get("serviceAccount", {}).get("create", True):
+        (sa,) = by_kind(docs, "ServiceAccount")
+        assert sa["metadata"]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("Service" in kinds) == cfg.get("metrics", {}).get("enabled", True)
+    ns = cfg.get("operator", {}).get("watchNamespaces")
+    if ns:
+        assert [a for a in ctr["args"] if a.startswith("--namespace=")] == [f"--namespace={n}" for n in ns]
+    else:
+        assert not [a for a in ctr["args"] if a.startswith("--namespace")]  # all namespaces
+    metrics_on = cfg.get("metrics", {}).get("enabled", True)
+    port = cfg.get("metrics", {}).get("port", 8080) if metrics_on else 0
+    assert f"--metrics-port={port}" in ctr["args"]
+
+
+@needs_helm
+def test_monitoring_objects_render_when_enabled():
+    if not _observability_ready():
+        pytest.skip("files/prometheus-rules.yaml / files/grafana-dashboard.json not in the chart yet")
+    import json
+
+    docs = render("-f", str(CHART / "ci" / "full-values.yaml"))
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    (rule,) = by_kind(docs, "PrometheusRule")
+    source = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"]["groups"] == source["groups"]
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["namespace"] == "monitoring"
+    json.loads(cm["data"]["pdcluster.json"])
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (["--set", "replicaCount=2"], "replicaCount"),
+        (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "operator.resyncSeconds=0"], "resyncSeconds"),
+        (["--set", "metrics.port=0"], "port"),
+        (["--set", "unknownKey=1"], "unknownKey"),
+    ],
+)
+def test_values_schema_rejects_bad_values(bad: list[str], needle: str):
+    cp = helm("template", "pdc", str(CHART), *bad, check=False)
+    assert cp.returncode != 0, f"helm accepted {bad}"
+    assert needle in cp.stderr, cp.stderr
+
+
+# ----------------------------------------------------------------------------------------------- RBAC
+
+
+def _expand(rules: list[dict]) -> set[tuple[str, str, str]]:
+    out = set()
+    for r in rules:
+        assert not r.get("resourceNames"), "resourceNames not supported by this check"
+        for g in r.get("apiGroups", []):
+            for res in r.get("resources", []):
+                for v in r.get("verbs", []):
+                    out.add((g, res, v))
+    return out
+
+
+def _operator_rules() -> list[dict]:
+    path = ROOT / "operator" / "rbac.yaml"
+    if not path.exists():
+        pytest.skip("operator/rbac.yaml does not exist yet (operator work)")
+    rules: list[dict] = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not doc:
+            continue
+        if isinstance(doc, dict) and doc.get("kind") in ("ClusterRole", "Role"):
+            rules += doc.get("rules", [])
+        elif isinstance(doc, dict) and "rules" in doc:
+            rules += doc["rules"]
+        elif isinstance(doc, list):
+            rules += doc
+    assert rules, "operator/rbac.yaml holds no rules"
+    return rules
+
+
+@needs_helm
+def test_cluster_role_is_exactly_what_the_operator_uses():
+    wanted = _expand(_operator_rules())
+    (role,) = by_kind(render(), "ClusterRole")
+    granted = _expand(role["rules"])
+    for g, res, v in granted | wanted:
+        assert "*" not in (g, res, v), "wildcards are not least privilege"
+    missing = wanted - granted
+    extra = granted - wanted
+    assert not missing, f"chart ClusterRole lacks what operator/rbac.yaml needs: {sorted(missing)}"
+    assert not extra, f"chart ClusterRole grants more than operator/rbac.yaml declares: {sorted(extra)}"

@@ -1,0 +1,209 @@
+"""The `pdcluster_*` Prometheus series of a worker (and of the router, which reuses this class).
+
+Names are the DESIGN.md contract: the autoscaler's PromQL and the dashboards depend on them, so
+they live in one place. Every series carries `role` (prefill|decode|both|router) and, when the
+process runs for a PDCluster, `pdcluster` (the CR's name).
+
+Counters and histograms are fed by the request path. The engine-state gauges (queue lengths, KV
+blocks, preemptions) are read from `engine.stats()` by a custom collector at scrape time, so they
+are never stale and the hot path never touches them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# TTFT spans fast CPU toy runs (ms) up to long prompts behind a queue (tens of s).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# TPOT is per token: interesting range is 1 ms .. ~1 s.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Every series name of the contract, for tests and for the router's reuse.
+SERIES = (
+    "pdcluster_requests_total",
+    "pdcluster_prompt_tokens_total",
+    "pdcluster_generation_tokens_total",
+    "pdcluster_time_to_first_token_seconds",
+    "pdcluster_time_per_output_token_seconds",
+    "pdcluster_requests_waiting",
+    "pdcluster_requests_running",
+    "pdcluster_kv_cache_used_blocks",
+    "pdcluster_kv_cache_usage_ratio",
+    "pdcluster_preemptions_total",
+    "pdcluster_kv_transfer_bytes_total",
+    "pdcluster_kv_transfer_seconds",
+    "pdcluster_kv_transfer_failures_total",
+    "pdcluster_requests_rejected_total",
+)
+
+REJECT_REASONS = ("queue_full", "draining", "not_ready", "timeout", "invalid")
+
+StatsFn = Callable[[], Mapping[str, Any]]
+
+
+def _num(stats: Mapping[str, Any], *keys: str) -> float | None:
+    """First numeric value among `keys` (the engine's spelling first, then older/test spellings)."""
+    for k in keys:
+        v = stats.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def engine_gauges(s: Mapping[str, Any]) -> dict[str, float]:
+    """engine.stats() -> the values behind the engine-state series (missing keys read as 0)."""
+    used = _num(s, "kv_cache_used_blocks", "used_blocks") or 0.0
+    total = _num(s, "kv_cache_total_blocks", "total_blocks") or 0.0
+    ratio = _num(s, "kv_cache_usage_ratio")
+    return {
+        "waiting": _num(s, "requests_waiting", "waiting") or 0.0,
+        "swapped": _num(s, "requests_swapped", "swapped") or 0.0,
+        "running": _num(s, "requests_running", "running") or 0.0,
+        "used_blocks": used,
+        "total_blocks": total,
+        "usage_ratio": ratio if ratio is not None else (used / total if total else 0.0),
+        "preemptions": _num(s, "preemptions_total", "preemptions") or 0.0,
+    }
+
+
+class _EngineStateCollector(Collector):
+    """Reads engine.stats() at scrape time. Without a stats source it reports zeros."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.stats_fn: StatsFn | None = None
+
+    def _stats(self) -> Mapping[str, Any]:
+        if self.stats_fn is None:
+            return {}
+        try:
+            return self.stats_fn() or {}
+        except Exception:  # a scrape must never fail because the engine is busy or half-built
+            log.exception("engine.stats() failed during a metrics scrape")
+            return {}
+
+    def describe(self) -> Iterable[Metric]:
+        # Describing without calling stats() lets the registry check names at construction time.
+        return self._families({})
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._stats())
+
+    def _families(self, s: Mapping[str, Any]) -> list[Metric]:
+        names, values = list(self.labels), list(self.labels.values())
+        g = engine_gauges(s)
+        out: list[Metric] = []
+        for name, doc, value in (
+            # swapped-out requests wait to be swapped back in: they are queue, not batch
+            ("pdcluster_requests_waiting", "Requests queued in the engine (incl. swapped out).",
+             g["waiting"] + g["swapped"]),
+            ("pdcluster_requests_running", "Requests in the engine's running batch.", g["running"]),
+            ("pdcluster_kv_cache_used_blocks", "Paged KV cache blocks in use.", g["used_blocks"]),
+            ("pdcluster_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", g["usage_ratio"]),
+        ):
+            fam = GaugeMetricFamily(name, doc, labels=names)
+            fam.add_metric(values, value)
+            out.append(fam)
+        c = CounterMetricFamily(
+            "pdcluster_preemptions", "Requests preempted (swap or recompute) since start.", labels=names
+        )
+        c.add_metric(values, g["preemptions"])
+        out.append(c)
+        return out
+
+
+class WorkerMetrics:
+    """All pdcluster_* series for one process, bound to its labels.
+
+    `registry` defaults to a fresh one (not the global default) so several apps can live in one
+    test process without duplicate-series errors.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        cluster: str | None = None,
+        stats_fn: StatsFn | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.role = role
+        labels = {"role": role}
+        if cluster:
+            labels["pdcluster"] = cluster
+        self.labels = labels
+        names = list(labels)
+        reg = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, names + list(extra), registry=reg)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(**labels)
+
+        # prometheus_client appends `_total` to counter names; pass the stem.
+        self._requests = counter("pdcluster_requests", "Requests accepted.").labels(**labels)
+        self._prompt_tokens = counter("pdcluster_prompt_tokens", "Prompt tokens processed.").labels(**labels)
+        self._gen_tokens = counter("pdcluster_generation_tokens", "Tokens generated.").labels(**labels)
+        self._rejected = counter(
+            "pdcluster_requests_rejected", "Requests refused, by reason.",
+            ("reason",),
+        )
+        for reason in REJECT_REASONS:  # zero series exist from the start, so rate() works at once
+            self._rejected.labels(**labels, reason=reason)
+        self._ttft = hist("pdcluster_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self._tpot = hist(
+            "pdcluster_time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS
+        )
+        self._kv_bytes = counter("pdcluster_kv_transfer_bytes", "KV cache bytes transferred.").labels(**labels)
+        self._kv_seconds = hist("pdcluster_kv_transfer_seconds", "Duration of one KV transfer.", TRANSFER_BUCKETS)
+        self._kv_failures = counter("pdcluster_kv_transfer_failures", "Failed KV transfers.").labels(**labels)
+        self._engine_state = _EngineStateCollector(labels)
+        reg.register(self._engine_state)
+        if stats_fn is not None:
+            self.bind_stats(stats_fn)
+
+    # ------------------------------------------------------------------ feeding
+    def bind_stats(self, stats_fn: StatsFn) -> None:
+        """Use `stats_fn` (e.g. engine.stats) for the engine-state gauges at scrape time."""
+        self._engine_state.stats_fn = stats_fn
+
+    def request_accepted(self, prompt_tokens: int) -> None:
+        self._requests.inc()
+        self._prompt_tokens.inc(prompt_tokens)
+
+    def tokens_generated(self, n: int) -> None:
+        if n > 0:
+            self._gen_tokens.inc(n)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(max(0.0, seconds))
+
+    def observe_tpot(self, seconds: float) -> None:
+        self._tpot.observe(max(0.0, seconds))
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(**self.labels, reason=reason).inc()
+
+    def kv_transfer(self, nbytes: int, seconds: float) -> None:
+        self._kv_bytes.inc(nbytes)
+        self._kv_seconds.observe(max(0.0, seconds))
+
+    def kv_transfer_failed(self) -> None:
+        self._kv_failures.inc()
+
+    # ------------------------------------------------------------------ export
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

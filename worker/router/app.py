@@ -1,0 +1,309 @@
+"""The router's HTTP face: the same OpenAI API as a worker (streaming included), plus /cluster, /health and
+/metrics. Requests are tokenized on a worker, then handed to `Flow`, which picks workers and survives
+worker failures; this module only does admission, deadlines, metrics, and OpenAI formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .. import errors
+from ..metrics import CONTENT_TYPE, WorkerMetrics
+from ..protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+    new_id,
+)
+from .flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
+from .picking import admit, retry_after_seconds
+from .pool import Pool
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _StageCollector(Collector):
+    """pdcluster_router_requests_in_stage{stage} read at scrape time: queued, prefill, transfer, decode."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def collect(self) -> Any:
+        g = GaugeMetricFamily("pdcluster_router_requests_in_stage",
+                              "Requests at the router by stage (queued, prefill, transfer, decode).",
+                              labels=["role", "stage"])
+        for stage, n in self.state.flow.stages.counts.items():
+            g.add_metric(["router", stage], n)
+        yield g
+        h = GaugeMetricFamily("pdcluster_router_workers", "Workers known to the router.",
+                              labels=["role", "pool", "state"])
+        for pool in ("prefill", "decode"):
+            ws = self.state.pool.pool(pool)
+            h.add_metric(["router", pool, "healthy"], sum(w.healthy for w in ws))
+            h.add_metric(["router", pool, "unhealthy"], sum(not w.healthy for w in ws))
+        yield h
+
+
+class RouterState:
+    def __init__(self, pool: Pool, *, max_queue_depth: int | None, threshold: int, request_timeout: float | None,
+                 max_retries: int, cluster: str | None = None) -> None:
+        self.pool = pool
+        self.flow = Flow(pool, threshold=threshold, max_retries=max_retries)
+        self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
+        self.metrics = WorkerMetrics("router", cluster=cluster)
+        self.metrics.bind_stats(self._stats)
+        self.metrics.registry.register(_StageCollector(self))
+        self.waiting = 0  # admitted, no first token yet: the router's queue
+        self.in_flight = 0
+        self._done: deque[float] = deque(maxlen=256)
+
+    def _stats(self) -> dict[str, Any]:
+        return {"waiting": self.waiting, "running": self.in_flight - self.waiting}
+
+    def completion_rate(self) -> float:
+        now = time.monotonic()
+        recent = [t for t in self._done if now - t < 10.0]
+        return len(recent) / 10.0
+
+    def admit(self) -> None:
+        if not self.pool.any_healthy():
+            self.metrics.rejected("not_ready")
+            raise errors.unavailable("no healthy workers behind the router", code="no_workers")
+        if not admit(self.waiting, self.max_queue_depth):
+            self.metrics.rejected("queue_full")
+            raise errors.queue_full(retry_after_seconds(self.waiting, self.completion_rate()))
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router  # type: ignore[no-any-return]
+
+
+def _sse(data: Any) -> str:
+    payload = data.model_dump_json() if hasattr(data, "model_dump_json") else json.dumps(data)
+    return f"data: {payload}\n\n"
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        raise errors.bad_request("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise errors.bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise errors.bad_request("request body must be a JSON object")
+    return data
+
+
+class Tracker:
+    """TTFT/TPOT as the client sees them, plus the router's queue accounting, for one request."""
+
+    def __init__(self, st: RouterState, arrival: float) -> None:
+        self.st, self.arrival, self.last = st, arrival, arrival
+        self.first, self.tokens = True, 0
+        st.waiting += 1
+        st.in_flight += 1
+
+    def saw(self, c: Chunk) -> None:
+        n = len(c.token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if self.first:
+            self.first = False
+            self.st.waiting -= 1
+            self.st.metrics.observe_ttft(now - self.arrival)
+            if n > 1:
+                self.st.metrics.observe_tpot((now - self.last) / n)
+        else:
+            self.st.metrics.observe_tpot((now - self.last) / n)
+        self.last = now
+        self.tokens += n
+        self.st.metrics.tokens_generated(n)
+
+    def done(self) -> None:
+        if self.first:
+            self.st.waiting -= 1
+        self.st.in_flight -= 1
+        self.st._done.append(time.monotonic())
+
+
+async def _deadline_chunks(st: RouterState, rid: str, tok: Tokenized, tracker: Tracker) -> AsyncIterator[Chunk]:
+    deadline = None if not st.request_timeout else tracker.arrival + st.request_timeout
+    loop_deadline = None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
+    async with contextlib.aclosing(st.flow.run(rid, tok)) as chunks:
+        while True:
+            try:
+                async with asyncio.timeout_at(loop_deadline):
+                    c = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                st.metrics.rejected("timeout")
+                raise errors.timeout(st.request_timeout or 0.0) from None
+            tracker.saw(c)
+            yield c
+
+
+def _upstream(e: UpstreamError) -> errors.APIError:
+    err = e.body.get("error", {}) if isinstance(e.body, dict) else {}
+    return errors.APIError(e.status, str(err.get("message", e)), code=err.get("code"), param=err.get("param"))
+
+
+def build_router_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.pool.start()
+        try:
+            yield
+        finally:
+            await state.flow.close()
+            await state.pool.stop()
+
+    app = FastAPI(title="pdcluster router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = state
+    errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
+
+    async def handle(request: Request, kind: str) -> Response:
+        st = _state(request)
+        arrival = time.monotonic()
+        body = await _json_body(request)
+        st.admit()
+        tracker = Tracker(st, arrival)
+        try:
+            try:
+                tok = await st.flow.tokenize(kind, body)
+            except UpstreamError as e:
+                raise _upstream(e) from None
+            except NoCapacity:
+                raise errors.unavailable("no healthy worker could take the request", code="no_workers") from None
+            st.metrics.request_accepted(len(tok.prompt_token_ids))
+            rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+            chunks = _deadline_chunks(st, rid, tok, tracker)
+            if tok.stream:
+                resp = _stream(kind, rid, tok, chunks, tracker)
+                tracker = None  # type: ignore[assignment]  # the stream owns it now
+                return resp
+            return await _collect(kind, rid, tok, chunks)
+        finally:
+            if tracker is not None:
+                tracker.done()
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        st = _state(request)
+        for w in [w for w in st.pool.workers.values() if w.healthy]:
+            with contextlib.suppress(Exception):
+                r = await st.flow.client.get(f"{w.url}/v1/models", timeout=2.0)
+                if r.status_code == 200:
+                    return JSONResponse(r.json())
+        raise errors.unavailable("no healthy workers behind the router", code="no_workers")
+
+    @app.get("/cluster")
+    async def cluster(request: Request) -> JSONResponse:
+        st = _state(request)
+        snap: dict[str, Any] = st.pool.snapshot()
+        snap["router"] = {"waiting": st.waiting, "in_flight": st.in_flight, "stages": dict(st.flow.stages.counts),
+                          "retries": st.flow.retries, "resumes": st.flow.resumes,
+                          "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
+        return JSONResponse(snap)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        st = _state(request)
+        ok = st.pool.any_healthy()
+        body = {"status": "ok" if ok else "no_workers", "role": "router",
+                "healthy_workers": sum(w.healthy for w in st.pool.workers.values())}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _collect(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk]) -> JSONResponse:
+    ids: list[int] = []
+    text, reason = [], None
+    try:
+        async for c in chunks:
+            ids.extend(c.token_ids)
+            text.append(c.text)
+            reason = c.finish_reason if c.finished else reason
+    except UpstreamError as e:
+        raise _upstream(e) from None
+    usage = Usage.of(len(tok.prompt_token_ids), len(ids))
+    token_ids = ids if tok.return_token_ids else None
+    if kind == "chat":
+        out: Any = ChatCompletionResponse(id=rid, model=tok.model, usage=usage, choices=[ChatChoice(
+            message=ChatMessageOut(content="".join(text)), finish_reason=reason, token_ids=token_ids)])
+    else:
+        out = CompletionResponse(id=rid, model=tok.model, usage=usage, choices=[CompletionChoice(
+            text="".join(text), finish_reason=reason, token_ids=token_ids)])
+    return JSONResponse(out.model_dump())
+
+
+def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk], tracker: Tracker) -> StreamingResponse:
+    n_prompt = len(tok.prompt_token_ids)
+
+    async def body() -> AsyncIterator[str]:
+        total = 0
+        try:
+            if kind == "chat":
+                yield _sse(ChatCompletionChunk(id=rid, model=tok.model, choices=[
+                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+            async for c in chunks:
+                total += len(c.token_ids)
+                if not (c.text or c.finished or (tok.return_token_ids and c.token_ids)):
+                    continue
+                ids = list(c.token_ids) if tok.return_token_ids else None
+                reason = c.finish_reason if c.finished else None
+                usage = Usage.of(n_prompt, total) if c.finished else None
+                if kind == "chat":
+                    delta = ChatDelta(content=c.text) if c.text else ChatDelta()
+                    yield _sse(ChatCompletionChunk(id=rid, model=tok.model, usage=usage, choices=[
+                        ChatChunkChoice(delta=delta, finish_reason=reason, token_ids=ids)]))
+                else:
+                    yield _sse(CompletionResponse(id=rid, model=tok.model, usage=usage, choices=[
+                        CompletionChoice(text=c.text, finish_reason=reason, token_ids=ids)]))
+        except errors.APIError as e:
+            yield _sse(e.body())
+        except UpstreamError as e:
+            yield _sse(_upstream(e).body())
+        except Exception as e:
+            log.exception("router stream failed")
+            yield _sse(errors.APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            tracker.done()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

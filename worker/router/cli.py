@@ -1,0 +1,59 @@
+"""`pdcluster router`: the OpenAI-compatible front of a prefill pool and a decode pool."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs (http://host:port)")
+    a("--decode", nargs="*", default=[], metavar="URL", help="decode worker URLs (a `both` worker goes here too)")
+    a("--prefill-service", action="append", default=[], metavar="NAME[:PORT]",
+      help="Kubernetes (headless) Service of the prefill pool, re-resolved via DNS every probe interval")
+    a("--decode-service", action="append", default=[], metavar="NAME[:PORT]",
+      help="Kubernetes (headless) Service of the decode pool")
+    a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
+    a("--port", type=int, default=8080)
+    a("--max-queue-depth", type=int, default=256,
+      help="requests waiting for their first token beyond which the router answers 429 (0: unbounded)")
+    a("--disaggregation-threshold", type=int, default=256, metavar="TOKENS",
+      help="prompts shorter than this prefill on the decode worker itself (0: always disaggregate)")
+    a("--request-timeout", type=float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
+    a("--max-retries", type=int, default=2, help="re-runs of a request on another worker pair after failures")
+    a("--health-interval", type=float, default=1.0, metavar="S")
+    a("--cluster-name", default=None, help="value of the `pdcluster` metrics label")
+    a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .app import RouterState, build_router_app
+    from .pool import Pool
+
+    pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
+                prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),
+                interval=args.health_interval)
+    state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
+                        request_timeout=args.request_timeout or None, max_retries=args.max_retries,
+                        cluster=args.cluster_name)
+    return build_router_app(state)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (args.decode or args.decode_service):
+        print("pdcluster router: error: at least one --decode URL or --decode-service is required", file=sys.stderr)
+        return 2
+    if args.max_retries < 0 or args.max_queue_depth < 0 or args.disaggregation_threshold < 0:
+        print("pdcluster router: error: --max-retries, --max-queue-depth and --disaggregation-threshold "
+              "must be >= 0", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    app = build(args)
+    logging.getLogger(__name__).info("router on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
+                                     args.prefill or args.prefill_service, args.decode or args.decode_service)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0

@@ -1,0 +1,101 @@
+"""The router's decisions, as pure functions over a snapshot of the pools (no I/O, trivially testable)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows about one worker at decision time."""
+
+    url: str
+    role: str  # prefill | decode | both
+    healthy: bool = True
+    node: str | None = None  # Kubernetes NODE_NAME, when the worker reports it
+    # router-side bookkeeping (exact, updated on every dispatch and completion)
+    outstanding_prompt_tokens: int = 0
+    in_flight: int = 0
+    # worker-reported load (from its /internal/load, refreshed by the health loop)
+    free_blocks: int | None = None
+    total_blocks: int | None = None
+    running: int = 0
+    waiting: int = 0
+
+
+def pick_prefill(workers: Sequence[WorkerView], exclude: Collection[str] = ()) -> WorkerView | None:
+    """Least outstanding prompt tokens: prefill time is roughly linear in prompt tokens, so this is the
+    worker that will get to a new prompt soonest. Ties go to fewer in-flight requests, then URL order
+    (deterministic)."""
+    ok = [w for w in workers if w.healthy and w.url not in exclude]
+    if not ok:
+        return None
+    return min(ok, key=lambda w: (w.outstanding_prompt_tokens, w.in_flight, w.url))
+
+
+def decode_score(w: WorkerView, prefer_node: str | None) -> tuple[int, int, int, int, str]:
+    """Smaller is better. Same node first (KV moves over loopback/NVLink instead of the network), then the
+    most free KV blocks (room to grow without preemption), then the fewest requests already decoding."""
+    same_node = 0 if prefer_node and w.node == prefer_node else 1
+    free = w.free_blocks if w.free_blocks is not None else 0
+    return (same_node, -free, w.running + w.in_flight, w.waiting, w.url)
+
+
+def pick_decode(
+    workers: Sequence[WorkerView],
+    *,
+    prefer_node: str | None = None,
+    exclude: Collection[str] = (),
+    need_blocks: int = 0,
+) -> WorkerView | None:
+    """Best decode worker that (as far as we know) has room for `need_blocks`. A worker whose free-block
+    count is unknown is allowed: its /internal/reserve is the real admission check."""
+    ok = [
+        w for w in workers
+        if w.healthy and w.url not in exclude and (w.free_blocks is None or w.free_blocks >= need_blocks)
+    ]
+    if not ok:
+        return None
+    return min(ok, key=lambda w: decode_score(w, prefer_node))
+
+
+def rank_decode(workers: Sequence[WorkerView], *, prefer_node: str | None = None,
+                exclude: Collection[str] = ()) -> list[WorkerView]:
+    """All usable decode workers, best first (the router walks this list when reservations are refused)."""
+    ok = [w for w in workers if w.healthy and w.url not in exclude]
+    return sorted(ok, key=lambda w: decode_score(w, prefer_node))
+
+
+def should_disaggregate(prompt_tokens: int, threshold: int, have_prefill: bool) -> bool:
+    """Short prompts prefill on the decode worker: moving their KV costs more than it saves."""
+    return have_prefill and prompt_tokens >= threshold
+
+
+def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request will hold at its longest (ceil division)."""
+    if block_size <= 0:
+        return 0
+    return -(-(prompt_tokens + max_tokens) // block_size)
+
+
+def admit(queued: int, max_queue_depth: int | None) -> bool:
+    """Bounded queue: admit while fewer than `max_queue_depth` requests wait (None or <= 0: unbounded)."""
+    return not max_queue_depth or max_queue_depth <= 0 or queued < max_queue_depth
+
+
+def retry_after_seconds(queued: int, completions_per_s: float) -> int:
+    """Retry-After hint: the time the current queue takes to drain at the recent completion rate, clamped
+    to 1..30 s so clients neither hammer nor give up."""
+    if completions_per_s <= 0:
+        return 1
+    return max(1, min(30, round(queued / completions_per_s)))
+
+
+def health_transition(healthy: bool, consecutive_failures: int, ok: bool, drop_after: int = 2) -> tuple[bool, int]:
+    """Next (healthy, consecutive_failures) after one probe: drop after `drop_after` failures in a row
+    (one lost probe is not an outage), re-admit on the first success."""
+    if ok:
+        return True, 0
+    failures = consecutive_failures + 1
+    return (healthy and failures < drop_after), failures

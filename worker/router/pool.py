@@ -1,0 +1,183 @@
+"""The router's view of its workers: static URLs and/or Kubernetes Service names resolved via DNS, an active
+health/load probe loop, and passive failure marking from the request path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from .picking import WorkerView, health_transition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str  # the pool it is in: prefill | decode
+    healthy: bool = False  # not until the first successful probe
+    failures: int = 0
+    node: str | None = None
+    free_blocks: int | None = None
+    total_blocks: int | None = None
+    used_blocks: int | None = None
+    block_size: int | None = None
+    running: int = 0
+    waiting: int = 0
+    outstanding_prompt_tokens: int = 0
+    in_flight: int = 0
+    last_error: str | None = None
+    last_probe: float = 0.0
+    source: str = "static"  # or the Service name it was resolved from
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    def view(self) -> WorkerView:
+        return WorkerView(url=self.url, role=self.role, healthy=self.healthy, node=self.node,
+                          outstanding_prompt_tokens=self.outstanding_prompt_tokens, in_flight=self.in_flight,
+                          free_blocks=self.free_blocks, total_blocks=self.total_blocks, running=self.running,
+                          waiting=self.waiting)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "node": self.node, "in_flight": self.in_flight,
+                "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "free_blocks": self.free_blocks,
+                "total_blocks": self.total_blocks, "used_blocks": self.used_blocks, "running": self.running,
+                "waiting": self.waiting, "consecutive_failures": self.failures, "last_error": self.last_error,
+                "source": self.source}
+
+
+def resolve_service(spec: str, default_port: int = 8000) -> list[str]:
+    """`name[:port]` -> worker URLs, one per address (a headless Service returns every pod's IP)."""
+    host, _, port_s = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    port = int(port_s) if port_s.isdigit() else default_port
+    host = host or spec
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        log.warning("cannot resolve %s: %s", spec, e)
+        return []
+    addrs = sorted({info[4][0] for info in infos})
+    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
+
+
+@dataclass
+class Pool:
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    prefill_services: list[str] = field(default_factory=list)
+    decode_services: list[str] = field(default_factory=list)
+    interval: float = 1.0
+    probe_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.workers: dict[tuple[str, str], Worker] = {}
+        for url in self.prefill_urls:
+            self._add(url.rstrip("/"), "prefill")
+        for url in self.decode_urls:
+            self._add(url.rstrip("/"), "decode")
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.probe_timeout))
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    def _add(self, url: str, role: str, source: str = "static") -> Worker:
+        key = (role, url)
+        if key not in self.workers:
+            self.workers[key] = Worker(url=url, role=role, source=source)
+        return self.workers[key]
+
+    def pool(self, role: str) -> list[Worker]:
+        return [w for (r, _), w in self.workers.items() if r == role]
+
+    def views(self, role: str) -> list[WorkerView]:
+        return [w.view() for w in self.pool(role)]
+
+    def get(self, role: str, url: str) -> Worker:
+        return self.workers[(role, url)]
+
+    def any_healthy(self) -> bool:
+        return any(w.healthy for w in self.workers.values())
+
+    # ------------------------------------------------------------------ passive + active health
+    def mark_failed(self, role: str, url: str, error: str) -> None:
+        """A request saw this worker fail: take it out of rotation now; the probe loop re-admits it."""
+        w = self.workers.get((role, url))
+        if w is not None and w.healthy:
+            log.warning("%s worker %s failed a request (%s): dropping it until it answers probes", role, url, error)
+            w.healthy, w.last_error = False, error
+            w.failures = max(w.failures, 1)
+
+    async def probe(self, w: Worker) -> None:
+        ok, err = False, None
+        try:
+            r = await self.client.get(f"{w.url}/internal/load")
+            if r.status_code == 200:
+                d = r.json()
+                ok = bool(d.get("ready", True))
+                w.node, w.block_size = d.get("node"), d.get("block_size")
+                w.free_blocks, w.total_blocks = d.get("free_blocks"), d.get("total_blocks")
+                w.used_blocks = d.get("used_blocks")
+                w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
+                err = None if ok else "not ready"
+            else:
+                err = f"HTTP {r.status_code}"
+        except (httpx.HTTPError, ValueError) as e:
+            err = f"{type(e).__name__}: {e}"
+        was = w.healthy
+        w.healthy, w.failures = health_transition(w.healthy, w.failures, ok)
+        w.last_error, w.last_probe = err, time.monotonic()
+        if w.healthy != was:
+            log.info("%s worker %s is now %s%s", w.role, w.url, "healthy" if w.healthy else "unhealthy",
+                     f" ({err})" if err else "")
+            self._changed.set()
+
+    def refresh_services(self) -> None:
+        for role, services in (("prefill", self.prefill_services), ("decode", self.decode_services)):
+            for svc in services:
+                urls = set(resolve_service(svc))
+                for url in urls:
+                    self._add(url, role, source=svc)
+                for (r, url), w in list(self.workers.items()):
+                    if r == role and w.source == svc and url not in urls:
+                        log.info("%s worker %s left service %s", role, url, svc)
+                        del self.workers[(r, url)]
+
+    async def probe_all(self) -> None:
+        if self.prefill_services or self.decode_services:
+            await asyncio.to_thread(self.refresh_services)
+        await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())))
+
+    async def wait_changed(self, timeout: float) -> None:
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # the loop must survive anything a probe throws
+                log.exception("health probe round failed")
+            await asyncio.sleep(self.interval)
+
+    async def start(self) -> None:
+        await self.probe_all()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.aclose()
+
+    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        return {role: [w.describe() for w in self.pool(role)] for role in ("prefill", "decode")}

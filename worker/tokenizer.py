@@ -1,0 +1,112 @@
+"""Text <-> token ids via the `tokenizers` library, chat templates via jinja2, streaming detokenization.
+
+A model folder without tokenizer.json still serves token-id prompts: `Tokenizer.from_folder` returns None
+and the engine emits ids only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer, config: dict[str, Any] | None = None) -> None:
+        self._tok = tok
+        self.config = config or {}
+        self.chat_template: str | None = self.config.get("chat_template") or None
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token = _token_str(self.config.get("eos_token"))
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer | None:
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            return None
+        try:
+            tok = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception subclass for malformed files
+            raise ValueError(f"{tok_file}: cannot load tokenizer ({e})") from e
+        cfg_file = folder / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if cfg_file.is_file():
+            try:
+                config = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+        template_file = folder / "chat_template.jinja"  # newer transformers save the template separately
+        if "chat_template" not in config and template_file.is_file():
+            config["chat_template"] = template_file.read_text()
+        return cls(tok, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no chat_template)")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template error: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        env.filters.setdefault("tojson", lambda x, **kw: json.dumps(x, **kw))
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing list of ids without ever emitting half a UTF-8 character.
+
+    Byte-level BPE tokens can end mid-character; decoding them alone gives U+FFFD. We decode a short window
+    (a few tokens of left context so merges and leading spaces come out right) and hold text back while it
+    ends in U+FFFD, i.e. while the character is still incomplete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])  # left context for the first output tokens
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def step(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]

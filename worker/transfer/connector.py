@@ -1,0 +1,300 @@
+"""The KV connector: what the engine-facing code calls, named after vLLM's KV connector API so that an
+RDMA/NIXL transport can replace TCP without touching the worker.
+
+Producer (prefill worker), per request:
+    start_save(request_id, target, num_layers)  -> save_kv_layer(...) once per layer, from the engine's
+    layer hook, on any thread -> await wait_for_save(request_id)  (or abort_save on failure)
+Consumer (decode worker), per request:
+    start_load_kv(spec) after reserving cache blocks -> frames arrive -> importer writes each layer ->
+    await wait_for_layer_load(request_id, layer) / wait_for_load(request_id) -> finish_load or cancel_load
+Both: get_finished() -> (finished sending, finished receiving) since the previous call, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+from pdcluster.worker.transfer import codec
+from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
+from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError, TransportStats
+
+log = logging.getLogger(__name__)
+
+# Importer: (request_id, layer, k, v) with k, v float [num_tokens, kv_heads, head_dim]; may be a coroutine
+# function (the worker hands the write to its engine thread). It must only write into blocks already
+# reserved for request_id.
+Importer = Callable[[str, int, torch.Tensor, torch.Tensor], None | Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    seconds: float  # first frame queued -> last ACK received
+    bytes: int  # on the wire, frames included (resends not counted twice)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the consumer expects for one request; frames that disagree are refused (SHAPE_MISMATCH)."""
+
+    request_id: str
+    num_layers: int
+    num_tokens: int
+    kv_heads: int
+    head_dim: int
+
+
+class KVConnector(abc.ABC):
+    # ---- producer
+    @abc.abstractmethod
+    def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None: ...
+
+    @abc.abstractmethod
+    def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
+                      token_start: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    async def wait_for_save(self, request_id: str) -> SaveResult: ...
+
+    @abc.abstractmethod
+    async def abort_save(self, request_id: str) -> None: ...
+
+    # ---- consumer
+    @abc.abstractmethod
+    def start_load_kv(self, spec: LoadSpec) -> None: ...
+
+    @abc.abstractmethod
+    async def wait_for_layer_load(self, request_id: str, layer: int) -> None: ...
+
+    @abc.abstractmethod
+    async def wait_for_load(self, request_id: str, timeout: float | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def cancel_load(self, request_id: str) -> None: ...
+
+    # ---- both
+    @abc.abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str]]: ...
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    started: float = field(default_factory=time.monotonic)
+    chunks: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    loaded: set[int] = field(default_factory=set)
+    error: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    bytes: int = 0
+
+
+class TCPConnector(KVConnector):
+    """KV over the framed TCP transport, with optional int8 compression on the wire."""
+
+    def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
+                 timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
+                 chunk_bytes: int = 64 * 1024 * 1024) -> None:
+        if compression not in codec.COMPRESSIONS:
+            raise ValueError(f"compression must be one of {codec.COMPRESSIONS}")
+        self.secret, self.importer, self.compression = secret, importer, compression
+        self.timeout, self.max_retries, self.limits = timeout, max_retries, limits
+        self.chunk_bytes = min(chunk_bytes, limits.max_frame_bytes // 2)
+        self.stats = TransportStats()
+        self.server: KVServer | None = None
+        self._outboxes: dict[str, tuple[Outbox, int]] = {}
+        self._loads: dict[str, _Load] = {}
+        self._sent: set[str] = set()
+        self._recvd: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # One encoder thread keeps frames in layer order and keeps quantize/serialize/HMAC off both the
+        # engine's forward pass and the event loop.
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._loop = asyncio.get_running_loop()
+        self.server = KVServer(self.secret, self._on_frame, limits=self.limits, stats=self.stats,
+                               frame_timeout=self.timeout)
+        return await self.server.start(host, port)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+        for rid in list(self._outboxes):
+            await self.abort_save(rid)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ producer
+    def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        box = Outbox(target.host, target.port, self.secret, timeout=self.timeout,
+                     max_retries=self.max_retries, limits=self.limits, stats=self.stats)
+        self._outboxes[request_id] = (box, num_layers)
+
+    def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
+                      token_start: int = 0) -> None:
+        """Thread-safe and non-blocking: encoding runs on the encoder thread, sending on the loop.
+        `token_start` > 0 ships a later token range of the layer (chunked prefill)."""
+        entry = self._outboxes.get(request_id)
+        if entry is None or self._loop is None:
+            return  # aborted meanwhile: drop silently, the abort already told the receiver
+        box, num_layers = entry
+        loop = self._loop
+
+        def encode() -> list[Frame]:
+            return self._frames(request_id, layer, num_layers, k, v, token_start)
+
+        def enqueue(fut: concurrent.futures.Future[list[Frame]]) -> None:
+            try:
+                frames = fut.result()
+            except Exception as e:  # e.g. NaN-free but unsupported dtype: fail this transfer only
+                log.exception("kv transfer %s: encoding layer %d failed", request_id, layer)
+                frames, err = [], e
+            else:
+                err = None
+
+            def put() -> None:
+                if request_id not in self._outboxes:
+                    return
+                if err is not None:
+                    box.close()
+                    return
+                for f in frames:
+                    box.put(f)
+
+            loop.call_soon_threadsafe(put)
+
+        self._encoder.submit(encode).add_done_callback(enqueue)
+
+    def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
+                offset: int) -> list[Frame]:
+        tokens = k.shape[0]
+        per_token = 2 * k.shape[1] * k.shape[2] * (1 if self.compression == "int8" else k.element_size()) + 8
+        step = max(1, self.chunk_bytes // per_token)
+        return [codec.encode_layer(request_id, layer, num_layers, k[s:s + step], v[s:s + step],
+                                   compression=self.compression, token_start=offset + s)
+                for s in range(0, tokens, step)]
+
+    async def wait_for_save(self, request_id: str) -> SaveResult:
+        """All layers acknowledged by the receiver; returns seconds from first frame to last ACK."""
+        entry = self._outboxes.get(request_id)
+        if entry is None:
+            raise TransferError(f"no transfer started for {request_id}")
+        box = entry[0]
+        # Frames still in the encoder thread must reach the outbox before it is closed.
+        await asyncio.wrap_future(self._encoder.submit(lambda: None))
+        await asyncio.sleep(0)  # let the call_soon_threadsafe(put) callbacks run
+        try:
+            seconds = await box.wait()
+        except TransferError:
+            self._outboxes.pop(request_id, None)
+            await box.abort()
+            raise
+        self._outboxes.pop(request_id, None)
+        self.stats.durations.append(seconds)
+        self._sent.add(request_id)
+        return SaveResult(seconds, box.total_bytes)
+
+    async def abort_save(self, request_id: str) -> None:
+        entry = self._outboxes.pop(request_id, None)
+        if entry is not None:
+            await entry[0].abort()
+
+    # ------------------------------------------------------------------ consumer
+    def start_load_kv(self, spec: LoadSpec) -> None:
+        self._loads[spec.request_id] = _Load(spec)
+
+    def cancel_load(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            load.error = load.error or "cancelled"
+            load.changed.set()
+
+    def finish_load(self, request_id: str) -> None:
+        self._loads.pop(request_id, None)
+
+    def pending_loads(self) -> list[tuple[str, float]]:
+        """(request_id, started) of loads not finished/cancelled: the worker's reaper expires these."""
+        return [(rid, ld.started) for rid, ld in self._loads.items()]
+
+    async def wait_for_layer_load(self, request_id: str, layer: int) -> None:
+        await self._wait(request_id, lambda ld: layer in ld.loaded)
+
+    async def wait_for_load(self, request_id: str, timeout: float | None = None) -> None:
+        async with asyncio.timeout(timeout):
+            await self._wait(request_id, lambda ld: len(ld.loaded) == ld.spec.num_layers)
+
+    async def _wait(self, request_id: str, done: Callable[[_Load], bool]) -> None:
+        while True:
+            load = self._loads.get(request_id)
+            if load is None:
+                raise TransferError(f"no load pending for {request_id}", ErrorCode.UNKNOWN_REQUEST)
+            if load.error:
+                raise TransferError(f"kv load for {request_id} failed: {load.error}")
+            if done(load):
+                return
+            load.changed.clear()
+            await load.changed.wait()
+
+    async def _on_frame(self, frame: Frame) -> ErrorCode:
+        load = self._loads.get(frame.request_id)
+        if load is None or load.error:
+            return ErrorCode.UNKNOWN_REQUEST
+        if frame.kind == Kind.ABORT:
+            load.error = "sender aborted the transfer"
+            load.changed.set()
+            return ErrorCode.OK
+        if frame.kind != Kind.LAYER:
+            return ErrorCode.BAD_HEADER
+        s = load.spec
+        if (frame.num_layers, frame.kv_heads, frame.head_dim) != (s.num_layers, s.kv_heads, s.head_dim) \
+                or frame.token_end > s.num_tokens:
+            load.error = (f"shape mismatch: got layers={frame.num_layers} heads={frame.kv_heads} "
+                          f"dim={frame.head_dim} tokens<{frame.token_end}, expected {s}")
+            load.changed.set()
+            return ErrorCode.SHAPE_MISMATCH
+        if frame.layer in load.loaded:
+            return ErrorCode.OK  # a resend after reconnect: already imported
+        k, v = codec.decode_layer(frame)
+        load.bytes += len(frame.payload) + len(frame.scales)
+        parts = load.chunks.setdefault(frame.layer, {})
+        parts[frame.token_start] = (k, v)
+        if sum(p[0].shape[0] for p in parts.values()) < s.num_tokens:
+            return ErrorCode.OK
+        ordered = [parts[t] for t in sorted(parts)]
+        del load.chunks[frame.layer]
+        full_k = ordered[0][0] if len(ordered) == 1 else torch.cat([p[0] for p in ordered])
+        full_v = ordered[0][1] if len(ordered) == 1 else torch.cat([p[1] for p in ordered])
+        if self.importer is not None:
+            try:
+                res = self.importer(frame.request_id, frame.layer, full_k, full_v)
+                if inspect.isawaitable(res):
+                    await res
+            except Exception as e:  # e.g. the reservation vanished: fail this load, not the listener
+                log.exception("kv transfer %s: importing layer %d failed", frame.request_id, frame.layer)
+                load.error = f"import failed: {e}"
+                load.changed.set()
+                return ErrorCode.UNKNOWN_REQUEST
+        load.loaded.add(frame.layer)
+        if len(load.loaded) == s.num_layers:
+            self._recvd.add(frame.request_id)
+        load.changed.set()
+        return ErrorCode.OK
+
+    # ------------------------------------------------------------------ both
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        sent, recvd = self._sent, self._recvd
+        self._sent, self._recvd = set(), set()
+        return sent, recvd

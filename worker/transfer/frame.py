@@ -1,0 +1,259 @@
+"""The KV-transfer wire format: one authenticated frame per (request, layer).
+
+This module is pure bytes-in/bytes-out (no torch, no sockets) so that the strict parser can be fuzzed
+cheaply and reused by any transport (TCP today; an RDMA/NIXL transport would carry the same header as
+its out-of-band descriptor).
+
+Frame layout, version 1 — all integers big-endian::
+
+    offset size  field
+    0      4     magic            b"PDKV"
+    4      1     version          1
+    5      1     kind             1 = LAYER (KV for one layer), 2 = ACK (receiver -> sender),
+                                  3 = ABORT (sender gives up; receiver drops the partial import)
+    6      1     flags            bit 0: payload is int8 with per-vector float32 scales
+    7      1     dtype            element type of the payload: 1 f32, 2 f16, 3 bf16, 4 int8
+    8      2     request_id_len   <= MAX_REQUEST_ID (128)
+    10     2     layer            0-based layer index
+    12     2     num_layers       total layers of the model (receiver checks it against its own)
+    14     4     token_start      first token position covered by this frame
+    18     4     token_end        one past the last position (num_tokens = end - start)
+    22     2     kv_heads
+    24     2     head_dim
+    26     2     status           ACK only: 0 ok, else an ErrorCode; 0 for other kinds
+    28     4     scales_len       bytes of float32 scales (K then V, [num_tokens, kv_heads] each)
+    32     4     payload_len      bytes of K then V, each [num_tokens, kv_heads, head_dim] of `dtype`
+    36     ...   request_id       utf-8
+    ...    ...   scales
+    ...    ...   payload
+    end-36 4     crc32            over every byte before it (cheap corruption check, distinct error)
+    end-32 32    hmac             HMAC-SHA256(secret, every byte before it)
+
+The header (36 bytes) is validated completely — lengths against limits and against the shape the
+header itself declares — before a single payload byte is read, so a reader never allocates more than
+`Limits.max_frame_bytes` for a frame and never trusts a length it has not cross-checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+MAGIC = b"PDKV"
+VERSION = 1
+HEADER = struct.Struct(">4sBBBBHHHIIHHHII")
+HEADER_SIZE = HEADER.size  # 36
+TRAILER_SIZE = 4 + 32
+MAX_REQUEST_ID = 128
+FLAG_INT8 = 0x01
+KNOWN_FLAGS = FLAG_INT8
+
+
+class Kind(IntEnum):
+    LAYER = 1
+    ACK = 2
+    ABORT = 3
+
+
+class DType(IntEnum):
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+    I8 = 4
+
+
+ITEMSIZE = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I8: 1}
+
+
+class ErrorCode(IntEnum):
+    """Status carried by an ACK; also the reason a FrameError was raised."""
+
+    OK = 0
+    BAD_MAGIC = 1
+    BAD_VERSION = 2
+    BAD_HEADER = 3
+    TOO_LARGE = 4
+    TRUNCATED = 5
+    CHECKSUM = 6
+    UNAUTHENTICATED = 7
+    UNKNOWN_REQUEST = 8  # no reservation for this request id (expired, cancelled, never made)
+    SHAPE_MISMATCH = 9  # frame does not fit the receiver's model (layers, heads, head_dim, tokens)
+    INTERNAL = 10
+
+
+class FrameError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds enforced before allocation. Defaults fit a 70B layer of a 32k-token prompt in fp16
+    (2 * 32768 * 8 heads * 128 * 2 B = 128 MiB) — larger prompts are split into token ranges."""
+
+    max_frame_bytes: int = 256 * 1024 * 1024
+    max_tokens: int = 1 << 20
+    max_kv_heads: int = 1024
+    max_head_dim: int = 1024
+    max_layers: int = 4096
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    request_id: str
+    layer: int = 0
+    num_layers: int = 0
+    token_start: int = 0
+    token_end: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    dtype: DType = DType.F32
+    flags: int = 0
+    status: int = 0
+    scales: bytes = b""
+    payload: bytes = b""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.flags & FLAG_INT8)
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    flags: int
+    dtype: DType
+    request_id_len: int
+    layer: int
+    num_layers: int
+    token_start: int
+    token_end: int
+    kv_heads: int
+    head_dim: int
+    status: int
+    scales_len: int
+    payload_len: int
+
+    @property
+    def body_len(self) -> int:
+        """Bytes that follow the fixed header: request id, scales, payload, crc, hmac."""
+        return self.request_id_len + self.scales_len + self.payload_len + TRAILER_SIZE
+
+
+def expected_lengths(kind: Kind, flags: int, dtype: DType, tokens: int, heads: int, dim: int) -> tuple[int, int]:
+    """(scales_len, payload_len) a well-formed frame must declare; the parser accepts nothing else."""
+    if kind != Kind.LAYER:
+        return 0, 0
+    vectors = tokens * heads
+    if flags & FLAG_INT8:
+        return 2 * vectors * 4, 2 * vectors * dim * ITEMSIZE[DType.I8]
+    return 0, 2 * vectors * dim * ITEMSIZE[dtype]
+
+
+def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Validate the fixed 36-byte header. Raises FrameError; never allocates beyond `buf`."""
+    if len(buf) < HEADER_SIZE:
+        raise FrameError(ErrorCode.TRUNCATED, f"header is {len(buf)} bytes, need {HEADER_SIZE}")
+    (magic, version, kind, flags, dtype, rid_len, layer, num_layers, t0, t1, heads, dim, status,
+     scales_len, payload_len) = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise FrameError(ErrorCode.BAD_MAGIC, "not a pdcluster KV frame")
+    if version != VERSION:
+        raise FrameError(ErrorCode.BAD_VERSION, f"version {version}, this build speaks {VERSION}")
+    try:
+        kind_e, dtype_e = Kind(kind), DType(dtype)
+    except ValueError as e:
+        raise FrameError(ErrorCode.BAD_HEADER, str(e)) from None
+    if flags & ~KNOWN_FLAGS:
+        raise FrameError(ErrorCode.BAD_HEADER, f"unknown flags {flags:#x}")
+    if not 0 < rid_len <= MAX_REQUEST_ID:
+        raise FrameError(ErrorCode.BAD_HEADER, f"request id length {rid_len}")
+    if t1 < t0 or t1 - t0 > limits.max_tokens:
+        raise FrameError(ErrorCode.BAD_HEADER, f"token range [{t0}, {t1})")
+    if heads > limits.max_kv_heads or dim > limits.max_head_dim or num_layers > limits.max_layers:
+        raise FrameError(ErrorCode.BAD_HEADER, "shape exceeds limits")
+    if kind_e == Kind.LAYER:
+        if not (layer < num_layers and heads > 0 and dim > 0 and t1 > t0):
+            raise FrameError(ErrorCode.BAD_HEADER, "layer frame with empty shape or layer out of range")
+        if bool(flags & FLAG_INT8) != (dtype_e == DType.I8):
+            raise FrameError(ErrorCode.BAD_HEADER, "int8 flag and dtype disagree")
+    if kind_e != Kind.ACK and status != 0:
+        raise FrameError(ErrorCode.BAD_HEADER, "status is only meaningful on ACK")
+    want_scales, want_payload = expected_lengths(kind_e, flags, dtype_e, t1 - t0, heads, dim)
+    if (scales_len, payload_len) != (want_scales, want_payload):
+        raise FrameError(ErrorCode.BAD_HEADER, f"lengths {scales_len}/{payload_len} do not match the shape")
+    hdr = Header(kind_e, flags, dtype_e, rid_len, layer, num_layers, t0, t1, heads, dim, status,
+                 scales_len, payload_len)
+    if HEADER_SIZE + hdr.body_len > limits.max_frame_bytes:
+        raise FrameError(ErrorCode.TOO_LARGE, f"frame of {HEADER_SIZE + hdr.body_len} bytes")
+    return hdr
+
+
+def parse_body(hdr: Header, header_bytes: bytes, body: bytes, secret: bytes) -> Frame:
+    """Check crc and HMAC over header+body, then split the body. `body` must be exactly hdr.body_len."""
+    if len(body) != hdr.body_len:
+        raise FrameError(ErrorCode.TRUNCATED, f"body is {len(body)} bytes, header says {hdr.body_len}")
+    signed_end = len(body) - 32
+    crc_at = signed_end - 4
+    mac = hmac.new(secret, header_bytes, hashlib.sha256)
+    mac.update(memoryview(body)[:signed_end])
+    crc = zlib.crc32(memoryview(body)[:crc_at], zlib.crc32(header_bytes))
+    if struct.unpack_from(">I", body, crc_at)[0] != crc:
+        raise FrameError(ErrorCode.CHECKSUM, "crc32 mismatch (corrupted frame)")
+    if not hmac.compare_digest(mac.digest(), bytes(body[signed_end:])):
+        raise FrameError(ErrorCode.UNAUTHENTICATED, "HMAC mismatch (wrong or missing shared secret)")
+    rid_end = hdr.request_id_len
+    scales_end = rid_end + hdr.scales_len
+    try:
+        request_id = bytes(body[:rid_end]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise FrameError(ErrorCode.BAD_HEADER, "request id is not utf-8") from None
+    return Frame(
+        kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
+        token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
+        head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
+        scales=bytes(body[rid_end:scales_end]), payload=bytes(body[scales_end:crc_at]),
+    )
+
+
+def decode_frame(buf: bytes, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Parse one complete frame held in memory (tests, fuzzing). Trailing bytes are an error."""
+    hdr = parse_header(buf, limits)
+    body = memoryview(buf)[HEADER_SIZE:]
+    if len(body) < hdr.body_len:
+        raise FrameError(ErrorCode.TRUNCATED, f"have {len(body)} body bytes, need {hdr.body_len}")
+    if len(body) > hdr.body_len:
+        raise FrameError(ErrorCode.BAD_HEADER, "trailing bytes after frame")
+    return parse_body(hdr, bytes(buf[:HEADER_SIZE]), bytes(body), secret)
+
+
+def encode_frame(frame: Frame, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Serialize and sign. Validates with the same rules as the parser so we never emit what we'd reject."""
+    rid = frame.request_id.encode("utf-8")
+    head = HEADER.pack(
+        MAGIC, VERSION, int(frame.kind), frame.flags, int(frame.dtype), len(rid), frame.layer,
+        frame.num_layers, frame.token_start, frame.token_end, frame.kv_heads, frame.head_dim,
+        frame.status, len(frame.scales), len(frame.payload),
+    )
+    parse_header(head, limits)  # raises on anything a receiver would refuse
+    signed = b"".join((head, rid, frame.scales, frame.payload))
+    crc = struct.pack(">I", zlib.crc32(signed))
+    mac = hmac.new(secret, signed + crc, hashlib.sha256).digest()
+    return signed + crc + mac
+
+
+def ack(request_id: str, layer: int, status: ErrorCode = ErrorCode.OK) -> Frame:
+    return Frame(kind=Kind.ACK, request_id=request_id, layer=layer, status=int(status))
