@@ -15,6 +15,7 @@ int4 splits head_dim into even/odd halves (low/high nibbles) instead of interlea
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,7 +49,7 @@ def _nibbles(b):
 def _paged_attn_partition_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
     out_ptr, pacc_ptr, pm_ptr, pl_ptr,
-    qk_scale, max_blocks,
+    qk_scale, max_blocks, num_blocks,
     s_qs, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -102,6 +103,8 @@ def _paged_attn_partition_kernel(
         t = t0 + tl.arange(0, TILE_N)
         tmask = t < end
         blk = tl.load(bt_ptr + seq * s_bts + (t // BLOCK_SIZE) * s_btb, mask=tmask, other=0).to(tl.int64)
+        # A corrupt table entry reads a wrong block rather than faulting (table values are not host-checked).
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
         off = t % BLOCK_SIZE
         k_rows = k_ptr + blk * s_kb + off * s_kt + kvh * s_kh
         v_rows = v_ptr + blk * s_vb + off * s_vt + kvh * s_vh
@@ -188,11 +191,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _default_partition(tokens_bound: int, programs: int, device: torch.device, tile_n: int) -> int:
     """Partition length in tokens: split only when (seqs x kv_heads) programs cannot fill the GPU."""
     if device.type != "cuda":
         return _pow2(tokens_bound)  # interpreter: one pass unless a test forces a split
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= target:
         return _pow2(tokens_bound)
     part = _pow2(-(-tokens_bound * programs // target))
@@ -249,7 +257,7 @@ def paged_decode_attention_triton(
     _paged_attn_partition_kernel[(seqs, info.kv_heads, num_parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens,
         out, pacc, pm, pl,
-        float(scale) * LOG2E, max_blocks,
+        float(scale) * LOG2E, max_blocks, info.num_blocks,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_strides, *vs_strides,
         *block_tables.stride(), *out.stride(),
         num_parts, heads,

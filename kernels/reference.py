@@ -19,14 +19,17 @@ from .validate import CacheInfo, check_seq_lens_values, check_slot_values
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, bt: torch.Tensor, info: CacheInfo) -> torch.Tensor:
     """Blocks ``bt [seqs, nblk]`` of a cache -> float32 ``[seqs, kv_heads, nblk * block_size, head_dim]``."""
     seqs, nblk = bt.shape
-    blocks = cache[bt]  # [seqs, nblk, block_size, kv_heads, last]
+    length = nblk * info.block_size
+    # One advanced-index gather straight into heads-major [seqs, kv_heads, L, d], so both matmuls below are
+    # plain batched GEMMs over (seq, kv_head) and no relayout copy is needed.
+    blk = bt.unsqueeze(-1).expand(seqs, nblk, info.block_size).reshape(seqs, 1, length)
+    off = torch.arange(length, device=bt.device).remainder_(info.block_size).view(1, 1, length)
+    head = torch.arange(info.kv_heads, device=bt.device).view(1, info.kv_heads, 1)
+    x = cache[blk, off, head]
     if info.bits is None:
-        x = blocks.to(torch.float32)
-    else:
-        assert scale is not None
-        x = dequantize_kv(blocks, scale[bt], bits=info.bits, dtype=torch.float32)
-    # Heads-major so both matmuls below are plain batched GEMMs over (seq, kv_head).
-    return x.permute(0, 3, 1, 2, 4).reshape(seqs, info.kv_heads, nblk * info.block_size, info.head_dim)
+        return x.to(torch.float32)
+    assert scale is not None
+    return dequantize_kv(x, scale[blk, off, head], bits=info.bits, dtype=torch.float32)
 
 
 def paged_decode_attention_torch(

@@ -15,7 +15,6 @@ import triton.language as tl
 from .kv_quant import ROUND_MAGIC
 from .validate import CacheInfo, check_slot_values
 
-
 ROUND_MAGIC_C = tl.constexpr(ROUND_MAGIC)
 
 
@@ -67,12 +66,15 @@ def _write_kv_kernel(
     s_vcb, s_vct, s_vch, s_vcd,
     s_ksb, s_kst, s_ksh,
     s_vsb, s_vst, s_vsh,
+    num_slots,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    valid = slot >= 0
+    # Out-of-range slots are checked on the host only on CPU (a sync on CUDA); here they are skipped like
+    # padding, so a bad slot can never write outside the cache.
+    valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
@@ -107,6 +109,7 @@ def write_kv_cache_triton(
     _write_kv_kernel[(tokens, kv_heads)](
         k, v, k_cache, v_cache, ks, vs, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *ks_strides, *vs_strides,
+        info.num_blocks * info.block_size,
         HEAD_DIM=head_dim, BLOCK_SIZE=info.block_size, BITS=info.bits or 0,
         num_warps=1,
     )

@@ -7,11 +7,12 @@ DESIGN.md, the operator (operator/opmetrics.py) and our recording rules are used
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 from pathlib import Path
 
 SEL = 'pdcluster=~"$pdcluster"'
-_next_id = iter(range(1, 1000))
 
 
 def ts(title: str, targets: list[tuple[str, str]], unit: str = "short", w: int = 8, desc: str = "",
@@ -144,7 +145,8 @@ ROWS: list[tuple[str, list[dict]]] = [
 
 def build() -> dict:
     panels, y = [], 0
-    for title, row in ROWS:
+    _next_id = itertools.count(1)
+    for title, row in copy.deepcopy(ROWS):
         panels.append({"type": "row", "title": title, "id": next(_next_id), "collapsed": False,
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
         y += 1

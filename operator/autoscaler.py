@@ -31,6 +31,8 @@ from typing import Any
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
 EWMA_ALPHA = 0.3
+# A recommendation only counts as "lower" when even the load plus 10% fits in one replica less.
+DOWN_TOLERANCE = 0.10
 POOLS = ("prefill", "decode")
 
 # Reasons, also the `reason` label of pdcluster_autoscaler_decisions_total.
@@ -100,7 +102,7 @@ class Policy:
 @dataclass(frozen=True)
 class PoolState:
     below_since: float | None = None  # when recommendations first fell below the current size
-    max_below: int | None = None  # highest recommendation since then
+    max_need: float | None = None  # highest unrounded need (h·λ·len/C) since then
     last_change: float | None = None  # when the operator last changed this pool's size
     learned_capacity: float | None = None
 
@@ -261,37 +263,39 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         if not reason:
             target = rec[r]
             assert target is not None
+            budget_limited = "max-total-replicas" in limited_by
+            load = need[r] or 0.0  # h·λ·len/C: instances needed with headroom, unrounded
             if target > current:
                 desired = min(target, current + policy.max_up_step)
                 reason = SCALE_UP
-                ps = replace(ps, below_since=None, max_below=None, last_change=now)
-            elif target == current:
-                reason = STEADY
-                ps = replace(ps, below_since=None, max_below=None)
+                ps = replace(ps, below_since=None, max_need=None, last_change=now)
             else:
-                if ps.below_since is None:
-                    ps = replace(ps, below_since=now, max_below=target)
+                # "Lower" needs a margin (DOWN_TOLERANCE) so that noise around a replica boundary
+                # does not count as a lower recommendation.
+                with_margin = replicas_for(load * (1 + DOWN_TOLERANCE))
+                lower = target < current and (budget_limited or with_margin < current)
+                if not lower:
+                    reason = STEADY
+                    ps = replace(ps, below_since=None, max_need=None)
                 else:
-                    ps = replace(ps, max_below=max(ps.max_below or 0, target))
-                if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
-                    reason = STABILIZING
-                else:
-                    load = need[r] or 0.0  # h·λ·len/C: instances needed with headroom
-                    if (current - 1) < load and "max-total-replicas" not in limited_by:
-                        reason = NO_HEADROOM
+                    if ps.below_since is None:
+                        ps = replace(ps, below_since=now, max_need=load)
                     else:
-                        floor_ = max(ps.max_below or target, target, current - policy.max_down_step)
-                        desired = max(floor_, policy.bounds.min_prefill if r == "prefill"
-                                      else policy.bounds.min_decode)
+                        ps = replace(ps, max_need=max(ps.max_need or 0.0, load))
+                    if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
+                        reason = STABILIZING
+                    else:
+                        lo = policy.bounds.min_prefill if r == "prefill" else policy.bounds.min_decode
+                        # the highest load seen in the window, with the margin, must still fit
+                        floor_ = target if budget_limited else max(
+                            target, replicas_for((ps.max_need or 0.0) * (1 + DOWN_TOLERANCE)))
+                        desired = max(floor_, current - policy.max_down_step, lo)
                         if desired < current:
                             reason = SCALE_DOWN
                             ps = replace(ps, last_change=now)
-                            if desired <= (ps.max_below or 0):
-                                # reached the stabilized target: a new window starts for further steps
-                                ps = replace(ps, below_since=None, max_below=None)
                         else:
-                            reason = STEADY
-                            ps = replace(ps, below_since=None, max_below=None)
+                            reason = NO_HEADROOM
+                            desired = current
         # Bounds changed in the spec always apply, even while holding.
         lo = policy.bounds.min_prefill if r == "prefill" else policy.bounds.min_decode
         hi = policy.bounds.max_prefill if r == "prefill" else policy.bounds.max_decode
@@ -336,7 +340,7 @@ def state_from_status(autoscaler_status: dict[str, Any] | None, parse_time: Any)
         cap = learned.get(cap_key)
         return PoolState(
             below_since=t(s.get("belowSince")),
-            max_below=s.get("maxRecommendation"),
+            max_need=float(s["maxNeed"]) if isinstance(s.get("maxNeed"), int | float) else None,
             last_change=t(last.get(role)),
             learned_capacity=float(cap) if isinstance(cap, int | float) and cap > 0 else None,
         )
@@ -349,7 +353,7 @@ def state_to_status(state: State, fmt_time: Any) -> dict[str, Any]:
     def pool(ps: PoolState) -> dict[str, Any] | None:
         if ps.below_since is None:
             return None
-        return {"belowSince": fmt_time(ps.below_since), "maxRecommendation": ps.max_below}
+        return {"belowSince": fmt_time(ps.below_since), "maxNeed": ps.max_need}
 
     return {
         "learnedCapacity": {

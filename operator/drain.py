@@ -58,7 +58,7 @@ async def drain_pod(pod: dict[str, Any], http: httpx.AsyncClient, port: int = WO
         return False
     host = f"[{ip}]" if ":" in ip else ip
     try:
-        resp = await http.post(f"http://{host}:{port}/drain", timeout=5.0)
+        resp = await http.post(f"http://{host}:{port}/drain", timeout=httpx.Timeout(5.0, connect=2.0))
         ok = resp.status_code < 400
         opmetrics.DRAINS.labels("ok" if ok else f"http_{resp.status_code}").inc()
         if not ok:

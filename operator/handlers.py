@@ -24,7 +24,7 @@ import kopf
 
 from pdcluster.operator import models
 from pdcluster.operator import reconcile as rec
-from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
+from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration
 
 GROUP, VERSION, PLURAL = models.API_GROUP, models.API_VERSION, models.PLURAL
 CHILD_LABELS = {"app.kubernetes.io/name": "pdcluster", "app.kubernetes.io/managed-by": "pdcluster-operator"}
@@ -76,6 +76,28 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     RUNTIME.kube = await Kube.from_environment()
     RUNTIME.http = httpx.AsyncClient()
     logger.info("pdcluster operator: API server %s, resync every %ss", RUNTIME.kube.host, resync)
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """The same credentials as our own API client (in-cluster, else $KUBECONFIG read at login time)."""
+    try:
+        cfg = load_configuration()
+    except Exception as e:
+        raise kopf.LoginError(f"no Kubernetes credentials: {e}") from e
+    scheme, token = bearer_token(cfg)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        trust_env=settings.networking.trust_env,
+    )
 
 
 @kopf.on.cleanup()

@@ -72,6 +72,28 @@ def object_path(obj: dict[str, Any]) -> str:
     return resource_path(obj["apiVersion"], PLURALS[key], meta.get("namespace"), meta["name"])
 
 
+def load_configuration() -> Any:
+    """A `kubernetes.client.Configuration`: in-cluster service account, else $KUBECONFIG (read now, not
+    when `kubernetes` was imported) or ~/.kube/config. Blocking (may run an exec credential plugin)."""
+    from kubernetes import client, config  # imported lazily: only the operator process needs it
+
+    cfg = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
+    return cfg
+
+
+def bearer_token(cfg: Any) -> tuple[str | None, str | None]:
+    """(scheme, token) from a Configuration (handles both the old and the new api_key slot)."""
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    if not parts:
+        return None, None
+    return (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+
+
 class Kube:
     def __init__(self, host: str, *, auth: Any = None, ssl_context: ssl.SSLContext | bool | None = None,
                  timeout: float = 30.0) -> None:
@@ -84,19 +106,7 @@ class Kube:
     @classmethod
     async def from_environment(cls) -> Kube:
         """In-cluster service account first, then $KUBECONFIG / ~/.kube/config."""
-        from kubernetes import client, config  # imported lazily: only the operator process needs it
-
-        cfg = client.Configuration()
-
-        def load() -> None:
-            try:
-                config.load_incluster_config(client_configuration=cfg)
-            except config.ConfigException:
-                # $KUBECONFIG is read now, not when `kubernetes` was imported.
-                config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
-                                        client_configuration=cfg)
-
-        await asyncio.to_thread(load)
+        cfg = await asyncio.to_thread(load_configuration)
         ctx: ssl.SSLContext | bool | None = None
         if cfg.host.startswith("https"):
             if cfg.verify_ssl is False:

@@ -280,6 +280,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
             autoscaler_status = {
                 **asc.state_to_status(decision.state, st.fmt_time),
                 "lastEvaluationTime": now_s,
+                "reason": decision.reason,
                 "lastDecision": _decision_record(decision, now_s),
             }
             opmetrics.DECISIONS.labels(owner.namespace, owner.name, decision.reason).inc()
@@ -338,6 +339,10 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         "autoscaler": autoscaler_status or None,
     }
     await _patch_status(ctx, body, new_status)
+    if old_status.get("observedGeneration") != generation:
+        ctx.emit(body, "Normal", "Reconciled",
+                 f"applied generation {generation}: prefill {desired['prefill']}, decode {desired['decode']}, "
+                 f"router {spec.router.replicas} replicas")
     return Outcome(next_delay, new_status, decision)
 
 
@@ -350,8 +355,9 @@ async def _drain_victims(ctx: Context, owner: render.Owner, role: str, count: in
             name = pod["metadata"]["name"]
             await ctx.kube.merge_patch("v1", "Pod", owner.namespace, name, {"metadata": {"annotations": {
                 drain.DELETION_COST: drain.VICTIM_COST, drain.DRAINING: now_s}}})
-            await drain.drain_pod(pod, http)
             log.info("draining %s/%s before scaling %s down", owner.namespace, name, role)
+        # Ask all victims at once: an unreachable pod costs one short timeout, not one per pod.
+        await asyncio.gather(*(drain.drain_pod(pod, http) for pod in victims))
     finally:
         if ctx.http is None:
             await http.aclose()

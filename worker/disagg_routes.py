@@ -74,6 +74,7 @@ class Disaggregation:
                                           timeout=timeout, max_retries=max_retries)
         self._sending: dict[str, dict[int, int]] = {}  # prefill request -> layer -> tokens shipped
         self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
         mc = engine.engine.model_config
         self.num_layers, self.kv_heads, self.head_dim = mc.num_layers, mc.num_kv_heads, mc.head_dim
@@ -118,6 +119,13 @@ class Disaggregation:
             if k.shape[0] > start:  # chunked prefill: only the newly written token range
                 self.connector.save_kv_layer(rid, layer, k[start:], v[start:], token_start=start)
                 shipped[layer] = k.shape[0]
+
+    def _detach(self, coro: Any) -> None:
+        """Run cleanup as its own task: a streaming response cancelled by a client disconnect runs its
+        `finally` inside a cancelled scope, where any await would be cancelled again and the blocks leaked."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _import(self, rid: str, layer: int, k: Any, v: Any) -> None:
         await self.engine.call(lambda e: e.import_kv_layer(rid, layer, k, v))
@@ -275,7 +283,7 @@ class Disaggregation:
                         break
             if first is None or not first.new_token_ids:
                 reason = (first.error if first else None) or "prefill produced no token"
-                yield _line({"event": "error", "message": reason})
+                yield _line({"event": "error", "stage": "prefill", "message": reason})
                 return
             w.metrics.observe_ttft(time.monotonic() - t0)
             w.metrics.tokens_generated(1)
@@ -290,7 +298,7 @@ class Disaggregation:
                 res = await conn.wait_for_save(rid)
             except TransferError as e:
                 w.metrics.kv_transfer_failed()
-                yield _line({"event": "error", "message": str(e)})
+                yield _line({"event": "error", "stage": "transfer", "message": str(e)})
                 return
             w.metrics.kv_transfer(res.bytes, res.seconds)
             done = True
@@ -300,9 +308,8 @@ class Disaggregation:
         finally:
             self._sending.pop(rid, None)
             if not done:
-                await conn.abort_save(rid)
-            with contextlib.suppress(Exception):
-                await self.engine.call(lambda e: e.release(rid))
+                self._detach(conn.abort_save(rid))
+            self._detach(self.engine.call(lambda e: e.release(rid)))
 
     async def _decode_stream(self, w: WorkerServer, rid: str, first: int) -> AsyncIterator[bytes]:
         assert self.connector is not None
@@ -322,7 +329,7 @@ class Disaggregation:
                 stream.close()
                 raise
             committed = True
-            self.connector.finish_load(rid)
+            w.metrics.kv_transfer(*self.connector.finish_load(rid))
             skip_first, last = True, time.monotonic()
             try:
                 async for out in stream:
@@ -345,7 +352,7 @@ class Disaggregation:
         finally:
             w.in_flight -= 1
             if not committed:
-                await self._cancel(rid)
+                self._detach(self._cancel(rid))
 
     async def _generate_stream(self, w: WorkerServer, rid: str, ids: list[int],
                                params: SamplingParams) -> AsyncIterator[bytes]:

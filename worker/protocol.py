@@ -31,16 +31,16 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # -1 is vLLM's spelling of "disabled"; 0 is ours.
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
+    n: int | None = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
@@ -51,8 +51,8 @@ class _SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
+    def _only_one_choice(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
             raise ValueError("only n=1 is supported")
         return v
 

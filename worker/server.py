@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from . import errors
 from .metrics import CONTENT_TYPE, WorkerMetrics
 from .outputs import RequestOutput
+from .prompting import encode_prompt, render_chat
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -41,7 +42,6 @@ from .protocol import (
     new_id,
 )
 from .serving import EngineLike, ModelLimits, WorkerServer
-from .prompting import encode_prompt, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,14 @@ def _worker(request: Request) -> WorkerServer:
 
 async def parse_body(request: Request, model: type[M]) -> M:
     """Parse and validate a JSON body ourselves so every failure is a 400 with a clear message."""
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise errors.APIError(413, "request body too large", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # read incrementally so a huge body is refused early
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise errors.APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     if not body.strip():
         raise errors.bad_request("request body is empty; expected a JSON object")
     try:

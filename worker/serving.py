@@ -109,6 +109,7 @@ class WorkerServer:
         self.pending = 0  # admitted, no token produced yet (queued or prefilling)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._background: set[asyncio.Future[Any]] = set()  # detached aborts, kept alive until done
         metrics.bind_stats(self.engine_stats)
 
     # ------------------------------------------------------------------ state
@@ -256,13 +257,26 @@ class WorkerServer:
             if self.in_flight == 0:
                 self._idle.set()
             if not finished:
-                await self.abort(request_id)
+                self.abort_soon(request_id)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 try:
                     await aclose()
                 except Exception:  # the engine's own cleanup failing must not mask our error
                     log.exception("closing the engine stream of %s failed", request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort without awaiting: this runs in `finally` blocks of responses cancelled by a client
+        disconnect, where Starlette's cancelled scope would cancel any await (and leak the blocks)."""
+        try:
+            res = self.engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort(%s) failed", request_id)
+            return
+        if inspect.isawaitable(res):
+            task = asyncio.ensure_future(res)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -74,7 +74,8 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_blocks: tuple[int, ...] = (16,),
             threshold: int = 0, max_queue_depth: int | None = None, request_timeout: float | None = 60.0,
-            max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256) -> Iterator[Cluster]:
+            max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256,
+            prefill_kw: dict[str, Any] | None = None) -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
 
@@ -82,8 +83,9 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
         c = Cluster(router="")
         for role, sizes, urls in (("prefill", prefill_blocks, c.prefill), ("decode", decode_blocks, c.decode)):
             for bs in sizes:
+                kw = (prefill_kw or {}) if role == "prefill" else {}
                 app, engine = make_worker(model, role, block_size=bs, compression=compression,
-                                          num_kv_blocks=num_kv_blocks)
+                                          num_kv_blocks=num_kv_blocks, **kw)
                 c.engines.append(engine)
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2)
@@ -91,3 +93,28 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                               request_timeout=request_timeout, max_retries=max_retries)
         c.router = stack.enter_context(serve(build_router_app(c.state)))
         yield c
+
+
+def idle_everywhere(c: Cluster, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Poll every worker's /internal/load until no block is used and nothing is pending; returns the loads
+    (the caller asserts on them, so a leak fails the test with the numbers in the message)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [httpx.get(f"{u}/internal/load", timeout=5).json() for u in c.prefill + c.decode]
+        if all(d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0 for d in loads):
+            return loads
+        if time.monotonic() > deadline:
+            return loads
+        time.sleep(0.05)
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

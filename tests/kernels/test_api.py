@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from pdcluster.kernels import (
     allocate_kv_cache,
     kv_bytes_per_token,
@@ -137,3 +136,10 @@ def test_kv_bytes_per_token():
 def test_import_does_not_import_triton():
     code = "import sys, pdcluster.kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_corrupt_block_table_never_reads_out_of_bounds(backend):
+    """Table values are not host-checked (that would sync on CUDA): a bad id gives a wrong row, not a fault."""
+    out = attn(backend=backend, block_tables=torch.tensor([[0, 10**6], [-5, 3]], dtype=torch.int32))
+    assert out.shape == (2, 4, 32) and torch.isfinite(out).all()

@@ -10,7 +10,6 @@ import itertools
 
 import pytest
 import torch
-
 from pdcluster.kernels import paged_decode_attention
 from pdcluster.kernels.paged_attention import paged_decode_attention_triton
 from pdcluster.kernels.validate import check_attention

@@ -22,6 +22,10 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/events": {"kind": "Event", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
+    # kopf's observers wait for these two to be discoverable (as they are on every real cluster).
+    "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {"kind": "CustomResourceDefinition",
+                                                          "namespaced": False},
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
@@ -31,7 +35,14 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
     *creates* the object on a server-side apply (`application/apply-patch+yaml`) when it is missing;
     emulate exactly that, then let kmock merge the same body as usual."""
 
+    # (predicate(request) -> bool, HTTP status) consumed one by one: injected API failures.
+    failures: list[tuple[Any, int]] = []
+
     async def _handle(self, request: Any) -> Any:
+        for i, (pred, code) in enumerate(list(self.failures)):
+            if pred(request):
+                del self.failures[i]
+                raise kmock.KubernetesError(status=code, reason="InjectedFailure", message="injected by the test")
         ctype = (request.headers or {}).get("Content-Type", "")
         if (request.resource is not None and request.action == enums.action.UPDATE
                 and "apply-patch" in ctype and request.name and not request.subresource):
@@ -54,6 +65,7 @@ def kmock_options() -> dict[str, Any]:
 
 @pytest.fixture()
 def k8s(kmock: ApplyingEmulator) -> ApplyingEmulator:
+    kmock.failures = []
     for res, info in RESOURCES.items():
         kmock.resources[res] = kmock.ResourceInfo(verbs=VERBS, **info)
     return kmock

@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from pdcluster.worker.server import build_app
 
 from .fake_engine import FakeEngine

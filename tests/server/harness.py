@@ -45,3 +45,19 @@ def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.01) -> bool
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def raw_post(base_url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send a JSON POST over a bare socket and return it unread, so a test can hang up at will."""
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 80))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock

@@ -37,6 +37,7 @@ COMPLETION_CASES: list[tuple[str, Any]] = [
     ("stop token id out of vocab", {"prompt": "a", "stop_token_ids": [1000]}),
     ("stream not a bool", {"prompt": "a", "stream": "yes"}),
     ("seed not an int", {"prompt": "a", "seed": "x"}),
+    ("seed too large", {"prompt": "a", "seed": 2**64}),
     ("echo unsupported", {"prompt": "a", "echo": True}),
     ("logprobs unsupported", {"prompt": "a", "logprobs": 3}),
     ("penalty unsupported", {"prompt": "a", "presence_penalty": 0.5}),

@@ -6,10 +6,9 @@ import asyncio
 from typing import Any
 
 import httpx
-
 from pdcluster.worker.metrics import SERIES
 
-from .harness import wait_until
+from .harness import raw_post, wait_until
 from .sse import events, first_event
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -70,17 +69,18 @@ def test_stream_disconnect_frees_kv_blocks(real_client: httpx.Client, real_engin
     with real_client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, **GREEDY,
                                                                "stream": True}) as s:
         first_event(s)
-        assert _used_blocks(real_engine) > 0
+        # stats() is a snapshot taken after each engine step, so poll rather than read once
+        assert wait_until(lambda: _used_blocks(real_engine) > 0)
     assert wait_until(lambda: _idle(real_engine), timeout=30)
 
 
 def test_non_stream_disconnect_frees_kv_blocks(real_url: str, real_engine: Any) -> None:
-    try:
-        with httpx.Client(base_url=real_url, timeout=httpx.Timeout(30, read=0.5)) as c:
-            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 250, **GREEDY})
-    except httpx.ReadTimeout:
-        pass
+    before = real_engine.stats()["generation_tokens_total"]
+    sock = raw_post(real_url, "/v1/completions", {"prompt": "x", "max_tokens": 250, **GREEDY})
+    assert wait_until(lambda: _used_blocks(real_engine) > 0)
+    sock.close()  # hang up while the request is generating
     assert wait_until(lambda: _idle(real_engine), timeout=30)
+    assert real_engine.stats()["generation_tokens_total"] - before < 250  # it was cut short, not finished
 
 
 def test_concurrent_requests_match_sequential(real_url: str, real_client: httpx.Client, real_engine: Any) -> None:
@@ -106,3 +106,29 @@ def test_metrics_reflect_engine_state(real_client: httpx.Client) -> None:
     assert lines['pdcluster_generation_tokens_total{role="both"}'] >= 3
     assert lines['pdcluster_time_to_first_token_seconds_count{role="both"}'] >= 1
     assert 'pdcluster_kv_cache_used_blocks{role="both"}' in lines
+
+
+def test_model_without_tokenizer_serves_token_ids_only(tmp_path: Any) -> None:
+    from pdcluster.worker.async_engine import AsyncEngine
+    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.server import build_app
+
+    from .harness import serve
+
+    folder = build_demo_model(tmp_path / "m", tokenizer=False, num_hidden_layers=1, vocab_size=64,
+                              hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    engine = AsyncEngine.from_config(EngineConfig(model=str(folder), num_kv_blocks=16, block_size=8))
+    try:
+        with serve(build_app(engine)) as url, httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "text", "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer"
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer"
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "return_token_ids": True,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) == 2
+            assert c.post("/v1/completions", json={"prompt": [64]}).status_code == 400  # vocab is 64
+    finally:
+        engine.shutdown()

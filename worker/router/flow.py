@@ -166,13 +166,19 @@ class Flow:
                        excluded: set[str]) -> tuple[Worker, int]:
         for view in rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded):
             w = self.pool.get("decode", view.url)
+            w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
+            ok = False
             try:
                 r = await self.client.post(f"{w.url}/internal/reserve",
                                            json={"request_id": arid, "prompt_token_ids": prompt, "params": params})
+                ok = r.status_code == 200
             except httpx.TransportError as e:
                 self.pool.mark_failed("decode", w.url, str(e))
                 continue
-            if r.status_code == 200:
+            finally:
+                if not ok:
+                    w.in_flight -= 1
+            if ok:
                 return w, int(r.json()["transfer_port"])
             if r.status_code == 400:
                 raise await _error_of(r)
@@ -197,7 +203,6 @@ class Flow:
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)
         p.in_flight += 1
-        d.in_flight += 1
         stage = self.stages.enter("prefill")
         stage.__enter__()
         try:
@@ -224,11 +229,15 @@ class Flow:
                             if ev.get("finished"):
                                 return
                         elif ev.get("event") == "transferred":
-                            break
+                            transferred = True
                         elif ev.get("event") == "error":
+                            if ev.get("stage") == "prefill":
+                                raise WorkerFailed("prefill", p.url, f"prefill: {ev.get('message')}")
                             # The transfer broke: the decode side is the usual suspect (died, timed out).
                             raise WorkerFailed("decode", d.url, f"kv transfer: {ev.get('message')}")
-                    else:
+                    # Read to the end (not break) so the worker's stream finishes normally and releases
+                    # its blocks without relying on disconnect handling.
+                    if not transferred:
                         raise WorkerFailed("prefill", p.url, "prefill stream ended early")
             except httpx.TransportError as e:
                 self.pool.mark_failed("prefill", p.url, str(e))

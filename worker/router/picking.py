@@ -36,10 +36,12 @@ def pick_prefill(workers: Sequence[WorkerView], exclude: Collection[str] = ()) -
 
 def decode_score(w: WorkerView, prefer_node: str | None) -> tuple[int, int, int, int, str]:
     """Smaller is better. Same node first (KV moves over loopback/NVLink instead of the network), then the
-    most free KV blocks (room to grow without preemption), then the fewest requests already decoding."""
+    fewest requests decoding there (batch slots: what TPOT depends on), then the most free KV blocks (room
+    to grow without preemption). `in_flight` is the router's own exact count, so a burst of requests
+    spreads at once instead of piling onto whichever worker the last probe showed as emptiest."""
     same_node = 0 if prefer_node and w.node == prefer_node else 1
     free = w.free_blocks if w.free_blocks is not None else 0
-    return (same_node, -free, w.running + w.in_flight, w.waiting, w.url)
+    return (same_node, max(w.running, w.in_flight) + w.waiting, -free, w.in_flight, w.url)
 
 
 def pick_decode(

@@ -222,8 +222,10 @@ class TCPConnector(KVConnector):
             load.error = load.error or "cancelled"
             load.changed.set()
 
-    def finish_load(self, request_id: str) -> None:
-        self._loads.pop(request_id, None)
+    def finish_load(self, request_id: str) -> tuple[int, float]:
+        """Forget a completed load; returns (payload bytes received, seconds since start_load_kv)."""
+        load = self._loads.pop(request_id, None)
+        return (load.bytes, time.monotonic() - load.started) if load else (0, 0.0)
 
     def pending_loads(self) -> list[tuple[str, float]]:
         """(request_id, started) of loads not finished/cancelled: the worker's reaper expires these."""

@@ -1,0 +1,51 @@
+"""Scenario 2: bad specs are refused by the API server (structural schema, enums, CEL) with a message
+that names the field, and nothing is created."""
+
+from __future__ import annotations
+
+import pytest
+from pdc_e2e import Kube, example_pdc
+
+CASES = [
+    # (id, spec overrides, substrings the error must contain)
+    ("min-gt-max", {"prefill": {"minReplicas": 5, "maxReplicas": 2}},
+     ["spec.prefill", "minReplicas must be <= maxReplicas"]),
+    ("replicas-out-of-range", {"decode": {"replicas": 9, "minReplicas": 1, "maxReplicas": 4}},
+     ["spec.decode", "replicas must be within"]),
+    ("unknown-enum", {"kvCache": {"dtype": "fp8"}}, ["spec.kvCache.dtype", "Unsupported value", "fp8"]),
+    ("block-size-enum", {"kvCache": {"blockSize": 12}}, ["spec.kvCache.blockSize", "Unsupported value"]),
+    ("wrong-type", {"decode": {"maxBatchSize": "lots"}}, ["spec.decode.maxBatchSize", "integer"]),
+    ("out-of-bounds", {"kvCache": {"gpuMemoryUtilization": 1.5}}, ["spec.kvCache.gpuMemoryUtilization"]),
+    ("autoscaling-without-prometheus", {"autoscaling": {"enabled": True, "prometheusUrl": None}},
+     ["prometheusUrl is required"]),
+    ("unknown-field", {"prefil": {"replicas": 2}}, ["unknown field", "spec.prefil"]),
+]
+
+
+@pytest.mark.parametrize("overrides,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_spec_refused(kube: Kube, namespace: str, overrides: dict, needles: list[str]):
+    doc = example_pdc("bad", **overrides)
+    _drop_nones(doc)
+    cp = kube.apply(doc, ns=namespace, check=False)
+    assert cp.returncode != 0, f"the API server accepted a bad spec {overrides}: {cp.stdout}"
+    for needle in needles:
+        assert needle in cp.stderr, f"error message lacks {needle!r}:\n{cp.stderr}"
+    assert kube.get("pdc", "bad", namespace) is None
+
+
+def test_good_spec_accepted_and_defaulted(kube: Kube, namespace: str):
+    doc = example_pdc("good")
+    kube.apply(doc, ns=namespace)
+    pdc = kube.get("pdc", "good", namespace)
+    # structural-schema defaults filled in by the API server
+    assert pdc["spec"]["kvCache"]["blockSize"] in (8, 16, 32)
+    assert pdc["spec"]["kvTransfer"]["maxRetries"] >= 0
+    assert pdc["spec"]["autoscaling"]["headroom"] >= 1.0
+
+
+def _drop_nones(d: dict) -> None:
+    for k in [k for k, v in d.items() if v is None]:
+        del d[k]
+    for v in d.values():
+        if isinstance(v, dict):
+            _drop_nones(v)

@@ -1,0 +1,95 @@
+"""Knee detection (pure), the capacity block, and `pdcluster profile` over HTTP and in-process."""
+
+import json
+
+import pytest
+import yaml
+
+from pdcluster.cli import main
+from pdcluster.worker.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
+from pdcluster.worker.profile import summarize
+
+
+def test_knee_of_a_saturating_curve():
+    pts = [(1, 100), (2, 190), (4, 350), (8, 560), (16, 640), (32, 660), (64, 665)]
+    assert find_knee(pts) == (16, 640)  # first to reach 90% of 665
+    assert find_knee(pts, frac=0.8) == (8, 560)
+    assert find_knee(list(reversed(pts))) == (16, 640)  # order does not matter
+
+
+def test_knee_of_a_linear_curve_is_the_last_point_and_not_saturated():
+    pts = [(b, 10.0 * b, 0.01) for b in (1, 2, 4, 8, 16, 32, 64)]
+    k = choose_decode_batch(pts)
+    assert (k.batch, k.saturated) == (64, False)
+
+
+def test_knee_tolerates_a_noisy_dip_and_a_past_peak_decline():
+    pts = [(1, 100), (2, 150), (4, 140), (8, 400), (16, 420), (32, 380)]
+    assert find_knee(pts) == (8, 400)
+    assert choose_decode_batch([(b, t, None) for b, t in pts]).saturated
+
+
+def test_tpot_slo_caps_the_batch():
+    pts = [(1, 100, 0.010), (2, 190, 0.011), (4, 350, 0.012), (8, 560, 0.015), (16, 640, 0.025), (32, 660, 0.05)]
+    assert choose_decode_batch(pts).batch == 16
+    k = choose_decode_batch(pts, tpot_slo=0.02)
+    assert (k.batch, k.throughput, k.limited_by_slo) == (8, 560, True)
+    assert choose_decode_batch(pts, tpot_slo=0.1).limited_by_slo is False
+    k = choose_decode_batch(pts, tpot_slo=0.001)  # nothing meets it: smallest batch, flagged
+    assert (k.batch, k.limited_by_slo) == (1, True)
+
+
+@pytest.mark.parametrize("bad", [[], [(1, None)]])
+def test_knee_needs_data(bad):
+    with pytest.raises(ValueError):
+        find_knee(bad)
+
+
+def test_capacity_yaml_is_a_valid_spec_fragment():
+    text = capacity_yaml(12345.6, 2345.9, max_batch_size=16, comment="measured\non a laptop")
+    doc = yaml.safe_load(text)
+    assert doc["spec"]["autoscaling"]["capacity"] == {"prefillTokensPerSecond": 12345, "decodeTokensPerSecond": 2345}
+    assert doc["spec"]["decode"]["maxBatchSize"] == 16
+    assert text.startswith("# measured\n# on a laptop\n")
+
+
+def test_summarize_is_pure_and_picks_the_knee():
+    raw = {"target": "t",
+           "prefill": [{"concurrency": 1, "prompt_tokens_per_second": 800.0, "errors": 0},
+                       {"concurrency": 4, "prompt_tokens_per_second": 1000.0, "errors": 0}],
+           "decode": [{"batch": b, "output_tokens_per_second": t, "tpot_p50": b / t, "errors": 0}
+                      for b, t in [(1, 50.0), (4, 180.0), (16, 300.0), (64, 310.0)]]}
+    s = summarize(raw)
+    assert s["prefill_tokens_per_second"] == 1000.0 and s["prefill_knee_concurrency"] == 4
+    assert s["recommended_max_batch_size"] == 16 and s["decode_tokens_per_second"] == 300.0
+    assert "decode_knee" not in raw  # input untouched
+
+
+def test_profile_url_against_fake_server(fake_server, capsys):
+    s = fake_server()
+    rc = main(["profile", "--url", s.url, "--batch-sizes", "1,2,4", "--prefill-len", "32",
+               "--prefill-concurrency", "1,2", "--decode-len", "6", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [d["batch"] for d in out["decode"]] == [1, 2, 4]
+    assert out["prefill_tokens_per_second"] > 0 and out["decode_tokens_per_second"] > 0
+    assert out["recommended_max_batch_size"] in (1, 2, 4)
+
+
+def test_profile_unreachable_url_is_a_message(free_port, capsys):
+    assert main(["profile", "--url", f"http://127.0.0.1:{free_port}", "--batch-sizes", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "connect" in err and "Traceback" not in err
+    assert main(["profile", "--url", "nope", "--batch-sizes", "1"]) == 2
+
+
+def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from pdcluster.worker.demo_model import build_demo_model
+
+    model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    rc = main(["profile", "--model", str(model), "--batch-sizes", "1,2", "--prefill-len", "32",
+               "--prefill-requests", "2", "--decode-len", "4", "--block-sizes", "16,32"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "block size 32 vs 16" in out and "decodeTokensPerSecond" in out

@@ -1,0 +1,134 @@
+"""Child processes for `pdcluster up`: start, watch, restart with backoff (like a Deployment would), and
+stop cleanly. Children die with the launcher even if it is SIGKILLed (Linux PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def backoff(restarts: int) -> float:
+    """Seconds before restart number `restarts` (1, 2, 4 .. capped at 10), as kubelet's CrashLoopBackOff."""
+    return float(min(10, 2 ** max(0, restarts - 1)))
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    restart_at: float | None = None
+    started_at: float = 0.0
+    enabled: bool = True  # False: scaled down; not restarted
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, *, restart: bool = True) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.restart = restart
+        self.stopping = False
+
+    def add(self, name: str, cmd: list[str], env: dict[str, str] | None = None, start: bool = True) -> Proc:
+        p = Proc(name, cmd, env or {})
+        self.procs[name] = p
+        if start:
+            self._spawn(p)
+        return p
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def _spawn(self, p: Proc) -> None:
+        out = open(self.log_path(p.name), "ab")  # noqa: SIM115 - the child owns it from here
+        try:
+            p.popen = subprocess.Popen(
+                p.cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **p.env},
+                start_new_session=True,  # Ctrl-C reaches only the launcher, which stops children in order
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            out.close()
+        p.started_at, p.restart_at, p.enabled = time.monotonic(), None, True
+        log.info("started %s (pid %d)", p.name, p.popen.pid)
+
+    def poll(self) -> list[str]:
+        """Notice exits and restart due processes; returns human-readable events."""
+        events: list[str] = []
+        now = time.monotonic()
+        for p in self.procs.values():
+            if self.stopping or not p.enabled or p.popen is None:
+                continue
+            code = p.popen.poll()
+            if code is None:
+                if p.restart_at is None and now - p.started_at > 60:
+                    p.restarts = 0  # a minute of good health resets the backoff
+                continue
+            if p.restart_at is None:
+                p.restarts += 1
+                p.restart_at = now + backoff(p.restarts)
+                events.append(f"{p.name} exited with code {code}; restarting in {backoff(p.restarts):.0f} s "
+                              f"(restart #{p.restarts}, log: {self.log_path(p.name)})")
+            elif now >= p.restart_at and self.restart:
+                self._spawn(p)
+                events.append(f"{p.name} restarted (pid {p.pid})")
+        return events
+
+    def disable(self, name: str, timeout: float = 10.0) -> None:
+        """Scale down: stop one process and do not restart it."""
+        p = self.procs[name]
+        p.enabled = False
+        self._terminate([p], timeout)
+
+    def enable(self, name: str) -> None:
+        p = self.procs[name]
+        if not p.alive:
+            self._spawn(p)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM everything (graceful: servers drain), SIGKILL what is still alive after `timeout`."""
+        self.stopping = True
+        self._terminate(list(self.procs.values()), timeout)
+
+    @staticmethod
+    def _terminate(procs: list[Proc], timeout: float) -> None:
+        for p in procs:
+            if p.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", p.name, timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+                p.popen.wait(5)
