@@ -112,7 +112,23 @@ go_install() {  # name pkg version [extra ldflags]
   log "$name $v: built in $((SECONDS - t0))s"
 }
 
-build_kwok() { go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"; }
+build_kwok() {
+  go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
+  # The kwok binary alone simulates nothing: kwokctl hands it the "fast" node and pod Stages (node
+  # initialize + heartbeat, pod ready/complete/delete). Take the same Stage files from the kwok module of
+  # the pinned version and keep them next to the binary.
+  local stages="$BIN/kwok-stages-$KWOK_VERSION.yaml" dir f
+  [[ -s "$stages" ]] && return 0
+  dir="$(gob mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
+  [[ -d "$dir/kustomize/stage" ]] || { echo "build.sh: kwok module source not found ($dir)" >&2; exit 1; }
+  : > "$stages.tmp"
+  for f in node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml \
+           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+    { echo "---"; echo "# from sigs.k8s.io/kwok@$KWOK_VERSION kustomize/stage/$f"; cat "$dir/kustomize/stage/$f"; } >> "$stages.tmp"
+  done
+  mv -f "$stages.tmp" "$stages"
+  log "kwok $KWOK_VERSION: stages written to $stages"
+}
 build_helm() {
   # Stamp helm's version and its default Kubernetes version (what `helm template` and `helm lint` assume
   # without a cluster; unstamped it is v1.20) to the Kubernetes we pin, as helm's own release build does.

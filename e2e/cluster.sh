@@ -249,6 +249,7 @@ up() {
     --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" --leader-elect=false
   start kwok \
     --kubeconfig "$DIR/kwok.kubeconfig" \
+    --config "$BIN/kwok-stages-$KWOK_VERSION.yaml" \
     --manage-all-nodes=false \
     --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --node-ip 127.0.0.1 --cidr "$POD_CIDR" \

@@ -13,6 +13,7 @@ is its roofline. The peer is torch SDPA over a cache already gathered into conti
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -161,12 +162,12 @@ def cpu_figures(batches: tuple[int, ...] = (8, 32), contexts: tuple[int, ...] = 
     for batch in batches:
         for context in contexts:
             ref = random_case(batch, context, sizes, "auto", torch.float32, cpu)
-            fns: dict[str, Callable[[], object]] = {"naive_loop_ms": lambda ref=ref: naive_loop(ref, sizes)}
+            fns: dict[str, Callable[[], object]] = {"naive_loop_ms": functools.partial(naive_loop, ref, sizes)}
             for kv_dtype in kv_dtypes:
                 c = ref if kv_dtype == "auto" else random_case(batch, context, sizes, kv_dtype, torch.float32, cpu)
                 args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
                 kw = dict(k_scale=c.k_scale, v_scale=c.v_scale, backend="torch")
-                fns[f"torch_path_{CPU_LABEL[kv_dtype]}_ms"] = lambda a=args, k=kw: paged_decode_attention(*a, **k)
+                fns[f"torch_path_{CPU_LABEL[kv_dtype]}_ms"] = functools.partial(paged_decode_attention, *args, **kw)
             best = {name: float("inf") for name in fns}
             for _ in range(reps + 1):  # the first round is warmup
                 for name, fn in fns.items():

@@ -45,6 +45,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2).to(torch.int8)
 
 
+_NIBBLE_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def _nibble_lut(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2]: byte -> (low, high) signed nibble values; one gather replaces ~8 bitwise passes."""
+    lut = _NIBBLE_LUT.get(device)
+    if lut is None:
+        lut = unpack_int4(torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(-1)).to(torch.float32)
+        lut = _NIBBLE_LUT[device] = lut.to(device)
+    return lut
+
+
 def quantize_kv(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., d]`` to (int8 ``[..., d]`` or packed uint8 ``[..., d // 2]``, float32 scale ``[...]``).
 
@@ -76,5 +88,9 @@ def dequantize_kv(
         raise ValueError(f"q: packed uint8 codes expected for bits=4, got {q.dtype}")
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale: shape {tuple(scale.shape)} must equal q.shape[:-1] {tuple(q.shape[:-1])}")
-    codes = q if bits == 8 else unpack_int4(q)
-    return (codes.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+    if bits == 8:
+        values = q.to(torch.float32)
+    else:
+        flat = _nibble_lut(q.device).index_select(0, q.reshape(-1).to(torch.int32))
+        values = flat.view(*q.shape[:-1], q.shape[-1] * 2)
+    return (values * scale.to(torch.float32).unsqueeze(-1)).to(dtype)

@@ -19,17 +19,19 @@ from .validate import CacheInfo, check_seq_lens_values, check_slot_values
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, bt: torch.Tensor, info: CacheInfo) -> torch.Tensor:
     """Blocks ``bt [seqs, nblk]`` of a cache -> float32 ``[seqs, kv_heads, nblk * block_size, head_dim]``."""
     seqs, nblk = bt.shape
-    length = nblk * info.block_size
-    # One advanced-index gather straight into heads-major [seqs, kv_heads, L, d], so both matmuls below are
-    # plain batched GEMMs over (seq, kv_head) and no relayout copy is needed.
-    blk = bt.unsqueeze(-1).expand(seqs, nblk, info.block_size).reshape(seqs, 1, length)
-    off = torch.arange(length, device=bt.device).remainder_(info.block_size).view(1, 1, length)
-    head = torch.arange(info.kv_heads, device=bt.device).view(1, info.kv_heads, 1)
-    x = cache[blk, off, head]
+    shape = (seqs, info.kv_heads, nblk * info.block_size, info.head_dim)
+    # index_select of whole blocks is the fastest gather on CPU (one contiguous row copy per block; 2x faster
+    # than a per-element advanced index straight into the target layout). The relayout to heads-major
+    # [seqs, kv_heads, L, d], which makes both matmuls plain batched GEMMs over (seq, kv_head), then rides
+    # on the float32 widening / dequant copy we need anyway.
+    blocks = cache.index_select(0, bt.flatten()).view(seqs, nblk, *cache.shape[1:]).permute(0, 3, 1, 2, 4)
     if info.bits is None:
-        return x.to(torch.float32)
+        out = torch.empty(blocks.shape, dtype=torch.float32, device=cache.device)
+        return out.copy_(blocks).view(shape)
     assert scale is not None
-    return dequantize_kv(x, scale[blk, off, head], bits=info.bits, dtype=torch.float32)
+    s = scale.index_select(0, bt.flatten()).view(seqs, nblk, *scale.shape[1:]).permute(0, 3, 1, 2)
+    codes = blocks.contiguous()  # 1-byte codes: cheap to relayout before widening
+    return dequantize_kv(codes, s, bits=info.bits, dtype=torch.float32).reshape(shape)
 
 
 def paged_decode_attention_torch(

@@ -13,9 +13,10 @@ stabilization window). The rules:
   (throughput is a lower bound of capacity). A pool whose capacity is unknown is held.
 - Scale up at once (at most `maxScaleUpStep` per decision).
 - Scale down only after recommendations stayed below the current size for
-  `scaleDownStabilizationSeconds` (the target is the highest recommendation seen in that time), only if the
-  pool minus one replica still covers the current load with headroom, and at most `maxScaleDownStep`
-  per decision.
+  `scaleDownStabilizationSeconds`, where "below" means that even the load plus a 10% margin
+  (DOWN_TOLERANCE) fits in one replica less, i.e. the pool minus one still has headroom; the target is
+  the highest load seen in that window (plus the margin), and at most `maxScaleDownStep` replicas go per
+  decision.
 - Wait while a previous change is still rolling out (ready < desired), but not forever: after
   `rolloutTimeoutSeconds` decide anyway and report the stall (ScalingLimited), so Pending pods (no GPU
   left) never wedge the autoscaler.

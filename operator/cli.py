@@ -10,7 +10,7 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
-                        help="watch only this namespace (repeatable; globs allowed); default: all namespaces")
+                        help="watch only this namespace (repeatable, exact names); default: all namespaces")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--standalone", action="store_true", default=True,
                       help="run without kopf peering (the default; run one replica)")
@@ -27,9 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
-    from prometheus_client import start_http_server
-
     from pdcluster.operator import handlers, opmetrics
+    from prometheus_client import start_http_server
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 import yaml
-
 from pdcluster.operator import models
 
 _KEEP = {

@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 import httpx
-
 from pdcluster.operator import opmetrics
 from pdcluster.operator.models import WORKER_PORT
 

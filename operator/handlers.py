@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import kopf
-
 from pdcluster.operator import models
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration
@@ -52,7 +51,7 @@ RUNTIME = _Runtime()
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message[:1000])
+    kopf.event(cast(Any, body), type=type_, reason=reason, message=message[:1000])
 
 
 def _context() -> rec.Context:
@@ -62,10 +61,12 @@ def _context() -> rec.Context:
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdcluster.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="pdcluster.dev", key="last-handled-configuration")
+    # kopf adds this finalizer because of the per-object daemon; it is removed when the daemon stops.
+    settings.persistence.finalizer = "pdcluster.dev/finalizer"
     settings.posting.level = logging.WARNING  # our own Events are explicit; no "handler succeeded" noise
     settings.scanning.disabled = True  # no CRD watching: less RBAC, resources are fixed
     settings.execution.max_workers = 4
@@ -136,10 +137,14 @@ async def reconcile_pdcluster(body: kopf.Body, reason: Any, retry: int, **_: Any
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def resync(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
+async def resync(name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: Any, spec: Any,
                  **_: Any) -> None:
+    namespace = namespace or "default"
     kick = RUNTIME.kick(namespace, name)
     delay = RUNTIME.resync_seconds
+    auto = (spec or {}).get("autoscaling") or {}
+    if auto.get("enabled") and isinstance(auto.get("intervalSeconds"), int | float):
+        delay = min(delay, float(auto["intervalSeconds"]))
     failures = 0
 
     async def stop_wait() -> None:
@@ -193,7 +198,7 @@ def _owner_of(body: Any) -> str | None:
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
-async def child_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
+async def child_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
     owner = _owner_of(body)
     if owner and namespace:
         RUNTIME.kick(namespace, owner).set()

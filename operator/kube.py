@@ -17,7 +17,6 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-
 from pdcluster.operator import models
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ def bearer_token(cfg: Any) -> tuple[str | None, str | None]:
 
 
 class Kube:
-    def __init__(self, host: str, *, auth: Any = None, ssl_context: ssl.SSLContext | bool | None = None,
+    def __init__(self, host: str, *, auth: Any = None, ssl_context: ssl.SSLContext | bool = True,
                  timeout: float = 30.0) -> None:
         self.host = host.rstrip("/")
         self._auth = auth  # a kubernetes.client.Configuration (for fresh tokens) or None
@@ -107,7 +106,7 @@ class Kube:
     async def from_environment(cls) -> Kube:
         """In-cluster service account first, then $KUBECONFIG / ~/.kube/config."""
         cfg = await asyncio.to_thread(load_configuration)
-        ctx: ssl.SSLContext | bool | None = None
+        ctx: ssl.SSLContext | bool = True
         if cfg.host.startswith("https"):
             if cfg.verify_ssl is False:
                 ctx = False
@@ -153,7 +152,7 @@ class Kube:
                         pass
                     raise ApiError(resp.status, str(reason), str(message), method, path)
                 return json.loads(text) if text else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, str(e) or repr(e), method, path) from e
 
     # ---- verbs -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ KV_TRANSFER_PORT = 9000
 MODEL_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hostpath:///.+|file:///.+|/.+)$"
 
 
-def _cel(rule: str, message: str) -> dict[str, str]:
+def _cel(rule: str, message: str) -> Any:
     return {"rule": rule, "message": message}
 
 
@@ -76,7 +76,7 @@ class Model(_Base):
     maxModelLen: int | None = Field(default=None, ge=1, description="Longest sequence (prompt + output).")
 
 
-_POOL_RULES = [
+_POOL_RULES: Any = [
     _cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
     _cel(
         "!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",

@@ -88,13 +88,17 @@ def clamp_pair(p: int, d: int, bounds: Bounds) -> tuple[int, int, list[str]]:
     """Clamp to per-pool bounds, then fit into the total budget keeping the D/P ratio."""
     limited: list[str] = []
     if p < bounds.min_prefill:
-        p, _ = bounds.min_prefill, limited.append("min-prefill")
+        p = bounds.min_prefill
+        limited.append("min-prefill")
     if d < bounds.min_decode:
-        d, _ = bounds.min_decode, limited.append("min-decode")
+        d = bounds.min_decode
+        limited.append("min-decode")
     if bounds.max_prefill is not None and p > bounds.max_prefill:
-        p, _ = bounds.max_prefill, limited.append("max-prefill")
+        p = bounds.max_prefill
+        limited.append("max-prefill")
     if bounds.max_decode is not None and d > bounds.max_decode:
-        d, _ = bounds.max_decode, limited.append("max-decode")
+        d = bounds.max_decode
+        limited.append("max-decode")
     budget = bounds.max_total
     if budget is not None and p + d > budget:
         limited.append("max-total-replicas")

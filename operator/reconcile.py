@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
-from pydantic import ValidationError
-
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import drain, opmetrics, render
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
 from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
 from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
+from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +327,9 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     # 7. Status.
     after = {r: applied.get(("Deployment", render.child_name(owner, r))) or deps[r] for r in render.ROLES}
     conditions = st.workload_conditions(after) + extra_conditions
+    for c in conditions:
+        if c["type"] == "Degraded":
+            _emit_on_change(ctx, body, "Degraded", "True", c, "Warning", c["reason"])
     new_status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": st.merge_conditions(old_status.get("conditions"), conditions, now_s, generation),

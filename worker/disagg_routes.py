@@ -325,8 +325,8 @@ class Disaggregation:
             stream = self.engine.open_stream(rid)
             try:
                 await self.engine.call(lambda e: e.commit_import(rid, first))
-            except Exception:
-                stream.close()
+            except BaseException:  # incl. cancellation: the commit may still have run on the engine thread
+                stream.close()  # aborts the request if it exists, so its blocks come back either way
                 raise
             committed = True
             w.metrics.kv_transfer(*self.connector.finish_load(rid))

@@ -127,7 +127,10 @@ class WorkerMetrics:
     """All pdcluster_* series for one process, bound to its labels.
 
     `registry` defaults to a fresh one (not the global default) so several apps can live in one
-    test process without duplicate-series errors.
+    test process without duplicate-series errors. `stats_fn` feeds the engine-state series at
+    scrape time with engine.stats()-style keys (requests_waiting, requests_running,
+    requests_swapped, kv_cache_used_blocks, kv_cache_total_blocks, kv_cache_usage_ratio,
+    preemptions_total); the router can pass its own queue lengths the same way.
     """
 
     def __init__(

@@ -49,15 +49,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # One fused op; bit-identical to transformers' pow/mean/rsqrt/mul sequence in fp32, and, like it,
+        # normalizes half inputs in fp32 before the weight multiply in the model dtype.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -73,13 +69,13 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttnMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        n, h = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, h + self.num_kv_heads, self.head_dim)
+        # RoPE on q and k together. transformers computes x*cos + cat(-x2, x1)*sin; rolling by half a head
+        # and folding the sign into sin (sin_signed = cat(-sin, sin)) gives the same bits in fewer ops.
+        qk = qkv[:, :h]
+        qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, h:]
         cache.write(self.layer, k, v, md.slot_mapping)
         if md.is_prefill:
             if md.layer_hook is not None:
@@ -167,7 +163,10 @@ class LlamaForCausalLM(nn.Module):
         freqs = pos[:, None] * self.cfg.inv_freq()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
-        self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(device=device, dtype=dtype)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # see Attention.forward
+        self.cos_sin = torch.stack((emb.cos(), sin_signed)).to(device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden]``."""

@@ -36,6 +36,10 @@ class UsageError(Exception):
     """A user mistake: reported as one line, exit code 2."""
 
 
+class StartupError(Exception):
+    """The environment failed us (I/O, device memory): one line, exit code 1."""
+
+
 def _error(self: argparse.ArgumentParser, message: str) -> NoReturn:
     # argparse would print the whole usage block; one line that names the problem is clearer.
     print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
@@ -110,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     a("--port", type=_port, default=8000)
     a("--device", choices=["cpu", "cuda"], default="cpu")
-    a("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the model's, float32 on CPU")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+      help="auto (default): float32 on CPU, the checkpoint's dtype on CUDA")
     a("--block-size", type=int, choices=[8, 16, 32], default=16, help="KV cache tokens per block")
     a("--kv-cache-dtype", choices=["auto", "int8", "int4"], default="auto")
     a("--max-batch-size", type=_positive_int, default=16, help="decode batch bound (useful range 8-32)")
@@ -209,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the engine's config/loader name what is wrong in a ValueError
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -222,8 +230,6 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     import uvicorn
 
@@ -233,7 +239,10 @@ def _run(args: argparse.Namespace) -> int:
 
     config = make_config(EngineConfig, engine_config_kwargs(args))
     log.info("loading %s", folder)
-    engine = AsyncEngine.from_config(config)  # ValueError names what is wrong with the folder
+    try:
+        engine = AsyncEngine.from_config(config)  # a ValueError names what is wrong with the folder
+    except (OSError, RuntimeError, MemoryError) as e:  # unreadable files, CUDA/OOM: not a usage error
+        raise StartupError(f"cannot load the model from {str(folder)!r}: {type(e).__name__}: {e}") from None
     name = args.served_model_name or folder.resolve().name
 
     async def start() -> None:
@@ -246,6 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         engine,
         role=args.role,
         served_model_name=name,
+        model_aliases=[args.model, str(folder.resolve()), folder.resolve().name],
         max_queue_depth=args.max_queue_depth,
         request_timeout=args.request_timeout,
         on_startup=[start],

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -55,6 +55,7 @@ def build_app(
     *,
     role: str = "both",
     served_model_name: str = "pdcluster",
+    model_aliases: Sequence[str] = (),
     max_queue_depth: int | None = None,
     request_timeout: float | None = None,
     tokenizer: Any = None,
@@ -66,6 +67,9 @@ def build_app(
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> FastAPI:
     """The worker app. `tokenizer` defaults to the engine's (None = token-id prompts only).
+
+    Requests naming a model other than `served_model_name` or one of `model_aliases` get 404
+    (OpenAI's model_not_found); requests naming none are served.
 
     `on_startup` hooks run before /health turns ready (e.g. engine warm-up); `on_shutdown`
     hooks run after the server stops taking connections.
@@ -80,6 +84,7 @@ def build_app(
         request_timeout=request_timeout,
         tokenizer=tokenizer,
         limits=limits,
+        model_aliases=model_aliases,
     )
 
     @contextlib.asynccontextmanager
@@ -151,11 +156,11 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+async def _collect(request: Request, outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
     """Gather a non-streaming result, aborting the request if the client disconnects meanwhile."""
 
     async def gather() -> list[RequestOutput]:
-        async with contextlib.aclosing(outputs) as outs:  # type: ignore[type-var]
+        async with contextlib.aclosing(outputs) as outs:
             return [o async for o in outs]
 
     work = asyncio.ensure_future(gather())
@@ -216,7 +221,7 @@ def _openai_routes() -> APIRouter:
         prompt_ids = encode_prompt(w.tokenizer, req.prompt)
         prompt_ids, params = await _prepare(w, req, prompt_ids, req.max_tokens)
         w.admit()
-        rid, model = new_id("cmpl"), w.served_model_name
+        rid, model, created = new_id("cmpl"), w.served_model_name, int(time.time())
         outputs = w.run(rid, prompt_ids, params, arrival)
         n_prompt = len(prompt_ids)
 
@@ -234,7 +239,8 @@ def _openai_routes() -> APIRouter:
                         token_ids=list(ids) if req.return_token_ids else None,
                     )
                     usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
-                    yield _sse(CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
+                    chunk = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
+                    yield _sse(chunk)
 
             return _stream(outputs, events())
 
@@ -248,7 +254,8 @@ def _openai_routes() -> APIRouter:
             token_ids=[t for o in outs for t in o.new_token_ids] if req.return_token_ids else None,
         )
         usage = Usage.of(n_prompt, final.completion_tokens)
-        return JSONResponse(CompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump())
+        body = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
+        return JSONResponse(body.model_dump())
 
     @r.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
@@ -259,7 +266,7 @@ def _openai_routes() -> APIRouter:
         prompt_ids = render_chat(w.tokenizer, req.template_messages(), req.add_generation_prompt)
         prompt_ids, params = await _prepare(w, req, prompt_ids, req.requested_max_tokens())
         w.admit()
-        rid, model = new_id("chatcmpl"), w.served_model_name
+        rid, model, created = new_id("chatcmpl"), w.served_model_name, int(time.time())
         outputs = w.run(rid, prompt_ids, params, arrival)
         n_prompt = len(prompt_ids)
 
@@ -267,7 +274,7 @@ def _openai_routes() -> APIRouter:
             async def events() -> AsyncIterator[str]:
                 # OpenAI sends the role alone first; clients key off it.
                 first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-                yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[first]))
+                yield _sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[first]))
                 async for out in outputs:
                     if out.finished and out.finish_reason in ("error", "abort"):
                         _check_final(out)  # raises: becomes an error event
@@ -280,7 +287,8 @@ def _openai_routes() -> APIRouter:
                         token_ids=list(ids) if req.return_token_ids else None,
                     )
                     usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
-                    yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage))
+                    chunk = ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice], usage=usage)
+                    yield _sse(chunk)
 
             return _stream(outputs, events())
 
@@ -294,12 +302,13 @@ def _openai_routes() -> APIRouter:
             token_ids=[t for o in outs for t in o.new_token_ids] if req.return_token_ids else None,
         )
         usage = Usage.of(n_prompt, final.completion_tokens)
-        return JSONResponse(ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump())
+        chat_body = ChatCompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
+        return JSONResponse(chat_body.model_dump())
 
     return r
 
 
-def _stream(outputs: AsyncIterator[RequestOutput], events: AsyncIterator[str]) -> StreamingResponse:
+def _stream(outputs: AsyncGenerator[RequestOutput, None], events: AsyncIterator[str]) -> StreamingResponse:
     """SSE body: the chunks, then an error event if something failed, then `data: [DONE]`.
 
     A client disconnect cancels this generator (Starlette watches for http.disconnect); closing
@@ -316,7 +325,7 @@ def _stream(outputs: AsyncIterator[RequestOutput], events: AsyncIterator[str]) -
             log.exception("stream failed")
             yield _sse(errors.APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -12,7 +12,8 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -202,27 +203,53 @@ class WorkerServer:
             raise errors.bad_request(str(e)) from None
 
     # ------------------------------------------------------------------ running
-    async def run(
+    def run(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the engine's outputs, with deadline, metrics, and abort on any early exit.
 
-        Callers should iterate inside `contextlib.aclosing` so an early exit (client disconnect)
-        runs the cleanup at once rather than at garbage collection.
+        The request counts as in flight (and queued) from this call on, not from the first
+        iteration, so an admit() right after sees it: the queue bound holds under bursts. A stream
+        that is never iterated (e.g. the client left before the response started) is released
+        when it is garbage-collected. Callers should iterate inside `contextlib.aclosing` so an
+        early exit runs the cleanup at once.
         """
-        arrival = time.monotonic() if arrival is None else arrival
-        loop = asyncio.get_running_loop()
-        deadline = None if self.request_timeout is None else loop.time() + self.request_timeout - (
-            time.monotonic() - arrival
-        )
         self.metrics.request_accepted(len(prompt_ids))
         self.in_flight += 1
         self.pending += 1
         self._idle.clear()
+        started = [False]
+        stream = self._run(started, request_id, prompt_ids, params, arrival or time.monotonic())
+        weakref.finalize(stream, self._release_unstarted, started)
+        return stream
+
+    def _release_unstarted(self, started: list[bool]) -> None:
+        if not started[0]:
+            started[0] = True
+            self._done(pending=True)
+
+    def _done(self, pending: bool) -> None:
+        if pending:
+            self.pending -= 1
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def _run(
+        self, started: list[bool], request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if started[0]:  # already released by the finalizer: cannot happen while we are referenced
+            return
+        started[0] = True
+        loop = asyncio.get_running_loop()
+        deadline = None if self.request_timeout is None else loop.time() + self.request_timeout - (
+            time.monotonic() - arrival
+        )
         waiting_first, finished = True, False
         last = arrival
-        stream = self.engine.generate(request_id, prompt_ids, params)
+        stream: AsyncIterator[RequestOutput] | None = None
         try:
+            stream = self.engine.generate(request_id, prompt_ids, params)
             while not finished:
                 try:
                     async with asyncio.timeout_at(deadline):
@@ -251,14 +278,10 @@ class WorkerServer:
                 finished = out.finished
                 yield out
         finally:
-            if waiting_first:
-                self.pending -= 1
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+            self._done(pending=waiting_first)
             if not finished:
                 self.abort_soon(request_id)
-            aclose = getattr(stream, "aclose", None)
+            aclose = getattr(stream, "aclose", None) if stream is not None else None
             if aclose is not None:
                 try:
                     await aclose()

@@ -83,11 +83,13 @@ def test_profile_unreachable_url_is_a_message(free_port, capsys):
     assert main(["profile", "--url", "nope", "--batch-sizes", "1"]) == 2
 
 
+@pytest.mark.slow
 def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
     pytest.importorskip("torch")
     from pdcluster.worker.demo_model import build_demo_model
 
-    model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             tokenizer=False)  # no BPE training: faster
     rc = main(["profile", "--model", str(model), "--batch-sizes", "1,2", "--prefill-len", "32",
                "--prefill-requests", "2", "--decode-len", "4", "--block-sizes", "16,32"])
     assert rc == 0

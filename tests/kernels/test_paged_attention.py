@@ -140,3 +140,21 @@ def test_torch_path_long_sequence_matches_oracle(oracle):
     q = torch.randn(2, 8, 32)
     out, ref = run(oracle, paged, q, "torch")
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+
+
+def test_torch_path_bf16(oracle):
+    """bf16 runs on the torch path anywhere (the interpreter's bf16 dot is wrong, so Triton bf16 is GPU-only)."""
+    paged = oracle.make_paged([1, 16, 17], 2, 64, 16, torch.bfloat16, seed=21)
+    q = torch.randn(3, 8, 64).to(torch.bfloat16)
+    out, ref = run(oracle, paged, q, "torch")
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.float16)])
+def test_mixed_q_and_cache_dtypes(oracle, backend, q_dtype, cache_dtype):
+    """Output is in q.dtype; math is at least as precise as the less precise of the two."""
+    paged = oracle.make_paged([3, 9], 1, 32, 8, cache_dtype, seed=13)
+    q = torch.randn(2, 2, 32).to(q_dtype)
+    out, ref = run(oracle, paged, q, backend)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float16])

@@ -6,7 +6,6 @@ import math
 import random
 
 import pytest
-
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator.planner import Bounds
 from pdcluster.operator.status import fmt_time, parse_time

@@ -7,13 +7,14 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
+import yaml
 from kopf.testing import KopfRunner
-
 from pdcluster.operator import handlers
 
 from .conftest import make_body, make_spec
@@ -50,6 +51,36 @@ async def operator(resync: float = 60.0) -> AsyncIterator[KopfRunner]:
     finally:
         await asyncio.to_thread(runner.__exit__, None, None, None)
         handlers.RUNTIME.resync_seconds = 60.0
+
+
+RBAC_RULES = yaml.safe_load((Path(__file__).resolve().parents[2] / "operator" / "rbac.yaml").read_text())["rules"]
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
+
+
+def _granted(group: str, resource: str, verb: str) -> bool:
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in RBAC_RULES)
+
+
+@pytest.fixture(autouse=True)
+def operator_stays_within_rbac(k8s: Any) -> Iterator[None]:
+    """Every API request the operator (kopf or our client) made in the test is allowed by operator/rbac.yaml."""
+    yield
+    used = set()
+    for r in list(k8s):
+        agent = (r.headers or {}).get("User-Agent", "")
+        if r.resource is None or not r.resource.plural or \
+                not (agent.startswith("kopf/") or agent.startswith("pdcluster-operator")):
+            continue
+        if r.action is None:
+            continue
+        name = r.action.name
+        verb = VERBS.get(name) or ("patch" if r.method == "PATCH" else "update")
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        used.add((r.resource.group, resource, verb))
+        if verb == "patch" and "apply-patch" in (r.headers or {}).get("Content-Type", ""):
+            used.add((r.resource.group, resource, "create"))  # apply may create: authorized as create too
+    missing = sorted(u for u in used if not _granted(*u))
+    assert not missing, f"operator/rbac.yaml does not grant what the operator used: {missing}"
 
 
 def _status(k8s: Any, name: str = "demo") -> dict[str, Any]:
@@ -229,3 +260,45 @@ async def test_autoscaler_holds_when_prometheus_is_unreachable(k8s: Any, kubecon
     # Held at the spec's starting replicas.
     assert _obj(k8s, "apps/v1/deployments", "demo-prefill")["spec"]["replicas"] == 1
     assert _obj(k8s, "apps/v1/deployments", "demo-decode")["spec"]["replicas"] == 2
+
+
+async def test_pdcluster_operator_command_runs_the_handlers(k8s: Any, kubeconfig: Any, tmp_path: Path) -> None:
+    """`pdcluster operator` as its own process (as the e2e suite and the chart run it) against kmock."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    k8s.objects[PDC, NS, "demo"] = make_body()
+    metrics_port, live_port = free_port(), free_port()
+    log = open(tmp_path / "operator.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdcluster", "operator", "--resync-seconds", "5", "--metrics-port", str(metrics_port),
+         "--liveness", f"http://127.0.0.1:{live_port}/healthz"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+    try:
+        await wait_for(lambda: proc.poll() is not None or _status(k8s).get("endpoint"), timeout=30,
+                       what="status from the operator process")
+        assert proc.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            assert "pdcluster_operator_reconciles_total" in metrics
+            assert 'pdcluster_autoscaler_desired_replicas{namespace="ns1",pdcluster="demo",role="decode"} 2.0' \
+                in metrics
+            assert (await http.get(f"http://127.0.0.1:{live_port}/healthz")).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "operator.log").read_text()[-3000:]

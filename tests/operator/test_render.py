@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from pdcluster.operator import render
 from pdcluster.operator.models import parse_spec
 

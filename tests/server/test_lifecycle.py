@@ -95,6 +95,23 @@ def test_full_queue_is_429_with_retry_after() -> None:
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def test_queue_bound_holds_under_a_burst() -> None:
+    # Batch of 1 and a queue of 2: of a simultaneous burst, at most 1 running + 2 waiting get in
+    # (a 3rd waiting slot frees only once the first request has produced its first token).
+    engine = FakeEngine(step_delay=0.05, max_batch_size=1)
+
+    async def burst(url: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            reqs = [c.post("/v1/completions", json={"prompt": "a", "max_tokens": 10}) for _ in range(8)]
+            return [r.status_code for r in await asyncio.gather(*reqs)]
+
+    with serve(build_app(engine, max_queue_depth=2)) as url:
+        codes = asyncio.run(burst(url))
+    assert set(codes) <= {200, 429}
+    assert 2 <= codes.count(200) <= 3, codes
+    assert _idle(engine)
+
+
 def test_drain_finishes_in_flight_and_refuses_new_work() -> None:
     engine = FakeEngine(step_delay=0.02)
     with serve(build_app(engine)) as url, httpx.Client(base_url=url, timeout=30) as c:

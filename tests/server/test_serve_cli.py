@@ -65,6 +65,12 @@ def test_unsupported_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert_one_error_line(*run_cli(["--model", str(tmp_path), "--port", str(free_port())], capsys), "gpt2")
 
 
+def test_model_folder_without_weights(demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((demo_model_dir / name).read_bytes())
+    assert_one_error_line(*run_cli(["--model", str(tmp_path), "--port", str(free_port())], capsys), "weights")
+
+
 def test_missing_secret_file(demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", str(demo_model_dir), "--kv-transfer-secret-file", "/no/such/secret"]
     assert_one_error_line(*run_cli(argv, capsys), "secret")

@@ -93,6 +93,7 @@ class Flow:
         self.stages = Stages()
         self.resumes = 0
         self.retries = 0
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -175,6 +176,11 @@ class Flow:
             except httpx.TransportError as e:
                 self.pool.mark_failed("decode", w.url, str(e))
                 continue
+            except asyncio.CancelledError:
+                # Deadline or client gone while the reservation was in flight: it may have succeeded on the
+                # worker, so release it now rather than leave it to the worker's reaper.
+                self._detach(self._cancel(w, arid))
+                raise
             finally:
                 if not ok:
                     w.in_flight -= 1
@@ -185,6 +191,11 @@ class Flow:
             if r.status_code >= 500 and r.status_code != 503:
                 self.pool.mark_failed("decode", w.url, f"reserve: HTTP {r.status_code}")
         raise NoCapacity("no decode worker has free KV blocks")
+
+    def _detach(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _cancel(self, w: Worker, arid: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -257,7 +268,7 @@ class Flow:
             p.in_flight -= 1
             d.in_flight -= 1
             if not decoding:  # the reservation was never consumed: give the blocks back now
-                await asyncio.shield(self._cancel(d, arid))
+                self._detach(self._cancel(d, arid))
 
     # ------------------------------------------------------------------ one attempt, decode worker only
     async def _direct(self, arid: str, prompt: list[int], params: dict[str, Any],

@@ -9,7 +9,7 @@ ENV_VAR = "PDCLUSTER_KV_SECRET"
 MIN_SECRET_BYTES = 16  # shorter secrets are brute-forceable; refuse them rather than pretend
 
 
-class SecretError(RuntimeError):
+class SecretError(ValueError):  # a ValueError: `pdcluster serve` reports it as a usage error (exit 2)
     pass
 
 

@@ -1,0 +1,48 @@
+"""Backpressure and deadlines at the router: a bounded queue answers 429 + Retry-After (never 5xx) and a
+request past --request-timeout gets a 504; neither leaks KV blocks or hurts later requests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .harness import cluster, idle_everywhere, metric
+
+
+async def burst(url: str, n: int, max_tokens: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def one(i: int) -> httpx.Response:
+            return await client.post("/v1/completions", json={
+                "prompt": [5 + i] * (20 + i), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+@pytest.mark.slow
+def test_overload_gives_429_not_5xx_and_timeouts_give_504(tiny_model_dir: Path) -> None:
+    with cluster(tiny_model_dir, threshold=0, max_queue_depth=2, request_timeout=60) as c:
+        rs = asyncio.run(burst(c.router, 24, 24))
+        codes = [r.status_code for r in rs]
+        assert set(codes) <= {200, 429}, codes
+        assert 429 in codes and 200 in codes
+        r429 = next(r for r in rs if r.status_code == 429)
+        assert int(r429.headers["Retry-After"]) >= 1 and r429.json()["error"]["code"] == "queue_full"
+        assert metric(c.router, "pdcluster_requests_rejected_total") >= codes.count(429)
+        assert httpx.get(f"{c.router}/health").status_code == 200
+        assert all(r.status_code == 200 for r in asyncio.run(burst(c.router, 2, 4)))
+        loads = idle_everywhere(c)
+        assert all(d["used_blocks"] == 0 for d in loads), loads
+
+    with cluster(tiny_model_dir, threshold=0, request_timeout=0.2) as c:
+        r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={
+            "prompt": [7] * 10, "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        # streamed: the deadline ends the stream with an error event, then [DONE]
+        r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={
+            "prompt": [7] * 10, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True})
+        events = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert '"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        loads = idle_everywhere(c)
+        assert all(d["used_blocks"] == 0 for d in loads), loads

@@ -1,0 +1,155 @@
+"""The autoscaler's Prometheus source against a real Prometheus server (the Debian `prometheus` binary),
+scraping a small prometheus_client exporter that this test serves on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pdcluster.operator import autoscaler as asc
+from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="the prometheus binary is not installed (run `bash scripts/setup.sh test`)")
+
+RATE = 4.0  # requests/s
+IN, OUT = 2048, 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Workload:
+    """pdcluster_* series as a router + 2 prefill + 2 decode workers of PDCluster `demo` would export
+    them, with counters that grow at exact rates (computed at scrape time)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+
+    def collect(self):
+        t = time.time() - self.t0
+        def counter(name, doc, samples):
+            c = CounterMetricFamily(name, doc, labels=["pdcluster", "role", "worker"])
+            for labels, value in samples:
+                c.add_metric(labels, value)
+            return c
+        yield counter("pdcluster_requests_total", "requests", [
+            (["demo", "router", "r0"], RATE * t), (["other", "router", "r0"], 100 * t)])
+        yield counter("pdcluster_prompt_tokens_total", "prompt tokens", [
+            (["demo", "router", "r0"], RATE * IN * t),
+            (["demo", "prefill", "p0"], RATE * IN * t / 2), (["demo", "prefill", "p1"], RATE * IN * t / 2)])
+        yield counter("pdcluster_generation_tokens_total", "generated tokens", [
+            (["demo", "router", "r0"], RATE * OUT * t),
+            (["demo", "decode", "d0"], RATE * OUT * t / 2), (["demo", "decode", "d1"], RATE * OUT * t / 2)])
+        g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
+        for w in ("p0", "p1"):
+            g.add_metric(["demo", "prefill", w], 3)  # the prefill queue never empties: saturated
+        for w in ("d0", "d1"):
+            g.add_metric(["demo", "decode", w], 0)
+        yield g
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Workload())
+    exporter_port = _free_port()
+    server, thread = start_http_server(exporter_port, addr="127.0.0.1", registry=registry)
+    tmp: Path = tmp_path_factory.mktemp("prometheus")
+    (tmp / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: pdcluster\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{exporter_port}']\n")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        server.shutdown()
+
+
+WINDOW = 6
+
+
+def _observe_when_ready(source: PrometheusSource, cluster: str = "demo") -> asc.Observation:
+    """Wait (bounded) until Prometheus holds a full window of samples: rate() divides the increase by
+    the whole window, so a window only partly covered by samples under-reports."""
+    deadline = time.monotonic() + 40
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            # seconds of samples Prometheus holds for the exporter
+            covered = source.scalar("time() - min_over_time(timestamp(up)[1m:1s])")
+            if covered is None or covered < WINDOW + 2:
+                time.sleep(0.5)
+                continue
+            o = source.observe(cluster, window_seconds=WINDOW)
+            if o.prefill_tokens_per_instance and o.decode_tokens_per_instance and o.prefill_saturated:
+                return o
+        except MetricsUnavailable as e:
+            last = e
+        time.sleep(0.5)
+    raise AssertionError(f"no usable observation from Prometheus: {last}")
+
+
+def test_observation_from_a_real_prometheus(prometheus: str) -> None:
+    o = _observe_when_ready(PrometheusSource(prometheus))
+    assert o.request_rate == pytest.approx(RATE, rel=0.1)
+    assert o.mean_input_tokens == pytest.approx(IN, rel=0.05)
+    assert o.mean_output_tokens == pytest.approx(OUT, rel=0.05)
+    # per instance: the pool's throughput over the 2 instances reporting a queue
+    assert o.prefill_tokens_per_instance == pytest.approx(RATE * IN / 2, rel=0.1)
+    assert o.decode_tokens_per_instance == pytest.approx(RATE * OUT / 2, rel=0.1)
+    assert o.prefill_saturated is True
+    assert o.decode_saturated is False
+
+
+def test_decision_learns_the_saturated_pool_from_prometheus(prometheus: str) -> None:
+    o = _observe_when_ready(PrometheusSource(prometheus))
+    pol = asc.Policy(headroom=1.5, prefill_capacity=None, decode_capacity=2000.0)
+    d = asc.decide(pol, asc.State(), o, asc.PoolView(2, 2), asc.PoolView(2, 2), now=0)
+    # prefill was saturated at ~4096 tok/s per instance: that is its capacity now
+    assert d.state.prefill.learned_capacity == pytest.approx(RATE * IN / 2, rel=0.1)
+    assert d.prefill.capacity_source == "learned"
+    # 1.5 * 4 req/s * 2048 / 4096 = 3 instances; decode 1.5 * 4 * 512 / 2000 = 1.54 -> 2
+    assert d.prefill.recommended == 3 and d.decode.recommended == 2
+
+
+def test_missing_series_and_unreachable_server(prometheus: str) -> None:
+    with pytest.raises(MetricsUnavailable) as e:
+        PrometheusSource(prometheus).observe("nobody", window_seconds=WINDOW)
+    assert e.value.reason == "SeriesMissing"
+    with pytest.raises(MetricsUnavailable) as e:
+        PrometheusSource(f"http://127.0.0.1:{_free_port()}", timeout=2).observe("demo", window_seconds=10)
+    assert e.value.reason == "PrometheusUnreachable"

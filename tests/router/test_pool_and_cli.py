@@ -1,0 +1,41 @@
+"""Worker pool bookkeeping, DNS service resolution, and the router CLI's argument checks."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdcluster.worker.router import cli
+from pdcluster.worker.router.pool import Pool, resolve_service
+
+
+def test_resolve_service_gives_one_url_per_address() -> None:
+    urls = resolve_service("localhost:8123")
+    assert urls and all(u.endswith(":8123") for u in urls)
+    assert resolve_service("no-such-host.invalid:80") == []
+
+
+async def test_pool_marks_and_snapshot() -> None:
+    pool = Pool(prefill_urls=["http://127.0.0.1:1/"], decode_urls=["http://127.0.0.1:2"])
+    assert [w.url for w in pool.pool("prefill")] == ["http://127.0.0.1:1"]
+    assert not pool.any_healthy()  # nobody is healthy before a probe answered
+    await pool.probe_all()  # nothing listens on ports 1 and 2
+    assert not pool.any_healthy()
+    w = pool.get("decode", "http://127.0.0.1:2")
+    w.healthy = True
+    pool.mark_failed("decode", w.url, "connection refused")
+    snap = pool.snapshot()
+    assert snap["decode"][0]["healthy"] is False and snap["decode"][0]["last_error"] == "connection refused"
+    await pool.stop()
+
+
+def test_cli_requires_a_decode_pool(capsys) -> None:  # type: ignore[no-untyped-def]
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--prefill", "http://x:1"])) == 2
+    assert "decode" in capsys.readouterr().err
+    args = p.parse_args(["--decode", "http://a:1", "http://b:2", "--prefill-service", "pf:8000",
+                         "--max-queue-depth", "4", "--disaggregation-threshold", "32"])
+    assert args.decode == ["http://a:1", "http://b:2"] and args.prefill_service == ["pf:8000"]
+    app = cli.build(args)
+    state = app.state.router
+    assert state.max_queue_depth == 4 and state.flow.threshold == 32

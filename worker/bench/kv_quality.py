@@ -1,0 +1,292 @@
+"""KV-cache quantization quality, measured: perplexity with fp32 vs int8 vs int4 K/V, per-layer
+sensitivity, and how much of the int4 loss keeping the most sensitive layers in full precision
+(`kvCache.fullPrecisionLayers`) recovers.
+
+How K/V are perturbed: exactly as the engine's paged cache stores them. Every K and V vector (per token,
+per KV head, after RoPE) goes through `pdcluster.kernels.quantize_kv` and back through `dequantize_kv`,
+the same symmetric per-vector absmax scheme, and attention then reads the dequantized values. That is the
+decode path: a decoded token attends to the quantized cache of every earlier token and its own. (Our
+prefill attends to its fresh, unquantized K/V; perplexity here therefore describes generated tokens, the
+ones that quantization can hurt.) `--check-engine` verifies this against the real engine: greedy decode
+with `kv_cache_dtype=int8/int4` and `debug_logits`, compared logit by logit with this reimplementation.
+
+Run: python -m pdcluster.worker.bench.kv_quality [--model DIR] [--out results.json]
+(default model: the trained demo model, `make demo-model`; a random model cannot show quality loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ATTN_NAME = "pdcluster_kvq"
+
+
+# ------------------------------------------------------------------------------------- pure helpers
+
+
+def kv_bytes_per_vector(head_dim: int, bits: int | None, full_bytes: int = 2) -> float:
+    """Bytes of one K or V vector in the cache: codes + a float32 scale (quantized), or fp16/bf16."""
+    if bits is None:
+        return head_dim * full_bytes
+    return head_dim * bits / 8 + 4
+
+
+def relative_kv_memory(layer_bits: Sequence[int | None], head_dim: int) -> float:
+    """KV memory of a per-layer precision assignment relative to 16-bit everywhere."""
+    full = kv_bytes_per_vector(head_dim, None)
+    return sum(kv_bytes_per_vector(head_dim, b) for b in layer_bits) / (full * len(layer_bits))
+
+
+def rank_layers(base_ppl: float, single_layer_ppl: Sequence[float]) -> list[int]:
+    """Layers ordered most sensitive first (largest perplexity increase when only it is quantized)."""
+    return sorted(range(len(single_layer_ppl)), key=lambda i: (-(single_layer_ppl[i] - base_ppl), i))
+
+
+def recovered_fraction(base: float, all_quant: float, mixed: float) -> float | None:
+    """Share of the quantization loss (all_quant - base) that `mixed` wins back; None if no loss."""
+    loss = all_quant - base
+    if loss <= 1e-12:
+        return None
+    return (all_quant - mixed) / loss
+
+
+# --------------------------------------------------------------------------------- the measurement
+
+
+def _fake_quant(x, bits: int):
+    from pdcluster.kernels import dequantize_kv, quantize_kv
+
+    q, scale = quantize_kv(x, bits=bits)
+    return dequantize_kv(q, scale, bits=bits, dtype=x.dtype)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        # key/value: [batch, kv_heads, seq, head_dim] after RoPE, before GQA expansion: one vector per
+        # token and KV head, like a cache slot.
+        bits = getattr(module, "pdc_kv_bits", None)
+        if bits:
+            key, value = _fake_quant(key, bits), _fake_quant(value, bits)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(ATTN_NAME, attention)
+
+
+def load_model(model_dir: str | Path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _register_attention()
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation=ATTN_NAME, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def set_layer_bits(model, layer_bits: Sequence[int | None]) -> None:
+    layers = model.model.layers
+    if len(layer_bits) != len(layers):
+        raise ValueError(f"{len(layer_bits)} settings for {len(layers)} layers")
+    for layer, bits in zip(layers, layer_bits, strict=True):
+        layer.self_attn.pdc_kv_bits = bits
+
+
+def eval_windows(model_dir: str | Path, text: str | None, seq_len: int, n_windows: int) -> list[list[int]]:
+    """Non-overlapping token windows of held-out text (the demo model's heldout.txt by default)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    if text is None:
+        text = (Path(model_dir) / "heldout.txt").read_text(encoding="utf-8")
+    ids = tok.encode(text).ids
+    wins = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:n_windows]
+    if not wins:
+        raise ValueError(f"held-out text has fewer than {seq_len} tokens")
+    return wins
+
+
+def perplexity(model, windows: list[list[int]], batch: int = 16) -> float:
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, len(windows), batch):
+            x = torch.tensor(windows[i : i + batch])
+            logits = model(input_ids=x).logits[:, :-1].float()
+            target = x[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                     reduction="sum")
+            nll += loss.item()
+            count += target.numel()
+    return math.exp(nll / count)
+
+
+def measure(model_dir: str | Path, seq_len: int = 128, n_windows: int = 64, bits_low: int = 4,
+            log=print) -> dict:
+    model = load_model(model_dir)
+    n_layers = len(model.model.layers)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    head_dim = getattr(model.config, "head_dim", None) or head_dim
+    windows = eval_windows(model_dir, None, seq_len, n_windows)
+    t0 = time.time()
+
+    def ppl(bits: Sequence[int | None]) -> float:
+        set_layer_bits(model, bits)
+        return perplexity(model, windows)
+
+    fp = ppl([None] * n_layers)
+    int8 = ppl([8] * n_layers)
+    low = ppl([bits_low] * n_layers)
+    log(f"fp32 {fp:.3f}  int8 {int8:.3f}  int{bits_low} {low:.3f}  ({time.time() - t0:.0f}s)")
+    single = []
+    for i in range(n_layers):
+        single.append(ppl([bits_low if j == i else None for j in range(n_layers)]))
+        log(f"  only layer {i} int{bits_low}: {single[-1]:.3f}")
+    order = rank_layers(fp, single)
+    mixed = []
+    for k in range(n_layers + 1):
+        keep = set(order[:k])
+        bits = [None if j in keep else bits_low for j in range(n_layers)]
+        p = ppl(bits)
+        mixed.append({"full_precision_layers": sorted(keep), "perplexity": p,
+                      "recovered": recovered_fraction(fp, low, p),
+                      "kv_memory_vs_16bit": relative_kv_memory(bits, head_dim)})
+    # Control: keep the *least* sensitive layer instead; the ranking, not the count, should matter.
+    least = order[-1]
+    control_bits = [None if j == least else bits_low for j in range(n_layers)]
+    control = {"full_precision_layers": [least], "perplexity": ppl(control_bits),
+               "kv_memory_vs_16bit": relative_kv_memory(control_bits, head_dim)}
+    control["recovered"] = recovered_fraction(fp, low, control["perplexity"])
+    return {
+        "model": str(model_dir), "layers": n_layers, "head_dim": head_dim, "seq_len": seq_len,
+        "eval_tokens": sum(len(w) - 1 for w in windows), "bits_low": bits_low,
+        "perplexity": {"fp32": fp, "int8": int8, f"int{bits_low}": low},
+        "kv_memory_vs_16bit": {"fp32": 2.0, "fp16": 1.0, "int8": relative_kv_memory([8], head_dim),
+                               f"int{bits_low}": relative_kv_memory([bits_low], head_dim)},
+        "single_layer": [{"layer": i, "perplexity": p, "delta": p - fp} for i, p in enumerate(single)],
+        "sensitivity_order": order,
+        "keep_most_sensitive": mixed,
+        "control_keep_least_sensitive": control,
+        "seconds": time.time() - t0,
+    }
+
+
+# ------------------------------------------------------------------------------ engine cross-check
+
+
+def check_engine(model_dir: str | Path, bits: int, prompt_len: int = 64, new_tokens: int = 32) -> dict:
+    """Greedy decode on the real engine with a quantized KV cache vs this file's reimplementation.
+
+    The engine's first token comes from prefill (fresh K/V), later ones from decode over the quantized
+    cache, so position 0 is compared against no quantization and the rest against `bits`.
+    """
+    import torch
+
+    from pdcluster.worker.engine import EngineConfig, LLMEngine
+    from pdcluster.worker.sampling_params import SamplingParams
+
+    prompt = eval_windows(model_dir, None, prompt_len, 1)[0]
+    eng = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_dtype=f"int{bits}",
+                                 debug_logits=True, max_batch_size=1, enable_prefix_caching=False))
+    eng.add_request("q", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    tokens, logits = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens += out.new_token_ids
+            logits.append(out.extra["logits"].float())
+    model = load_model(model_dir)
+    n = len(model.model.layers)
+    seq = torch.tensor([prompt + tokens[:-1]])
+    with torch.inference_mode():
+        set_layer_bits(model, [None] * n)
+        ref_fp = model(input_ids=seq).logits[0].float()
+        set_layer_bits(model, [bits] * n)
+        ref_q = model(input_ids=seq).logits[0].float()
+    diffs = [(logits[0] - ref_fp[prompt_len - 1]).abs().max().item()]
+    diffs += [(logits[i] - ref_q[prompt_len - 1 + i]).abs().max().item() for i in range(1, len(logits))]
+    # what "not faithful" would look like: the same decode logits against an unquantized reference
+    unquant = [(logits[i] - ref_fp[prompt_len - 1 + i]).abs().max().item() for i in range(1, len(logits))]
+    return {"bits": bits, "positions": len(logits), "max_abs_diff": max(diffs),
+            "max_abs_diff_vs_unquantized": max(unquant) if unquant else 0.0,
+            "logit_scale": ref_fp.abs().max().item()}
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def markdown(r: dict) -> str:
+    low = f"int{r['bits_low']}"
+    mem = r["kv_memory_vs_16bit"]
+    p = r["perplexity"]
+    lines = [
+        f"Model `{Path(r['model']).name}`: {r['layers']} layers, head_dim {r['head_dim']}; "
+        f"{r['eval_tokens']} held-out tokens in windows of {r['seq_len']}.",
+        "",
+        "| KV cache | perplexity | Δ vs fp32 | KV memory vs 16-bit |",
+        "|---|---:|---:|---:|",
+        f"| fp32 (reference) | {p['fp32']:.3f} | – | 2.00× |",
+        f"| int8, all layers | {p['int8']:.3f} | {p['int8'] - p['fp32']:+.3f} ({(p['int8'] / p['fp32'] - 1) * 100:+.2f}%) | {mem['int8']:.2f}× |",
+        f"| {low}, all layers | {p[low]:.3f} | {p[low] - p['fp32']:+.3f} ({(p[low] / p['fp32'] - 1) * 100:+.2f}%) | {mem[low]:.2f}× |",
+        "",
+        f"Per-layer sensitivity (only that layer {low}, the rest full precision):",
+        "",
+        "| layer | perplexity | Δ vs fp32 | rank |",
+        "|---:|---:|---:|---:|",
+    ]
+    rank = {layer: i + 1 for i, layer in enumerate(r["sensitivity_order"])}
+    for s in r["single_layer"]:
+        lines.append(f"| {s['layer']} | {s['perplexity']:.3f} | {s['delta']:+.3f} | {rank[s['layer']]} |")
+    lines += ["", f"{low} everywhere except the k most sensitive layers (`kvCache.fullPrecisionLayers`):", "",
+              "| k | full-precision layers | perplexity | share of the int4 loss recovered | KV memory vs 16-bit |",
+              "|---:|---|---:|---:|---:|"]
+    for k, m in enumerate(r["keep_most_sensitive"]):
+        rec = "–" if m["recovered"] is None else f"{m['recovered'] * 100:.0f}%"
+        lines.append(f"| {k} | {m['full_precision_layers'] or '–'} | {m['perplexity']:.3f} | {rec} | {m['kv_memory_vs_16bit']:.2f}× |")
+    c = r["control_keep_least_sensitive"]
+    rec = "–" if c["recovered"] is None else f"{c['recovered'] * 100:.0f}%"
+    lines.append(f"| 1 (control: least sensitive) | {c['full_precision_layers']} | {c['perplexity']:.3f} | {rec} | {c['kv_memory_vs_16bit']:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="KV-cache quantization quality (perplexity, per-layer sensitivity)")
+    ap.add_argument("--model", default=None, help="HF Llama folder with tokenizer.json and heldout.txt "
+                    "(default: the trained demo model; trains it if missing)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8], help="the low precision to study per layer")
+    ap.add_argument("--check-engine", action="store_true", help="also compare with the engine's int8/int4 decode")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.manual_seed(0)
+    model_dir = a.model
+    if model_dir is None:
+        from pdcluster.worker.bench.train_demo_model import ensure_demo_model
+
+        model_dir = ensure_demo_model(log=lambda m: print(m, file=sys.stderr))
+    r = measure(model_dir, a.seq_len, a.windows, a.bits, log=lambda m: print(m, file=sys.stderr))
+    if a.check_engine:
+        r["engine_check"] = [check_engine(model_dir, b) for b in (8, 4)]
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(r, indent=1))
+    print(markdown(r))
+    for c in r.get("engine_check", []):
+        print(f"engine check int{c['bits']}: max |logit diff| {c['max_abs_diff']:.2e} over {c['positions']} "
+              f"positions (vs unquantized reference: {c['max_abs_diff_vs_unquantized']:.2e}; logits up to "
+              f"{c['logit_scale']:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
