@@ -27,8 +27,8 @@ ETCD_PORT=$((PORT_BASE + 0)); ETCD_PEER_PORT=$((PORT_BASE + 1)); API_PORT=$((POR
 KCM_PORT=$((PORT_BASE + 57)); SCHED_PORT=$((PORT_BASE + 59)); KWOK_PORT=$((PORT_BASE + 80))
 NODES="${PDCLUSTER_FAKE_NODES:-3}"
 GPUS="${PDCLUSTER_NODE_GPUS:-8}"
-SERVICE_CIDR=10.96.0.0/16     # virtual; nothing routes it, kwok only writes these IPs into objects
-POD_CIDR=10.244.0.0/16
+SERVICE_CIDR=127.96.0.0/16    # loopback ranges: nothing in this cluster may ever send traffic off the machine
+POD_CIDR=127.244.0.0/16      # (the operator POSTs /drain to pod IPs; kwok pods get these)
 KUBECONFIG_PATH="$DIR/admin.kubeconfig"
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
@@ -73,7 +73,7 @@ api_ready() {
 wait_for() {  # description timeout_s command...
   local what="$1" t="$2"; shift 2
   local end=$((SECONDS + t))
-  until "$@"; do
+  until "$@" >/dev/null 2>&1; do
     ((SECONDS < end)) || return 1
     sleep 0.5
   done
@@ -96,7 +96,7 @@ gen_pki() {
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,IP:127.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
     cat > client.ext <<EOF
 basicConstraints=CA:FALSE

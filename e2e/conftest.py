@@ -5,6 +5,9 @@ Environment:
   PDCLUSTER_E2E_KEEP=1     leave the cluster running after the session (otherwise a cluster this session
                            started is stopped; one that was already running is left alone).
   PDCLUSTER_E2E_ARTIFACTS  where operator logs and failure dumps go (default /tmp/pdcluster-e2e).
+  PDCLUSTER_E2E_CRD        debugging only: install this CRD file instead of the chart's crds/.
+  PDCLUSTER_E2E_EXAMPLE    debugging only: start the scenarios from this PDCluster instead of
+                           examples/pdcluster-cpu.yaml.
 Every wait is bounded (see `wait_until`); on a failed test the operator log tail, the namespace's events and
 `kubectl describe pdc` are printed and saved under the artifacts dir.
 """
@@ -76,9 +79,13 @@ def helm_release(kube: Kube) -> dict[str, str]:
     """The chart installed (helm upgrade --install --wait): CRD, ServiceAccount, ClusterRole/Binding,
     operator Deployment (its pod is a kwok pod: it turns Ready but runs nothing; the real operator
     process is the `operator` fixture) and metrics Service."""
+    extra = []
+    if os.environ.get("PDCLUSTER_E2E_CRD"):  # try a CRD other than the chart's (debugging only)
+        kube.run("apply", "--server-side", "--force-conflicts", "-f", os.environ["PDCLUSTER_E2E_CRD"])
+        extra = ["--skip-crds"]
     cp = subprocess.run(
         [str(HELM), "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS,
-         "--create-namespace", "--wait", "--timeout", "120s", "--kubeconfig", kube.kubeconfig],
+         "--create-namespace", "--wait", "--timeout", "120s", "--kubeconfig", kube.kubeconfig, *extra],
         capture_output=True, text=True, timeout=180)
     assert cp.returncode == 0, f"helm install failed:\n{cp.stderr}\n{cp.stdout}"
     wait_until("the PDCluster CRD to be Established", lambda: kube.run(

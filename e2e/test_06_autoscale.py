@@ -59,7 +59,9 @@ def workers(artifacts: Path) -> Iterator[dict[str, Any]]:
         pytest.skip(why)
     port = _free_port()
     log = open(artifacts / "pdcluster-up.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(PDCLUSTER), "up", "--prefill", "1", "--decode", "1", "--port", str(port)],
+    # the router takes `port`, the workers the ports right after it
+    proc = subprocess.Popen([str(PDCLUSTER), "up", "--prefill", "1", "--decode", "1", "--port", str(port),
+                             "--host", "127.0.0.1", "--threads", "1"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -148,7 +150,8 @@ class Load:
         self.log = open(out / "bench.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [str(PDCLUSTER), "bench", "--url", url, "--prompt-lens", str(prompt_len), "--output-lens",
-             str(output_len), "--requests", str(requests), "--concurrency", str(concurrency), "--out", str(out)],
+             str(output_len), "--requests", str(requests), "--concurrency", str(concurrency), "--out", str(out),
+             "--no-progress", "--no-plots"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:

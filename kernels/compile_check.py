@@ -36,18 +36,20 @@ def _compile(fn: Any, types: dict[str, str], constexprs: dict[str, Any], arch: i
 
 def attention_variants() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
     out = []
-    # (q dtype, cache element type, bits, one pass, head_dim, group)
+    # (q dtype, cache element type, bits, one pass, head_dim, group); 80 exercises head_dim padding
     for qdt, cdt, bits, one_pass, hd, group in [
         ("fp16", "fp16", 0, True, 128, 8), ("fp16", "fp16", 0, False, 128, 8), ("bf16", "bf16", 0, False, 64, 1),
         ("fp32", "fp32", 0, True, 64, 4), ("fp16", "i8", 8, False, 128, 8), ("bf16", "u8", 4, False, 128, 8),
-        ("fp16", "u8", 4, True, 32, 2), ("fp32", "i8", 8, True, 32, 16),
+        ("fp16", "u8", 4, True, 32, 2), ("fp32", "i8", 8, True, 32, 16), ("bf16", "u8", 4, False, 80, 4),
     ]:
         cache = "*" + cdt
         scale = "*fp32" if bits else "*i32"
         types = dict(q_ptr="*" + qdt, k_ptr=cache, v_ptr=cache, ks_ptr=scale, vs_ptr=scale, bt_ptr="*i32",
                      lens_ptr="*i32", out_ptr="*" + qdt, pacc_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
                      qk_scale="fp32")
-        cx = dict(GROUP=group, GROUP_PAD=max(16, group), HEAD_DIM=hd, BLOCK_SIZE=16, TILE_N=64, PARTITION=512,
+        pad = max(32 if bits == 4 else 16, 1 << (hd - 1).bit_length())
+        cx = dict(GROUP=group, GROUP_PAD=max(16, group), HEAD_DIM=hd, HEAD_PAD=pad, BLOCK_SIZE=16, TILE_N=64,
+                  PARTITION=512,
                   BITS=bits, DOT_FP32="fp32" in (qdt, cdt), ONE_PASS=one_pass)
         out.append((f"attention q={qdt} cache={cdt} one_pass={one_pass} d={hd} g={group}", types, cx))
     return out
@@ -55,12 +57,15 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
 
 def write_variants() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
     out = []
-    for kdt, cdt, bits in [("fp16", "fp16", 0), ("fp32", "bf16", 0), ("fp16", "i8", 8), ("bf16", "u8", 4)]:
+    for kdt, cdt, bits, hd in [("fp16", "fp16", 0, 128), ("fp32", "bf16", 0, 96), ("fp16", "i8", 8, 128),
+                               ("bf16", "u8", 4, 80)]:
         cache = "*" + cdt
         scale = "*fp32" if bits else cache
         types = dict(k_ptr="*" + kdt, v_ptr="*" + kdt, kc_ptr=cache, vc_ptr=cache, ks_ptr=scale, vs_ptr=scale,
                      slot_ptr="*i64")
-        out.append((f"write k={kdt} cache={cdt}", types, dict(HEAD_DIM=128, BLOCK_SIZE=16, BITS=bits)))
+        pad = 1 << (hd - 1).bit_length()
+        out.append((f"write k={kdt} cache={cdt} d={hd}", types,
+                    dict(HEAD_DIM=hd, HEAD_PAD=pad, BLOCK_SIZE=12, BITS=bits)))
     return out
 
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(pa._paged_attn_partition_kernel, *v) for v in attention_variants()]
     jobs.append((pa._paged_attn_reduce_kernel, "reduce",
                  dict(out_ptr="*fp16", pacc_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", lens_ptr="*i32"),
-                 dict(HEAD_DIM=128, BLOCK_SIZE=16, PARTITION=512, PARTS_PAD=64)))
+                 dict(HEAD_DIM=80, HEAD_PAD=128, BLOCK_SIZE=16, PARTITION=512, PARTS_PAD=64)))
     jobs += [(wk._write_kv_kernel, *v) for v in write_variants()]
     for fn, label, types, cx in jobs:
         try:

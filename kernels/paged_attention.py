@@ -58,9 +58,9 @@ def _paged_attn_partition_kernel(
     s_bts, s_btb,
     s_os, s_oh, s_od,
     num_parts, num_heads,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr, PARTITION: tl.constexpr, BITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr, BITS: tl.constexpr,
+    DOT_FP32: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,20 +82,25 @@ def _paged_attn_partition_kernel(
         dot_ty = k_ptr.dtype.element_ty
     else:
         dot_ty = q_ptr.dtype.element_ty
-    HALF: tl.constexpr = HEAD_DIM // 2
+    # head_dim is padded to a power of two (HEAD_PAD) for tl.arange / tl.dot; lanes past it are masked.
+    HALF_PAD: tl.constexpr = HEAD_PAD // 2
     if BITS == 4:
-        j = tl.arange(0, HALF)
-        q_e = tl.load(q_row[:, None] + (2 * j)[None, :] * s_qd, mask=gmask[:, None], other=0.0)
-        q_o = tl.load(q_row[:, None] + (2 * j + 1)[None, :] * s_qd, mask=gmask[:, None], other=0.0)
+        j = tl.arange(0, HALF_PAD)
+        lane = j < HEAD_DIM // 2
+        gl = gmask[:, None] & lane[None, :]
+        q_e = tl.load(q_row[:, None] + (2 * j)[None, :] * s_qd, mask=gl, other=0.0)
+        q_o = tl.load(q_row[:, None] + (2 * j + 1)[None, :] * s_qd, mask=gl, other=0.0)
         q_e = (q_e.to(tl.float32) * qk_scale).to(dot_ty)
         q_o = (q_o.to(tl.float32) * qk_scale).to(dot_ty)
-        acc_e = tl.zeros([GROUP_PAD, HALF], dtype=tl.float32)
-        acc_o = tl.zeros([GROUP_PAD, HALF], dtype=tl.float32)
+        acc_e = tl.zeros([GROUP_PAD, HALF_PAD], dtype=tl.float32)
+        acc_o = tl.zeros([GROUP_PAD, HALF_PAD], dtype=tl.float32)
     else:
-        d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_row[:, None] + d[None, :] * s_qd, mask=gmask[:, None], other=0.0)
+        d = tl.arange(0, HEAD_PAD)
+        lane = d < HEAD_DIM
+        gl = gmask[:, None] & lane[None, :]
+        q = tl.load(q_row[:, None] + d[None, :] * s_qd, mask=gl, other=0.0)
         q = (q.to(tl.float32) * qk_scale).to(dot_ty)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
 
@@ -108,12 +113,13 @@ def _paged_attn_partition_kernel(
         off = t % BLOCK_SIZE
         k_rows = k_ptr + blk * s_kb + off * s_kt + kvh * s_kh
         v_rows = v_ptr + blk * s_vb + off * s_vt + kvh * s_vh
+        tl_mask = tmask[:, None] & lane[None, :]
         if BITS == 4:
-            kb = tl.load(k_rows[:, None] + j[None, :] * s_kd, mask=tmask[:, None], other=0)
+            kb = tl.load(k_rows[:, None] + j[None, :] * s_kd, mask=tl_mask, other=0)
             k_lo, k_hi = _nibbles(kb)
             s = _dot(q_e, tl.trans(k_lo.to(dot_ty)), DOT_FP32) + _dot(q_o, tl.trans(k_hi.to(dot_ty)), DOT_FP32)
         else:
-            k = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=tmask[:, None], other=0.0)
+            k = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=tl_mask, other=0.0)
             s = _dot(q, tl.trans(k.to(dot_ty)), DOT_FP32)
         if BITS != 0:
             ks = tl.load(ks_ptr + blk * s_ksb + off * s_kst + kvh * s_ksh, mask=tmask, other=0.0)
@@ -129,12 +135,12 @@ def _paged_attn_partition_kernel(
             p = p * vs[None, :]
         p = p.to(dot_ty)
         if BITS == 4:
-            vb = tl.load(v_rows[:, None] + j[None, :] * s_vd, mask=tmask[:, None], other=0)
+            vb = tl.load(v_rows[:, None] + j[None, :] * s_vd, mask=tl_mask, other=0)
             v_lo, v_hi = _nibbles(vb)
             acc_e = acc_e * alpha[:, None] + _dot(p, v_lo.to(dot_ty), DOT_FP32)
             acc_o = acc_o * alpha[:, None] + _dot(p, v_hi.to(dot_ty), DOT_FP32)
         else:
-            v = tl.load(v_rows[:, None] + d[None, :] * s_vd, mask=tmask[:, None], other=0.0)
+            v = tl.load(v_rows[:, None] + d[None, :] * s_vd, mask=tl_mask, other=0.0)
             acc = acc * alpha[:, None] + _dot(p, v.to(dot_ty), DOT_FP32)
         m_i = m_new
 
@@ -144,21 +150,20 @@ def _paged_attn_partition_kernel(
         o_row = out_ptr + seq * s_os + heads * s_oh
         o_ty = out_ptr.dtype.element_ty
         if BITS == 4:
-            tl.store(o_row[:, None] + (2 * j)[None, :] * s_od, (acc_e * inv[:, None]).to(o_ty), mask=gmask[:, None])
-            tl.store(o_row[:, None] + (2 * j + 1)[None, :] * s_od, (acc_o * inv[:, None]).to(o_ty),
-                     mask=gmask[:, None])
+            tl.store(o_row[:, None] + (2 * j)[None, :] * s_od, (acc_e * inv[:, None]).to(o_ty), mask=gl)
+            tl.store(o_row[:, None] + (2 * j + 1)[None, :] * s_od, (acc_o * inv[:, None]).to(o_ty), mask=gl)
         else:
-            tl.store(o_row[:, None] + d[None, :] * s_od, (acc * inv[:, None]).to(o_ty), mask=gmask[:, None])
+            tl.store(o_row[:, None] + d[None, :] * s_od, (acc * inv[:, None]).to(o_ty), mask=gl)
     else:
         # Partials are contiguous [seqs, heads, parts(, head_dim)] float32.
         pidx = (seq * num_heads + heads) * num_parts + part
         tl.store(pm_ptr + pidx, m_i, mask=gmask)
         tl.store(pl_ptr + pidx, l_i, mask=gmask)
         if BITS == 4:
-            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + (2 * j)[None, :], acc_e, mask=gmask[:, None])
-            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + (2 * j + 1)[None, :], acc_o, mask=gmask[:, None])
+            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + (2 * j)[None, :], acc_e, mask=gl)
+            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + (2 * j + 1)[None, :], acc_o, mask=gl)
         else:
-            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+            tl.store(pacc_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gl)
 
 
 @triton.jit
@@ -166,7 +171,8 @@ def _paged_attn_reduce_kernel(
     out_ptr, pacc_ptr, pm_ptr, pl_ptr, lens_ptr,
     max_blocks, num_parts, num_heads,
     s_os, s_oh, s_od,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -181,10 +187,12 @@ def _paged_attn_reduce_kernel(
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # seq_len 0: avoid -inf - -inf
     w = tl.where(pmask, tl.exp2(m - m_max), 0.0)
     denom = tl.sum(w * l_p, axis=0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(pacc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None], other=0.0)
+    d = tl.arange(0, HEAD_PAD)
+    lane = d < HEAD_DIM
+    acc = tl.load(pacc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None] & lane[None, :],
+                  other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + seq * s_os + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * s_os + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty), mask=lane)
 
 
 def _pow2(n: int) -> int:
@@ -222,10 +230,9 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """Launcher (arguments already validated). ``partition_size`` / ``tile_n`` override the heuristics."""
     seqs, heads, head_dim = q.shape
-    for name, n, lo in (("q", head_dim, 16 if info.bits != 4 else 32), ("k_cache", info.block_size, 1)):
-        if n & (n - 1) or n < lo:
-            what = "head_dim" if name == "q" else "block_size"
-            raise ValueError(f"{name}: Triton backend needs a power-of-two {what} >= {lo}, got {n}")
+    # Any head_dim (even for int4) and any block size: tiles run over tokens, and head_dim is padded to a
+    # power of two >= the 16 lanes tl.dot needs (for int4, per nibble half).
+    head_pad = max(32 if info.bits == 4 else 16, _pow2(head_dim))
     if q.device.type != "cuda":
         # Cheap on CPU; on CUDA it would cost a sync per call, so there the kernel clamps instead.
         check_seq_lens_values(seq_lens, block_tables, info.block_size)
@@ -261,14 +268,16 @@ def paged_decode_attention_triton(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_strides, *vs_strides,
         *block_tables.stride(), *out.stride(),
         num_parts, heads,
-        GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=info.block_size,
+        GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=info.block_size,
         TILE_N=tile, PARTITION=part, BITS=info.bits or 0, DOT_FP32=dot_fp32, ONE_PASS=one_pass,
         num_warps=4,
     )
     if not one_pass:
         _paged_attn_reduce_kernel[(seqs, heads)](
             out, pacc, pm, pl, seq_lens, max_blocks, num_parts, heads, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_SIZE=info.block_size, PARTITION=part, PARTS_PAD=max(2, _pow2(num_parts)),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=info.block_size, PARTITION=part,
+            PARTS_PAD=max(2, _pow2(num_parts)),
             num_warps=4,
         )
     return out

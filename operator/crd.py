@@ -4,7 +4,7 @@
 the two differ. The pydantic JSON Schema (draft 2020-12) is turned into a Kubernetes *structural*
 OpenAPI v3 schema: `$ref`s are inlined, `X | None` becomes an optional X, numeric exclusive bounds use
 the OpenAPI 3.0 boolean form, `int | str` maps become `x-kubernetes-int-or-string`, nested objects get
-`default: {}` so that the API server fills in their defaults, and the models' CEL rules are kept.
+a full default so that the API server fills in their defaults, and the models' CEL rules are kept.
 """
 
 from __future__ import annotations
@@ -80,8 +80,13 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                     and "default" not in converted
                     and not converted.get("required")
                 ):
-                    # Let the API server default nested fields even when the parent is omitted.
-                    converted["default"] = {}
+                    # Let the API server default nested fields even when the parent is omitted. The
+                    # default is spelled out in full: the API server validates it (CEL rules included)
+                    # without applying the nested defaults first.
+                    converted["default"] = {
+                        k: copy.deepcopy(v["default"]) for k, v in converted["properties"].items()
+                        if "default" in v
+                    }
                 out["properties"][name] = converted
         required = [r for r in node.get("required", [])]
         if required:

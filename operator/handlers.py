@@ -75,7 +75,7 @@ async def configure(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> N
     RUNTIME = _Runtime()
     RUNTIME.resync_seconds = resync
     RUNTIME.kube = await Kube.from_environment()
-    RUNTIME.http = httpx.AsyncClient()
+    RUNTIME.http = httpx.AsyncClient(trust_env=False)  # pod IPs: never through an HTTP proxy
     logger.info("pdcluster operator: API server %s, resync every %ss", RUNTIME.kube.host, resync)
 
 
@@ -114,6 +114,16 @@ async def _reconcile_locked(body: dict[str, Any], trigger: str, retry: int = 0) 
     meta = body["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
     async with RUNTIME.lock(namespace, name):
+        # Reconcile what the API server holds now, not kopf's copy: another pass may have just written
+        # the status (conditions, autoscaler state), and Events are emitted on status transitions.
+        try:
+            fresh = await ctx.kube.get(PDC_API_VERSION, models.KIND, namespace, name)
+        except ApiError as e:
+            raise kopf.TemporaryError(f"Kubernetes API error, will retry: {e}",
+                                      delay=min(60.0, 2.0 ** min(retry, 6))) from e
+        if fresh is None:
+            return None
+        body = fresh
         for attempt in range(2):
             try:
                 return await rec.reconcile(ctx, body, trigger)
@@ -136,7 +146,7 @@ async def reconcile_pdcluster(body: kopf.Body, reason: Any, retry: int, **_: Any
     await _reconcile_locked(_plain(body), trigger=str(reason), retry=retry)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=1.0)
 async def resync(name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: Any, spec: Any,
                  **_: Any) -> None:
     namespace = namespace or "default"
@@ -145,6 +155,14 @@ async def resync(name: str, namespace: str | None, stopped: kopf.DaemonStopped, 
     auto = (spec or {}).get("autoscaling") or {}
     if auto.get("enabled") and isinstance(auto.get("intervalSeconds"), int | float):
         delay = min(delay, float(auto["intervalSeconds"]))
+    try:
+        await _resync_loop(name, namespace, stopped, logger, kick, delay)
+    except asyncio.CancelledError:
+        return  # the operator is exiting or the PDCluster is gone: nothing to clean up
+
+
+async def _resync_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: Any,
+                       kick: asyncio.Event, delay: float) -> None:
     failures = 0
 
     async def stop_wait() -> None:
@@ -166,13 +184,14 @@ async def resync(name: str, namespace: str | None, stopped: kopf.DaemonStopped, 
         if kick.is_set():
             await asyncio.sleep(KICK_DEBOUNCE_SECONDS)  # coalesce bursts of child events
         kick.clear()
+        if stopped or RUNTIME.kube is None:
+            break
         try:
-            ctx = _context()
-            body = await ctx.kube.get(PDC_API_VERSION, models.KIND, namespace, name)
-            if body is None:
-                return
-            out = await _reconcile_locked(body, trigger=trigger, retry=failures)
-            delay = out.next_delay if out is not None else RUNTIME.resync_seconds
+            out = await _reconcile_locked({"metadata": {"name": name, "namespace": namespace}},
+                                          trigger=trigger, retry=failures)
+            if out is None:
+                return  # the PDCluster is gone
+            delay = out.next_delay
             failures = 0
         except kopf.TemporaryError as e:
             failures += 1

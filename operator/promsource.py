@@ -61,8 +61,13 @@ class PrometheusSource:
         try:
             result = self._prom().custom_query(query=query)
         except Exception as e:  # requests errors, PrometheusApiClientException, bad JSON
+            detail = str(e)
+            # requests nests the root cause at the end: "... (Caused by NameResolutionError(...))"
+            if "Caused by " in detail:
+                detail = detail.split("Caused by ", 1)[1].split("(", 1)[0]
             raise MetricsUnavailable("PrometheusUnreachable",
-                                     f"query to {self.url} failed: {type(e).__name__}: {e}") from e
+                                     f"Prometheus at {self.url} did not answer: {type(e).__name__}: "
+                                     f"{detail[:160]}") from e
         if not result:
             return None
         try:

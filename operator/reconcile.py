@@ -351,7 +351,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 async def _drain_victims(ctx: Context, owner: render.Owner, role: str, count: int, now_s: str) -> None:
     pods = await ctx.kube.list("v1", "Pod", owner.namespace, render.selector_labels(owner, role))
     victims = drain.pick_victims(pods, count)
-    http = ctx.http or httpx.AsyncClient()
+    http = ctx.http or httpx.AsyncClient(trust_env=False)
     try:
         for pod in victims:
             name = pod["metadata"]["name"]

@@ -14,8 +14,14 @@ import pytest  # noqa: E402
 
 # The shape every area's tests share: GQA (4 heads over 2 KV heads), head_dim 16, 3 layers, a real
 # byte-level BPE tokenizer (vocab 1024) with a chat template and an EOS id. Random weights.
-TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024)
+TINY_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +37,9 @@ def tiny_model_dir_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Pat
     """The same shape without tokenizer files: serves token-id prompts only (vocab 512, no EOS)."""
     from pdcluster.worker.demo_model import build_demo_model
 
-    return build_demo_model(tmp_path_factory.mktemp("tiny-model-ids"), tokenizer=False, vocab_size=512, **TINY_MODEL)
+    return build_demo_model(
+        tmp_path_factory.mktemp("tiny-model-ids"), tokenizer=False, vocab_size=512, **TINY_MODEL
+    )
 
 
 @pytest.fixture

@@ -58,7 +58,9 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
@@ -117,7 +119,9 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = self.open_stream(request_id)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only))
+            await self.call(
+                lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only)
+            )
         except BaseException:
             stream.finished = True
             self._streams.pop(request_id, None)
@@ -160,11 +164,14 @@ class AsyncEngine:
             except Exception as e:  # a broken step must not take the server down: fail what is in flight
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            if engine.idle and not outputs:  # blocked (e.g. on blocks held for export): don't spin
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
+            self._stats = engine.stats()  # before the outputs: a caller that saw them sees these stats
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-            self._stats = engine.stats()
 
     def _run_commands(self) -> None:
         while True:

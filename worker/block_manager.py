@@ -114,7 +114,9 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]  # evict it from the prefix cache: its content is about to change
+            del self.hash_to_block[
+                block.hash
+            ]  # evict it from the prefix cache: its content is about to change
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 

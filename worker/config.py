@@ -72,7 +72,9 @@ class ModelConfig:
         return cls.from_dict(raw, str(folder), _read_eos(folder, raw))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], path: str = "<dict>", eos: tuple[int, ...] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], path: str = "<dict>", eos: tuple[int, ...] | None = None
+    ) -> ModelConfig:
         where = f"{path}/config.json"
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -96,7 +98,9 @@ class ModelConfig:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads:
-            raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(
+                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
         if head_dim % 2:
             raise ValueError(f"{where}: head_dim={head_dim} must be even for RoPE")
 
@@ -170,7 +174,9 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[str, float, dict[str, Any]]:
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
-    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(rope_type, [])
+    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(
+        rope_type, []
+    )
     for key in needed:
         if key not in params:
             raise ValueError(f"{where}: rope type {rope_type!r} needs {key!r}")

@@ -23,13 +23,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Plain-text modules of the stdlib: present in every CPython install, a few hundred KB in all.
-_CORPUS = ["textwrap.py", "string.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py", "json/decoder.py",
-           "argparse.py", "random.py", "csv.py", "calendar.py", "difflib.py"]
+_CORPUS = [
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "shlex.py",
+    "json/decoder.py",
+    "argparse.py",
+    "random.py",
+    "csv.py",
+    "calendar.py",
+    "difflib.py",
+]
 
 
 def _corpus() -> list[str]:
     lib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(lib / name).read_text(encoding="utf-8", errors="replace") for name in _CORPUS if (lib / name).is_file()]
+    texts = [
+        (lib / name).read_text(encoding="utf-8", errors="replace")
+        for name in _CORPUS
+        if (lib / name).is_file()
+    ]
     # a little non-ASCII so multi-byte characters get split across tokens, as they do in real models
     return texts + ["naïve café — déjà vu, 日本語のテキスト, emoji 🙂🚀, Grüße aus Zürich."] * 50
 
@@ -71,7 +87,12 @@ def build_demo_model(path: str | Path, **overrides: Any) -> Path:
         tok = build_tokenizer(tok_vocab)
         tok.save(str(folder / "tokenizer.json"))
         eos_id = tok.token_to_id(EOS)
-        tok_cfg = {"bos_token": None, "eos_token": EOS, "chat_template": CHAT_TEMPLATE, "model_max_length": 2048}
+        tok_cfg = {
+            "bos_token": None,
+            "eos_token": EOS,
+            "chat_template": CHAT_TEMPLATE,
+            "model_max_length": 2048,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
         overrides.setdefault("vocab_size", tok.get_vocab_size())
     cfg: dict[str, Any] = {
@@ -97,7 +118,9 @@ def build_demo_model(path: str | Path, **overrides: Any) -> Path:
     }
     cfg.update(overrides)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}, indent=2))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": cfg["eos_token_id"]}, indent=2)
+    )
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     save_file(_random_weights(cfg, seed, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
 from pdcluster.worker.block_manager import BlockManager
 from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.model_runner import ModelRunner
@@ -100,6 +99,7 @@ class LLMEngine:
         )
         self.seqs: dict[str, Sequence] = {}  # every request that holds state here
         self.layer_hook: LayerHook | None = None
+        self.idle = False
         self._inflight: dict[str, int] = {}  # prefill seqs of the running step -> tokens written by its end
         self._pending: list[RequestOutput] = []  # outputs produced between steps (imports)
         self._detok: dict[str, _TextState] = {}
@@ -126,7 +126,12 @@ class LLMEngine:
             raise ValueError(f"request needs {total} tokens of KV cache; the whole cache holds fewer")
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
     ) -> None:
         """Queue a request; raises ValueError for invalid input. With ``prefill_only`` the request finishes
         after its first token but keeps its KV blocks (for export_kv) until ``release``."""
@@ -162,6 +167,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        self.idle = batch is None  # work exists but none can run now (e.g. blocks held for export)
         if batch is None:
             return outputs
         self.counters["steps"] += 1
@@ -169,7 +175,8 @@ class LLMEngine:
         if batch.is_prefill and self.layer_hook is not None:
             ids = [s.request_id for s in batch.seqs]
             self._inflight = {
-                s.request_id: s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                s.request_id: s.num_computed_tokens + n
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             }
             user_hook = self.layer_hook
             hook = lambda layer: user_hook(layer, ids)  # noqa: E731
@@ -183,7 +190,8 @@ class LLMEngine:
             self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
             self.counters["prompt_tokens"] += n_tokens
             done = [
-                s for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                s
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                 if self.scheduler.finish_prefill_chunk(s, n)
             ]
         else:
@@ -223,7 +231,10 @@ class LLMEngine:
             if hit_stop:
                 reason = "stop"
         out = RequestOutput(
-            seq.request_id, [token], text, prompt_tokens=seq.num_prompt_tokens,
+            seq.request_id,
+            [token],
+            text,
+            prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
         )
         if reason is not None:
@@ -245,7 +256,9 @@ class LLMEngine:
 
     # -- convenience ------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Run prompts to completion in one continuous batch; the generated ids of each, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
@@ -284,7 +297,9 @@ class LLMEngine:
         table = torch.tensor(seq.block_table[: self.block_manager.blocks_for(n)], device=self.runner.device)
         return self.runner.cache.read(layer, table, n)
 
-    def reserve_for_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+    def reserve_for_import(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> bool:
         """Allocate blocks for a prompt whose KV will be imported. False (nothing changed) if they are not
         free right now; raises ValueError for an invalid request."""
         if request_id in self.seqs:

@@ -8,7 +8,6 @@ the decode kernel, the transfer path and this class all agree on one layout.
 from __future__ import annotations
 
 import torch
-
 from pdcluster.kernels import allocate_kv_cache, dequantize_kv, kv_bits, kv_bytes_per_token, write_kv_cache
 
 
@@ -51,7 +50,15 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v ``[n, kv_heads, head_dim]`` at ``slots`` (int64, all valid)."""
-        write_kv_cache(k, v, self.k[layer], self.v[layer], slots, k_scale=self.k_scale[layer], v_scale=self.v_scale[layer])
+        write_kv_cache(
+            k,
+            v,
+            self.k[layer],
+            self.v[layer],
+            slots,
+            k_scale=self.k_scale[layer],
+            v_scale=self.v_scale[layer],
+        )
 
     def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` tokens stored in ``block_ids`` (in order), dequantized to the model dtype."""
@@ -69,7 +76,10 @@ class PagedKVCache:
         dst_ids = dst_ids.to(dst.device)
         for layer in range(self.num_layers):
             for s, d in (
-                (self.k, dst.k), (self.v, dst.v), (self.k_scale, dst.k_scale), (self.v_scale, dst.v_scale)
+                (self.k, dst.k),
+                (self.v, dst.v),
+                (self.k_scale, dst.k_scale),
+                (self.v_scale, dst.v_scale),
             ):
                 if s[layer] is not None:
                     d[layer].index_copy_(0, dst_ids, s[layer][src_ids.to(self.device)].to(dst.device))

@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         for name, p in sup.procs.items():
             if p.popen is not None:
-                print(f"  {name:<10} pid {p.pid:<7} {' '.join(p.cmd[3:9])}", flush=True)
+                flags = [f"{f} {p.cmd[p.cmd.index(f) + 1]}" for f in ("--role", "--port") if f in p.cmd]
+                print(f"  {name:<10} pid {p.pid:<7} {'  '.join(flags)}", flush=True)
         print(f"ready: OpenAI API at {router}/v1  (cluster view: {router}/cluster, metrics: {router}/metrics)",
               flush=True)
         if args.demo:

@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.model import LlamaForCausalLM
+from safetensors import safe_open
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -33,7 +32,7 @@ _FUSED = {
 
 
 def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """"auto" means the checkpoint's dtype on CUDA and float32 on CPU (half matmuls are slow there)."""
+    """ "auto" means the checkpoint's dtype on CUDA and float32 on CPU (half matmuls are slow there)."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
@@ -62,7 +61,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
         return [single]
     if list(folder.glob("*.bin")) or list(folder.glob("*.pth")):
         raise ValueError(f"{folder}: only safetensors checkpoints are supported (found .bin/.pth weights)")
-    raise ValueError(f"{folder}: no weights found (expected model.safetensors or model.safetensors.index.json)")
+    raise ValueError(
+        f"{folder}: no weights found (expected model.safetensors or model.safetensors.index.json)"
+    )
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,7 +79,10 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    cfg: ModelConfig, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", max_len: int | None = None
+    cfg: ModelConfig,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_len: int | None = None,
 ) -> LlamaForCausalLM:
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pdcluster.kernels import paged_decode_attention
 from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.kv_cache import PagedKVCache
+from torch import nn
 
 
 @dataclass
@@ -96,7 +95,12 @@ class Attention(nn.Module):
             if s.start == 0:
                 # Fresh (un-quantized) K/V: a prompt sees exactly what a monolithic HF forward sees.
                 o = F.scaled_dot_product_attention(
-                    qs, ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=self.scale, enable_gqa=True
+                    qs,
+                    ks.transpose(0, 1),
+                    vs.transpose(0, 1),
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=True,
                 )
             else:
                 assert s.block_ids is not None
@@ -104,8 +108,12 @@ class Attention(nn.Module):
                 kk = torch.cat((pk, ks), 0).transpose(0, 1)
                 vv = torch.cat((pv, vs), 0).transpose(0, 1)
                 # causal with the query block aligned to the end of the keys
-                mask = torch.ones(s.length, s.start + s.length, dtype=torch.bool, device=q.device).tril(s.start)
-                o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                mask = torch.ones(s.length, s.start + s.length, dtype=torch.bool, device=q.device).tril(
+                    s.start
+                )
+                o = F.scaled_dot_product_attention(
+                    qs, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
             outs.append(o.transpose(0, 1))
             offset += s.length
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
@@ -113,8 +121,14 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
         assert md.block_tables is not None and md.seq_lens is not None
         return paged_decode_attention(
-            q, cache.k[self.layer], cache.v[self.layer], md.block_tables, md.seq_lens, scale=self.scale,
-            k_scale=cache.k_scale[self.layer], v_scale=cache.v_scale[self.layer],
+            q,
+            cache.k[self.layer],
+            cache.v[self.layer],
+            md.block_tables,
+            md.seq_lens,
+            scale=self.scale,
+            k_scale=cache.k_scale[self.layer],
+            v_scale=cache.v_scale[self.layer],
         )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.kv_cache import PagedKVCache
 from pdcluster.worker.loader import load_model, resolve_dtype
@@ -55,8 +54,14 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int, device: torch.device) -> PagedKVCache:
         c = self.cfg
         return PagedKVCache(
-            c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype,
-            self.dtype, device,
+            c.num_layers,
+            num_blocks,
+            self.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            self.kv_cache_dtype,
+            self.dtype,
+            device,
         )
 
     def _blocks_from_budget(self, budget: int | None, utilization: float, useful_tokens: int) -> int:

@@ -7,7 +7,6 @@ a seed, so a seeded request gives the same tokens whatever else shares its batch
 from __future__ import annotations
 
 import torch
-
 from pdcluster.worker.sampling_params import SamplingParams
 
 
@@ -33,7 +32,8 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
+        # on the CPU: per-request generators are CPU generators (one draw per row is cheap anywhere)
+        row = _filter(logits[i].cpu() / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
         # Gumbel-style draw (argmax of p / Exp(1)) keeps one generator call per row and stays reproducible.
         noise = torch.empty_like(probs).exponential_(generator=generators[i])

@@ -62,7 +62,9 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already complete (imported) joins decoding, or waits for a batch slot."""
-        seq.status = SequenceStatus.SWAPPED if len(self.running) >= self.max_batch_size else SequenceStatus.RUNNING
+        seq.status = (
+            SequenceStatus.SWAPPED if len(self.running) >= self.max_batch_size else SequenceStatus.RUNNING
+        )
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.swapped
         bisect.insort(queue, seq, key=lambda s: s.arrival)
 
@@ -108,7 +110,9 @@ class Scheduler:
             need = self.bm.blocks_for(len(seq)) - len(seq.block_table)  # imported ones already hold blocks
             host_ids = seq.host_block_table
             if self.bm.num_free_blocks - need < self._reserve():
-                break
+                if self.running or need > self.bm.num_free_blocks + self._partial_prefill_blocks():
+                    break
+                self._free_partial_prefills(keep=None)  # nothing runs: only they can stand in the way
             dev_ids = self.bm.allocate_blocks(need)
             assert dev_ids is not None
             if host_ids:
@@ -141,10 +145,13 @@ class Scheduler:
             budget -= n
         return Batch(seqs, counts, True) if seqs else None
 
-    def _free_partial_prefills(self, keep: Sequence) -> None:
+    def _partial_prefill_blocks(self) -> int:
+        return sum(len(s.block_table) for s in self.waiting)
+
+    def _free_partial_prefills(self, keep: Sequence | None) -> None:
         for other in self.waiting:
             if other is not keep and other.block_table:
-                self.bm.free_seq(other)
+                self.bm.free_seq(other)  # it restarts its prefill later (prefix cache permitting, cheaply)
 
     def _schedule_decode(self, copies: list[tuple[str, list[int], list[int]]]) -> Batch:
         scheduled: list[Sequence] = []

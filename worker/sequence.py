@@ -6,7 +6,6 @@ import itertools
 from enum import Enum, auto
 
 import torch
-
 from pdcluster.worker.outputs import FinishReason
 from pdcluster.worker.sampling_params import SamplingParams
 

@@ -68,7 +68,9 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise ValueError(f"chat template error: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
         env.filters.setdefault("tojson", lambda x, **kw: json.dumps(x, **kw))
         try:

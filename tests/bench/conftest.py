@@ -77,7 +77,9 @@ def make_app(b: FakeBehaviour):
 
 
 class FakeServer:
-    def __init__(self, behaviour: FakeBehaviour):
+    """Any ASGI app under uvicorn on a loopback port bound up front (no port race), in a thread."""
+
+    def __init__(self, behaviour: FakeBehaviour | None = None, app=None, lifespan: str = "off"):
         import uvicorn
 
         self.behaviour = behaviour
@@ -85,7 +87,7 @@ class FakeServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(make_app(behaviour), log_level="error", lifespan="off")
+        cfg = uvicorn.Config(app if app is not None else make_app(behaviour), log_level="error", lifespan=lifespan)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -122,3 +124,18 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+@pytest.fixture
+def serve_asgi():
+    """Factory: serve_asgi(app) -> FakeServer running that app (lifespan on), stopped at teardown."""
+    servers = []
+
+    def start(app) -> FakeServer:
+        s = FakeServer(app=app, lifespan="on")
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()

@@ -1,41 +1,7 @@
-"""A worker as a real OS process: `python worker_proc.py <pdcluster serve flags>`.
+"""A worker as a real OS process for the fault/launcher tests: `python worker_proc.py <pdcluster serve flags>`
+(the serve flags, wired like serve_cli plus the disaggregation routes; see bench/disagg_worker.py)."""
 
-It parses the real `pdcluster serve` flags and wires the app exactly as serve_cli does plus the
-disaggregation routes (Disaggregation.from_options), so the fault and launcher tests run real worker
-processes whether or not serve_cli mounts the routes itself yet."""
-
-from __future__ import annotations
-
-import argparse
-import asyncio
-
-import uvicorn
-
-from pdcluster.worker import serve_cli
-from pdcluster.worker.async_engine import AsyncEngine
-from pdcluster.worker.disagg_routes import Disaggregation
-from pdcluster.worker.engine import EngineConfig
-from pdcluster.worker.server import build_app
+from pdcluster.worker.bench.disagg_worker import main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    transfer = serve_cli.transfer_options(args)
-    engine = AsyncEngine.from_config(serve_cli.make_config(EngineConfig, serve_cli.engine_config_kwargs(args)))
-    disagg = Disaggregation.from_options(engine, args.role, transfer, listen_host=args.host)
-
-    async def start() -> None:
-        engine.start()
-
-    async def stop() -> None:
-        await asyncio.to_thread(engine.shutdown)
-
-    app = build_app(engine, role=args.role, served_model_name=args.served_model_name or "tiny",
-                    max_queue_depth=args.max_queue_depth, request_timeout=args.request_timeout,
-                    routers=[disagg.router], on_startup=[start, disagg.start], on_shutdown=[disagg.stop, stop])
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    raise SystemExit(main())

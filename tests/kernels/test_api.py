@@ -66,17 +66,6 @@ def test_quantized_cache_scale_errors(arg, override):
         attn(kv_dtype="int8", **override)
 
 
-@pytest.mark.triton
-@pytest.mark.parametrize(("arg", "kw"), [("q", dict(head_dim=48)), ("k_cache", dict(block_size=12))])
-def test_triton_shape_limits(arg, kw):
-    args = good(**kw)
-    if "block_size" in kw:
-        args["seq_lens"] = torch.tensor([3, 9], dtype=torch.int32)
-    with pytest.raises(ValueError, match=rf"^{arg}\b"):
-        paged_decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("block_tables"),
-                               args.pop("seq_lens"), backend="triton")
-
-
 def test_backend_resolution(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "torch"

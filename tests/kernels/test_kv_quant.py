@@ -30,7 +30,8 @@ def test_round_trip_within_half_step(xs, bits):
     step = scale.item()
     assert step == pytest.approx(absmax / QMAX[bits], rel=1e-6)
     err = (back.double() - x.double()).abs().max().item()
-    assert err <= 0.5 * step * (1 + 1e-5) + 1e-7 * absmax
+    # Slack: fp32 rounding of x / scale (can flip a near-tie) and of code * scale, each ~1e-5 of a step.
+    assert err <= 0.5 * step * (1 + 1e-4) + 1e-7 * absmax
 
 
 @settings(max_examples=100, deadline=None)

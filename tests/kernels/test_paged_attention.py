@@ -158,3 +158,27 @@ def test_mixed_q_and_cache_dtypes(oracle, backend, q_dtype, cache_dtype):
     q = torch.randn(2, 2, 32).to(q_dtype)
     out, ref = run(oracle, paged, q, backend)
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float16])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(("head_dim", "block_size", "bits"), [(48, 12, None), (80, 8, 8), (40, 5, 4)])
+def test_triton_non_power_of_two_head_dim_and_block_size(oracle, head_dim, block_size, bits):
+    """head_dim is padded to a power of two inside the kernels; tiles run over tokens, so any block size."""
+    from pdcluster.kernels import allocate_kv_cache, write_kv_cache
+
+    lens = [1, block_size + 1, 3 * block_size]
+    paged = oracle.make_paged(lens, 2, head_dim, block_size, torch.float32, bits=bits, seed=head_dim)
+    q = torch.randn(3, 4, head_dim)
+    out, ref = run(oracle, paged, q, "triton")
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    # The write kernel pads the same way: both backends fill identical caches.
+    kv_dtype = {None: "auto", 8: "int8", 4: "int4"}[bits]
+    k, v = torch.randn(5, 2, head_dim), torch.randn(5, 2, head_dim)
+    slots = torch.tensor([0, 3, -1, 2 * block_size, 1])
+    filled = []
+    for backend in ("torch", "triton"):
+        c = allocate_kv_cache(4, block_size, 2, head_dim, kv_dtype, torch.float32)
+        write_kv_cache(k, v, *c[:2], slots, k_scale=c[2], v_scale=c[3], backend=backend)
+        filled.append(c)
+    for a, b in zip(*filled, strict=True):
+        assert a is None or torch.equal(a, b)

@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from pdcluster.worker.engine import EngineConfig, LLMEngine
 from pdcluster.worker.sampling_params import SamplingParams
+
+# Tiny models gain nothing from intra-op threads, and on a busy shared CI box they only oversubscribe.
+torch.set_num_threads(1)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -54,14 +56,20 @@ def hf_greedy(path: Path | str, prompt: list[int], max_new: int) -> tuple[list[i
     model = hf_model(path)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
-def run_with_logits(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
-                    ) -> dict[str, tuple[list[int], torch.Tensor]]:
+def run_with_logits(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
+) -> dict[str, tuple[list[int], torch.Tensor]]:
     """Run requests in one continuous batch; per request its tokens and stacked logits."""
     assert engine.config.debug_logits
     for rid, prompt in prompts.items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from pdcluster.worker.async_engine import AsyncEngine
 from pdcluster.worker.sampling_params import SamplingParams
 

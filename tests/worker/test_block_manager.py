@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pdcluster.worker.block_manager import BlockManager
 from pdcluster.worker.sampling_params import SamplingParams
 from pdcluster.worker.sequence import Sequence

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pdcluster.worker.sampling_params import SamplingParams
 
 from .conftest import prompt_of
@@ -34,8 +33,14 @@ def _prefill_and_stream(engine) -> tuple[dict[str, list[tuple[torch.Tensor, torc
     return streamed, first
 
 
-@pytest.mark.parametrize("decode_kw", [dict(block_size=32), dict(block_size=32, kv_cache_dtype="int8"),
-                                       dict(block_size=8, kv_cache_dtype="int4")])
+@pytest.mark.parametrize(
+    "decode_kw",
+    [
+        dict(block_size=32),
+        dict(block_size=32, kv_cache_dtype="int8"),
+        dict(block_size=8, kv_cache_dtype="int4"),
+    ],
+)
 def test_export_import_matches_monolithic(make_engine, decode_kw):
     mono = make_engine(**decode_kw)
     expected = dict(zip(PROMPTS, mono.generate(list(PROMPTS.values()), P), strict=True))

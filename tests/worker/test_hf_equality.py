@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pdcluster.worker.demo_model import build_demo_model
 from pdcluster.worker.sampling_params import SamplingParams
 
@@ -84,15 +83,34 @@ def test_max_tokens_and_eos(make_engine, tiny_model_dir):
 
 VARIANTS = {
     "llama3-rope-scaling": dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
     "legacy-rope_theta-rope_scaling": dict(
-        rope_parameters=None, rope_theta=20000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32}),
+        rope_parameters=None,
+        rope_theta=20000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "linear-rope": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-    "qkv-bias-qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], attention_bias=True,
-                           use_sliding_window=False, sliding_window=None),
+    "qkv-bias-qwen2": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        attention_bias=True,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
     "tied-embeddings-mha": dict(tie_word_embeddings=True, num_key_value_heads=4),
     "head_dim-32-mqa": dict(head_dim=32, num_key_value_heads=1),
 }
@@ -100,8 +118,16 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variants_match_hf(make_engine, tmp_path, variant):
-    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300, tokenizer=False, max_position_embeddings=512)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tokenizer=False,
+        max_position_embeddings=512,
+    )
     folder = build_demo_model(tmp_path / variant, **{**base, **VARIANTS[variant]})
     engine = make_engine(model=folder, debug_logits=True, block_size=8)
     prompts = {"a": prompt_of(70, seed=1, vocab=300), "b": prompt_of(9, seed=2, vocab=300)}

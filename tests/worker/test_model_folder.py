@@ -7,11 +7,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.demo_model import build_demo_model
 from pdcluster.worker.loader import load_model
+from safetensors.torch import load_file, save_file
 
 from .conftest import GREEDY, prompt_of
 
@@ -84,7 +83,9 @@ def test_sharded_checkpoint_loads_identically(make_engine, tiny_model_dir_no_tok
         fname = f"model-0000{i + 1}-of-00002.safetensors"
         save_file({n: tensors[n] for n in part}, folder / fname)
         weight_map.update(dict.fromkeys(part, fname))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     prompt = prompt_of(20, vocab=500)
     a = make_engine(model=tiny_model_dir_no_tokenizer).generate([prompt], GREEDY)
     b = make_engine(model=folder).generate([prompt], GREEDY)
@@ -95,8 +96,17 @@ def test_sharded_checkpoint_loads_identically(make_engine, tiny_model_dir_no_tok
 
 
 def test_dtypes_and_bf16_checkpoint(tmp_path):
-    folder = build_demo_model(tmp_path / "bf16", tokenizer=False, vocab_size=100, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, dtype="bfloat16")
+    folder = build_demo_model(
+        tmp_path / "bf16",
+        tokenizer=False,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        dtype="bfloat16",
+    )
     cfg = ModelConfig.from_folder(folder)
     assert load_model(cfg).lm_head.weight.dtype == torch.float32  # auto on CPU = fp32
     assert load_model(cfg, "float16").lm_head.weight.dtype == torch.float16

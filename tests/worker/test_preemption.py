@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pdcluster.worker.sampling_params import SamplingParams
 
 from .conftest import prompt_of
@@ -11,7 +10,9 @@ from .conftest import prompt_of
 PROMPTS = [prompt_of(n, seed=n) for n in (20, 9, 33, 14, 25, 17)]
 PARAMS = [
     SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),  # seeded sampling too
+    SamplingParams(
+        max_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True
+    ),  # seeded sampling too
 ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pdcluster.worker.sampling_params import SamplingParams
 
 from .conftest import prompt_of, run_with_logits
@@ -30,7 +29,10 @@ def test_quantized_kv_close_to_float(make_engine, kv):
 
 
 def test_quantized_block_is_smaller(make_engine):
-    sizes = {kv: make_engine(kv_cache_dtype=kv, num_kv_blocks=4).runner.block_bytes for kv in ("auto", "int8", "int4")}
+    sizes = {
+        kv: make_engine(kv_cache_dtype=kv, num_kv_blocks=4).runner.block_bytes
+        for kv in ("auto", "int8", "int4")
+    }
     assert sizes["int8"] < sizes["auto"] / 2 and sizes["int4"] < sizes["int8"]
 
 

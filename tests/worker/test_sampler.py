@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from pdcluster.worker.sampler import _filter, sample
 from pdcluster.worker.sampling_params import SamplingParams
 
@@ -18,7 +17,9 @@ def test_greedy_and_filters():
     assert torch.isinf(_filter(logits[0], 0, 0.7)).tolist() == [True, False, True, False]
     assert torch.isinf(_filter(logits[0], 0, 0.5)).tolist() == [True, False, True, True]
     for _ in range(20):
-        tok = sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [torch.Generator().manual_seed(_)])[0]
+        tok = sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [torch.Generator().manual_seed(_)])[
+            0
+        ]
         assert tok in (1, 3)
 
 
@@ -29,5 +30,7 @@ def test_seeded_requests_are_reproducible_whatever_the_batch(make_engine):
     others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     batch = engine.generate([prompt_of(30, seed=1), prompt_of(9), prompt_of(3, seed=2)], [others, p, others])
     assert batch[1] == alone
-    different = engine.generate([prompt_of(9)], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    different = engine.generate(
+        [prompt_of(9)], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert different[0] != alone

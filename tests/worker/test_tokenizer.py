@@ -44,7 +44,9 @@ def test_engine_streams_text_and_honours_stop_strings(make_engine):
     assert text == tok.decode(ids)
     stop = text[10:13]
     assert stop and text.find(stop) == 10, "pick a stop string whose first occurrence is at 10"
-    engine.add_request("b", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    engine.add_request(
+        "b", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    )
     text_b, reason = "", None
     while engine.has_unfinished():
         for out in engine.step():

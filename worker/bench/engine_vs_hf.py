@@ -21,8 +21,16 @@ from typing import Any
 
 import torch
 
-MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tokenizer=False)
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tokenizer=False,
+)
 
 
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -40,8 +48,14 @@ def _hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     dt = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + new_tokens
     return dt
@@ -54,22 +68,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="also profile engine decode steps (torch profiler)")
+    ap.add_argument(
+        "--profile", action="store_true", help="also profile engine decode steps (torch profiler)"
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from transformers import LlamaForCausalLM
-
     from pdcluster.worker.demo_model import build_demo_model
     from pdcluster.worker.engine import EngineConfig, LLMEngine
+    from transformers import LlamaForCausalLM
 
     folder = build_demo_model(Path(tempfile.mkdtemp(prefix="pdc-bench-")), **MODEL)
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine(EngineConfig(model=str(folder), max_batch_size=16, max_batch_tokens=4096,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(model=str(folder), max_batch_size=16, max_batch_tokens=4096, enable_prefix_caching=False)
+    )
     params_m = sum(p.numel() for p in hf.parameters()) / 1e6
-    print(f"model: {params_m:.1f}M params, fp32, {a.threads} threads, prompt {a.prompt_len}, {a.new_tokens} new")
+    print(
+        f"model: {params_m:.1f}M params, fp32, {a.threads} threads, prompt {a.prompt_len}, {a.new_tokens} new"
+    )
     g = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {"params_m": round(params_m, 1), "threads": a.threads, "batches": {}}
     for batch in (int(b) for b in a.batches.split(",")):
@@ -84,8 +102,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["ratio"] = round(row["engine"] / row["hf"], 2)
         row["samples"] = {k: [round(x, 1) for x in v] for k, v in samples.items()}
         results["batches"][batch] = row
-        print(f"batch {batch:>3}: engine {row['engine']:>8.1f} tok/s   HF {row['hf']:>8.1f} tok/s   "
-              f"ratio {row['ratio']:.2f}x   samples {row['samples']}")
+        print(
+            f"batch {batch:>3}: engine {row['engine']:>8.1f} tok/s   HF {row['hf']:>8.1f} tok/s   "
+            f"ratio {row['ratio']:.2f}x   samples {row['samples']}"
+        )
     if a.profile:
         results["profile"] = _profile(engine, a)
     if a.json:

@@ -16,12 +16,16 @@ WIRE_OF = {v: k for k, v in TORCH_OF.items()}
 COMPRESSIONS = ("none", "int8")
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    # bf16 has no numpy dtype; reinterpreting as int16 keeps the bytes intact.
+def _view(t: torch.Tensor) -> memoryview:
+    """Flat byte view of a CPU tensor without copying (bf16 has no numpy dtype: reinterpret as int16)."""
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy()).cast("B")
+
+
+def _raw(*ts: torch.Tensor) -> bytes:
+    return b"".join(_view(t) for t in ts)  # one copy, however many tensors
 
 
 def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -55,10 +59,10 @@ def encode_layer(
         qk, sk = quantize_kv(k, bits=8)
         qv, sv = quantize_kv(v, bits=8)
         return Frame(**common, dtype=DType.I8, flags=FLAG_INT8,  # type: ignore[arg-type]
-                     scales=_raw(sk) + _raw(sv), payload=_raw(qk) + _raw(qv))
+                     scales=_raw(sk, sv), payload=_raw(qk, qv))
     if k.dtype not in WIRE_OF or k.dtype == torch.int8:
         k, v = k.float(), v.float()
-    return Frame(**common, dtype=WIRE_OF[k.dtype], payload=_raw(k) + _raw(v.to(k.dtype)))  # type: ignore[arg-type]
+    return Frame(**common, dtype=WIRE_OF[k.dtype], payload=_raw(k, v.to(k.dtype)))  # type: ignore[arg-type]
 
 
 def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,8 +119,8 @@ class Frame:
     dtype: DType = DType.F32
     flags: int = 0
     status: int = 0
-    scales: bytes = b""
-    payload: bytes = b""
+    scales: bytes | memoryview = b""  # parsed frames hold zero-copy views into the received buffer
+    payload: bytes | memoryview = b""
 
     @property
     def num_tokens(self) -> int:
@@ -203,29 +203,31 @@ def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
 
 
 def parse_body(hdr: Header, header_bytes: bytes, body: bytes, secret: bytes) -> Frame:
-    """Check crc and HMAC over header+body, then split the body. `body` must be exactly hdr.body_len."""
+    """Check crc and HMAC over header+body, then split the body. `body` must be exactly hdr.body_len.
+    The returned frame's scales/payload are zero-copy views into `body`."""
     if len(body) != hdr.body_len:
         raise FrameError(ErrorCode.TRUNCATED, f"body is {len(body)} bytes, header says {hdr.body_len}")
+    view = memoryview(body)
     signed_end = len(body) - 32
     crc_at = signed_end - 4
-    mac = hmac.new(secret, header_bytes, hashlib.sha256)
-    mac.update(memoryview(body)[:signed_end])
-    crc = zlib.crc32(memoryview(body)[:crc_at], zlib.crc32(header_bytes))
+    crc = zlib.crc32(view[:crc_at], zlib.crc32(header_bytes))
     if struct.unpack_from(">I", body, crc_at)[0] != crc:
         raise FrameError(ErrorCode.CHECKSUM, "crc32 mismatch (corrupted frame)")
-    if not hmac.compare_digest(mac.digest(), bytes(body[signed_end:])):
+    mac = hmac.new(secret, header_bytes, hashlib.sha256)
+    mac.update(view[:signed_end])
+    if not hmac.compare_digest(mac.digest(), bytes(view[signed_end:])):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "HMAC mismatch (wrong or missing shared secret)")
     rid_end = hdr.request_id_len
     scales_end = rid_end + hdr.scales_len
     try:
-        request_id = bytes(body[:rid_end]).decode("utf-8")
+        request_id = bytes(view[:rid_end]).decode("utf-8")
     except UnicodeDecodeError:
         raise FrameError(ErrorCode.BAD_HEADER, "request id is not utf-8") from None
     return Frame(
         kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
         token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
         head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
-        scales=bytes(body[rid_end:scales_end]), payload=bytes(body[scales_end:crc_at]),
+        scales=view[rid_end:scales_end], payload=view[scales_end:crc_at],  # type: ignore[arg-type]
     )
 
 
@@ -241,7 +243,8 @@ def decode_frame(buf: bytes, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> 
 
 
 def encode_frame(frame: Frame, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Serialize and sign. Validates with the same rules as the parser so we never emit what we'd reject."""
+    """Serialize and sign. Validates with the same rules as the parser so we never emit what we'd reject.
+    crc and HMAC are computed over the parts in place, so the payload is copied exactly once (the join)."""
     rid = frame.request_id.encode("utf-8")
     head = HEADER.pack(
         MAGIC, VERSION, int(frame.kind), frame.flags, int(frame.dtype), len(rid), frame.layer,
@@ -249,10 +252,15 @@ def encode_frame(frame: Frame, secret: bytes, limits: Limits = DEFAULT_LIMITS) -
         frame.status, len(frame.scales), len(frame.payload),
     )
     parse_header(head, limits)  # raises on anything a receiver would refuse
-    signed = b"".join((head, rid, frame.scales, frame.payload))
-    crc = struct.pack(">I", zlib.crc32(signed))
-    mac = hmac.new(secret, signed + crc, hashlib.sha256).digest()
-    return signed + crc + mac
+    parts = (head, rid, frame.scales, frame.payload)
+    crc = 0
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+        mac.update(part)
+    crc_bytes = struct.pack(">I", crc)
+    mac.update(crc_bytes)
+    return b"".join((*parts, crc_bytes, mac.digest()))
 
 
 def ack(request_id: str, layer: int, status: ErrorCode = ErrorCode.OK) -> Frame:

@@ -90,7 +90,9 @@ class KVServer:
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=HEADER_SIZE * 4)
+        # The stream limit only sets how much the socket may buffer before reading pauses (bounded per
+        # connection); frame sizes are bounded by Limits, not by this.
+        self._server = await asyncio.start_server(self._serve, host, port, limit=4 * 1024 * 1024)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -232,7 +234,7 @@ class Outbox:
             raise
 
     async def _one_connection(self) -> None:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 16)
         acks = asyncio.ensure_future(self._read_acks(reader))
         try:
             sent = 0
