@@ -49,7 +49,6 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
                      qk_scale="fp32")
         pad = max(32 if bits == 4 else 16, 1 << (hd - 1).bit_length())
         cx = dict(GROUP=group, GROUP_PAD=max(16, group), HEAD_DIM=hd, HEAD_PAD=pad, BLOCK_SIZE=16, TILE_N=64,
-                  PARTITION=512,
                   BITS=bits, DOT_FP32="fp32" in (qdt, cdt), ONE_PASS=one_pass)
         out.append((f"attention q={qdt} cache={cdt} one_pass={one_pass} d={hd} g={group}", types, cx))
     return out
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(pa._paged_attn_partition_kernel, *v) for v in attention_variants()]
     jobs.append((pa._paged_attn_reduce_kernel, "reduce",
                  dict(out_ptr="*fp16", pacc_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", lens_ptr="*i32"),
-                 dict(HEAD_DIM=80, HEAD_PAD=128, BLOCK_SIZE=16, PARTITION=512, PARTS_PAD=64)))
+                 dict(HEAD_DIM=80, HEAD_PAD=128, BLOCK_SIZE=16, PARTS_PAD=64)))
     jobs += [(wk._write_kv_kernel, *v) for v in write_variants()]
     for fn, label, types, cx in jobs:
         try:

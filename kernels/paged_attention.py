@@ -57,9 +57,9 @@ def _paged_attn_partition_kernel(
     s_vsb, s_vst, s_vsh,
     s_bts, s_btb,
     s_os, s_oh, s_od,
-    num_parts, num_heads,
+    num_parts, num_heads, part_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BITS: tl.constexpr,
     DOT_FP32: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -67,8 +67,9 @@ def _paged_attn_partition_kernel(
     part = tl.program_id(2)
     # Clamp to the table's capacity so a bad seq_len can never read past block_tables.
     seq_len = tl.minimum(tl.load(lens_ptr + seq), max_blocks * BLOCK_SIZE)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    # part_len is a runtime value (not constexpr) so a growing context does not trigger recompiles.
+    start = part * part_len
+    end = tl.minimum(start + part_len, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     gmask = g < GROUP
@@ -169,15 +170,14 @@ def _paged_attn_partition_kernel(
 @triton.jit
 def _paged_attn_reduce_kernel(
     out_ptr, pacc_ptr, pm_ptr, pl_ptr, lens_ptr,
-    max_blocks, num_parts, num_heads,
+    max_blocks, num_parts, num_heads, part_len,
     s_os, s_oh, s_od,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
-    PARTS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.minimum(tl.load(lens_ptr + seq), max_blocks * BLOCK_SIZE)
-    used = tl.cdiv(seq_len, PARTITION)  # partitions holding >= 1 token; the rest were never meaningful
+    used = tl.cdiv(seq_len, part_len)  # partitions holding >= 1 token; the rest were never meaningful
     p = tl.arange(0, PARTS_PAD)
     pmask = p < used
     base = (seq * num_heads + head) * num_parts
@@ -244,8 +244,8 @@ def paged_decode_attention_triton(
     tile = tile_n or max(16, min(64, _pow2(bound)))
     group = heads // info.kv_heads
     part = partition_size or _default_partition(bound, seqs * info.kv_heads, q.device, tile)
-    if part % tile or part & (part - 1):
-        raise ValueError(f"partition_size: must be a power-of-two multiple of the tile ({tile}), got {part}")
+    if part <= 0 or part % tile:
+        raise ValueError(f"partition_size: must be a positive multiple of the tile ({tile}), got {part}")
     num_parts = -(-bound // part)
     one_pass = num_parts == 1
     dot_fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32
@@ -267,17 +267,16 @@ def paged_decode_attention_triton(
         float(scale) * LOG2E, max_blocks, info.num_blocks,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_strides, *vs_strides,
         *block_tables.stride(), *out.stride(),
-        num_parts, heads,
+        num_parts, heads, part,
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=info.block_size,
-        TILE_N=tile, PARTITION=part, BITS=info.bits or 0, DOT_FP32=dot_fp32, ONE_PASS=one_pass,
+        TILE_N=tile, BITS=info.bits or 0, DOT_FP32=dot_fp32, ONE_PASS=one_pass,
         num_warps=4,
     )
     if not one_pass:
         _paged_attn_reduce_kernel[(seqs, heads)](
-            out, pacc, pm, pl, seq_lens, max_blocks, num_parts, heads, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=info.block_size, PARTITION=part,
-            PARTS_PAD=max(2, _pow2(num_parts)),
+            out, pacc, pm, pl, seq_lens, max_blocks, num_parts, heads, part, *out.stride(),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=info.block_size, PARTS_PAD=max(2, _pow2(num_parts)),
             num_warps=4,
         )
     return out

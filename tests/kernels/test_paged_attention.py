@@ -64,8 +64,8 @@ def test_triton_float_grid(oracle, dtype, group, block_size, head_dim, lens):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("bits", [None, 8, 4])
-def test_triton_split_k_matches_torch(oracle, bits):
+@pytest.mark.parametrize(("bits", "partition"), [(None, 16), (8, 16), (4, 16), (None, 48)])
+def test_triton_split_k_matches_torch(oracle, bits, partition):
     """Force several partitions (and a reduce) on a longer sequence; include an empty-tail partition."""
     lens = [70, 3, 0]
     paged = oracle.make_paged(lens, 1, 32, 8, torch.float32, bits=bits, seed=7, pad_table=3)
@@ -74,7 +74,7 @@ def test_triton_split_k_matches_torch(oracle, bits):
                            paged.k_scale, paged.v_scale)
     out = paged_decode_attention_triton(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
                                         info, k_scale=paged.k_scale, v_scale=paged.v_scale,
-                                        partition_size=16, tile_n=16)
+                                        partition_size=partition, tile_n=16)
     ref = oracle.attention(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
                            k_scale=paged.k_scale, v_scale=paged.v_scale)
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
