@@ -156,11 +156,26 @@ RESYNC_SECONDS = 5.0
 
 
 def _free_port() -> int:
+    return _free_port_block(1)
+
+
+def _free_port_block(n: int) -> int:
+    """A base port P with P..P+n-1 free on 127.0.0.1, below the kernel's ephemeral range (32768+), so that
+    no outgoing connection or port-0 listener of another process takes one of them in the meantime."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no block of {n} free ports in 20000-32000")
 
 
 def _operator_args() -> list[str]:

@@ -13,6 +13,7 @@ deterministic; learned capacities are unit-tested in tests/operator.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from pdc_e2e import (
     Kube,
     Operator,
     _free_port,
+    _free_port_block,
     apply_pdc,
     condition,
     deployments,
@@ -57,7 +59,7 @@ def workers(artifacts: Path) -> Iterator[dict[str, Any]]:
     why = _has_up()
     if why:
         pytest.skip(why)
-    port = _free_port()
+    port = _free_port_block(3)
     log = open(artifacts / "pdcluster-up.log", "wb")  # noqa: SIM115
     # the router takes `port`, the workers the ports right after it
     proc = subprocess.Popen([str(PDCLUSTER), "up", "--prefill", "1", "--decode", "1", "--port", str(port),
@@ -80,13 +82,21 @@ def workers(artifacts: Path) -> Iterator[dict[str, Any]]:
         model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
         yield {"url": url, "targets": [url] + [w["url"] for w in topo["prefill"] + topo["decode"]], "model": model}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        _stop_group(proc, 30)
         log.close()
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the process group (pdcluster up's router and workers), SIGKILL after `grace`."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 class Prometheus:
@@ -155,13 +165,7 @@ class Load:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        _stop_group(self.proc, 20)
         self.log.close()
 
 

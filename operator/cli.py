@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        # kopf logs every handler run at INFO (one line per watched Deployment/Service change): keep
+        # its per-object chatter to warnings and errors; our own decisions log at INFO.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.resync_seconds <= 0:
         print("pdcluster operator: error: --resync-seconds must be > 0", file=sys.stderr)
         return 2

@@ -255,7 +255,10 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         if due:
             obs, m_reason, m_message = await _observe(ctx, owner, spec, ready)
             state = asc.state_from_status(autoscaler_status, st.parse_time)
-            views = {r: asc.PoolView(base[r], ready[r], _creation_time(deps[r])) for r in render.WORKER_ROLES}
+            # A pool with no recorded change waits for its Deployment's first rollout, counted from the
+            # Deployment's creation (now, if it is being created in this pass).
+            views = {r: asc.PoolView(base[r], ready[r], _creation_time(deps[r]) or now)
+                     for r in render.WORKER_ROLES}
             decision = asc.decide(asc.Policy.from_spec(spec), state, obs, views["prefill"], views["decode"], now)
             desired = {r: decision.pool(r).desired for r in render.WORKER_ROLES}
             if obs is None:

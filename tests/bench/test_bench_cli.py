@@ -4,10 +4,10 @@ import csv
 import json
 
 import pytest
-
-from pdcluster.cli import main
 from pdcluster.worker.bench import heatmap
 from pdcluster.worker.bench.stats import CELL_FIELDS
+
+from pdcluster.cli import main
 
 GRID = ["--prompt-lens", "4,16", "--output-lens", "2,5", "--requests", "3", "--no-progress"]
 

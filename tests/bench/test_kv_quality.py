@@ -2,7 +2,6 @@
 it reproduces the engine's int8/int4 decode logits."""
 
 import pytest
-
 from pdcluster.worker.bench import kv_quality as kq
 
 torch = pytest.importorskip("torch")

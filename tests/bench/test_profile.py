@@ -4,10 +4,10 @@ import json
 
 import pytest
 import yaml
-
-from pdcluster.cli import main
 from pdcluster.worker.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
 from pdcluster.worker.profile import summarize
+
+from pdcluster.cli import main
 
 
 def test_knee_of_a_saturating_curve():

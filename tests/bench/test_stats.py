@@ -2,8 +2,13 @@ import math
 
 import numpy as np
 import pytest
-
-from pdcluster.worker.bench.stats import CELL_FIELDS, RequestResult, parse_int_list, percentile, summarize_cell
+from pdcluster.worker.bench.stats import (
+    CELL_FIELDS,
+    RequestResult,
+    parse_int_list,
+    percentile,
+    summarize_cell,
+)
 
 
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])

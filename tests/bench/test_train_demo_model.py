@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from pdcluster.worker.bench import train_demo_model as tdm
 
 

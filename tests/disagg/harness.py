@@ -42,7 +42,7 @@ def serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
 
 
 def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
-                compression: str = "none", secret: bytes = SECRET, **engine_kw: Any) -> tuple[Any, Any]:
+                compression: str = "none", secret: bytes | None = SECRET, **engine_kw: Any) -> tuple[Any, Any]:
     """(app, AsyncEngine) of one worker with the disaggregation routes mounted."""
     from pdcluster.worker.async_engine import AsyncEngine
     from pdcluster.worker.disagg_routes import Disaggregation
@@ -75,7 +75,8 @@ class Cluster:
 def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_blocks: tuple[int, ...] = (16,),
             threshold: int = 0, max_queue_depth: int | None = None, request_timeout: float | None = 60.0,
             max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256,
-            prefill_kw: dict[str, Any] | None = None) -> Iterator[Cluster]:
+            prefill_kw: dict[str, Any] | None = None, decode_role: str = "decode",
+            decode_secret: bytes | None = SECRET) -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
 
@@ -84,8 +85,9 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
         for role, sizes, urls in (("prefill", prefill_blocks, c.prefill), ("decode", decode_blocks, c.decode)):
             for bs in sizes:
                 kw = (prefill_kw or {}) if role == "prefill" else {}
-                app, engine = make_worker(model, role, block_size=bs, compression=compression,
-                                          num_kv_blocks=num_kv_blocks, **kw)
+                app, engine = make_worker(model, role if role == "prefill" else decode_role, block_size=bs,
+                                          compression=compression, num_kv_blocks=num_kv_blocks,
+                                          secret=SECRET if role == "prefill" else decode_secret, **kw)
                 c.engines.append(engine)
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2)

@@ -108,3 +108,15 @@ def test_chat_and_text_prompts_through_the_router(tiny_model_dir: Path) -> None:
         m = client.get("/metrics").text
         assert 'pdcluster_router_requests_in_stage{role="router",stage="transfer"}' in m
         assert "pdcluster_time_to_first_token_seconds_bucket" in m
+
+
+@pytest.mark.slow
+def test_decode_pool_without_transfer_path_prefills_itself(tiny_model_dir: Path) -> None:
+    """A `both` worker without a KV secret in the decode pool cannot receive KV: long prompts are served
+    there directly instead of waiting forever for a reservation."""
+    ps = prompts([20, 40])
+    want = reference(tiny_model_dir, ps)
+    with cluster(tiny_model_dir, threshold=0, decode_role="both", decode_secret=None) as c:
+        got = asyncio.run(run_all(c.router, ps, stream=False))
+        assert metric(c.prefill[0], "pdcluster_kv_transfer_bytes_total") == 0
+    assert got == want

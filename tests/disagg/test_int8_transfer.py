@@ -60,11 +60,10 @@ def run_disagg(pre: LLMEngine, dec: LLMEngine, rid: str, p: list[int],
     toks, logits = list(first.new_token_ids), [first.extra["logits"]]
     while dec.has_unfinished():
         for out in dec.step():
-            if out.new_token_ids and not (len(toks) == 1 and out.new_token_ids == toks and not logits[1:]
-                                          and "logits" not in out.extra):
-                toks += out.new_token_ids
-                if "logits" in out.extra:
-                    logits.append(out.extra["logits"])
+            if "logits" not in out.extra:
+                continue  # commit_import's echo of the first token (sampled by the prefill engine)
+            toks += out.new_token_ids
+            logits.append(out.extra["logits"])
     return toks, logits
 
 

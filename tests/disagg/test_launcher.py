@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from pdcluster.worker.supervisor import Supervisor, backoff
 
 from .harness import free_port

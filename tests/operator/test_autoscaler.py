@@ -215,3 +215,12 @@ def test_a_day_of_noisy_traffic_does_not_flap() -> None:
     assert noisy_only[0] <= smooth_changes * 1.6 and noisy_only[1] <= 24, noisy_only
     # ...and capacity covers the actual noisy load nearly all the time.
     assert under <= 10, under
+
+
+def test_a_pool_being_created_waits_for_its_first_rollout() -> None:
+    # no recorded change, Deployment just created (since=now), nothing ready yet: wait, do not "stall"
+    views = (asc.PoolView(1, 0, since=100.0), asc.PoolView(1, 0, since=100.0))
+    dec = asc.decide(policy(), asc.State(), obs(40), *views, now=100.0)
+    assert dec.reason == asc.ROLLOUT and "rollout-stalled" not in dec.limited_by
+    dec = asc.decide(policy(), asc.State(), obs(40), *views, now=100.0 + 601)
+    assert "rollout-stalled" in dec.limited_by and dec.prefill.desired > 1

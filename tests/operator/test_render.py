@@ -179,3 +179,13 @@ def test_network_policy_can_be_disabled() -> None:
     spec = make_spec(networkPolicy={"enabled": False})
     objs = render.render_children(OWNER, parse_spec(spec), {"prefill": 1, "decode": 1}, FP)
     assert not [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize("name", ["pdcluster.yaml", "pdcluster-cpu.yaml"])
+def test_examples_render(name: str) -> None:
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / name).read_text())
+    spec = parse_spec(doc["spec"])
+    owner = render.Owner(doc["metadata"]["name"], "demo", "uid")
+    objs = render.render_children(owner, spec, {"prefill": spec.prefill.initial_replicas,
+                                                "decode": spec.decode.initial_replicas}, FP)
+    assert len([o for o in objs if o["kind"] == "Deployment"]) == 3

@@ -78,3 +78,25 @@ async def test_step_failure_fails_requests_but_engine_survives(aengine, monkeypa
     assert last.finish_reason == "error" and "boom" in last.error
     toks, last = await _collect(aengine, "b", prompt_of(5), SamplingParams(max_tokens=3, ignore_eos=True))
     assert last.finish_reason == "length" and len(toks) == 3
+
+
+async def test_imported_request_streams_through_open_stream(aengine, make_engine):
+    """The decode side of disaggregation: reserve, import every layer, commit, then stream the tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = prompt_of(21)
+    expected = make_engine().generate([prompt], params)[0]
+    prefill = make_engine()
+    prefill.add_request("p", prompt, params, prefill_only=True)
+    first = prefill.step()[0].new_token_ids[0]
+    kv = [prefill.export_kv("p", layer) for layer in range(prefill.model_config.num_layers)]
+    prefill.release("p")
+
+    assert await aengine.call(lambda e: e.reserve_for_import("d", prompt, params))
+    for layer, (k, v) in enumerate(kv):
+        await aengine.call(lambda e, layer=layer, k=k, v=v: e.import_kv_layer("d", layer, k, v))
+    stream = aengine.open_stream("d")
+    await aengine.call(lambda e: e.commit_import("d", first))
+    toks = []
+    async for out in stream:
+        toks += out.new_token_ids
+    assert toks == expected

@@ -83,3 +83,19 @@ def test_decode_preempts_latest_arrival_first():
     run_prefill(s, s.schedule())  # 4 blocks used; each needs a 3rd block to decode
     batch = s.schedule()
     assert batch.seqs == [a] and s.waiting == [b] and b.block_table == [] and s.num_preemptions == 1
+
+
+def test_imported_sequences_wait_for_a_batch_slot():
+    s = make(max_batch_size=1)
+    a, b = seq(4, "a"), seq(4, "b")
+    for q in (a, b):
+        assert s.bm.allocate(q, len(q))
+        q.num_computed_tokens = len(q)
+        q.token_ids.append(7)  # the first token, sampled by the prefill worker
+        s.add_running(q)
+    assert s.running == [a] and s.swapped == [b]
+    assert s.schedule().seqs == [a]
+    s.remove(a)
+    assert s.schedule().seqs == [b]  # b takes the freed slot, keeping the blocks it imported into
+    s.remove(b)
+    s.bm.check_no_leaks()

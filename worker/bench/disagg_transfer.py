@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 
 SECRET = b"bench-secret-0123456789abcdef"

@@ -10,7 +10,6 @@ import asyncio
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
-
     from pdcluster.worker import serve_cli
     from pdcluster.worker.async_engine import AsyncEngine
     from pdcluster.worker.disagg_routes import Disaggregation

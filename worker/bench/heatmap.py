@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # metric -> (title, unit, higher_is_better)
 METRICS: dict[str, tuple[str, str, bool]] = {
@@ -50,14 +51,14 @@ def ratio_cells(a: Sequence[dict], b: Sequence[dict], keys: Sequence[str] = tupl
     return out
 
 
-def _fmt(v: float) -> str:
+def _fmt(v: float, unit: str, ratio: bool) -> str:
     if math.isnan(v):
         return "–"
-    if abs(v) >= 100:
-        return f"{v:.0f}"
-    if abs(v) >= 1:
-        return f"{v:.2f}"
-    return f"{v * 1000:.0f}m" if abs(v) >= 0.001 else f"{v:.1e}"
+    if ratio:
+        return f"{v:.2f}×"
+    if unit == "s":  # latencies: ms below a second, never a bare "m" that reads as minutes
+        return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
 
 
 def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bool = False) -> Path:
@@ -72,6 +73,7 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
     name, unit, higher_better = METRICS.get(key, (key, "", False))
     finite = [v for row in vals for v in row if not math.isnan(v)]
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(xs), 1.0 + 0.8 * len(ys)), dpi=100)
+    norm: Any
     if ratio:
         lo, hi = (min(finite), max(finite)) if finite else (0.5, 2.0)
         # Diverging around 1.0; for latency a ratio > 1 (a slower than b) is red, for throughput blue.
@@ -93,7 +95,7 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
     ax.set_title(title or label, fontsize=10)
     for yi, row in enumerate(vals):
         for xi, v in enumerate(row):
-            ax.text(xi, yi, _fmt(v) + ("×" if ratio and not math.isnan(v) else ""), ha="center",
+            ax.text(xi, yi, _fmt(v, unit, ratio), ha="center",
                     va="center", fontsize=8, color="black",
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.6, "lw": 0})
     fig.colorbar(im, ax=ax, label=label)

@@ -179,9 +179,10 @@ def measure(model_dir: str | Path, seq_len: int = 128, n_windows: int = 64, bits
     # Control: keep the *least* sensitive layer instead; the ranking, not the count, should matter.
     least = order[-1]
     control_bits = [None if j == least else bits_low for j in range(n_layers)]
-    control = {"full_precision_layers": [least], "perplexity": ppl(control_bits),
-               "kv_memory_vs_16bit": relative_kv_memory(control_bits, head_dim)}
-    control["recovered"] = recovered_fraction(fp, low, control["perplexity"])
+    control_ppl = ppl(control_bits)
+    control = {"full_precision_layers": [least], "perplexity": control_ppl,
+               "kv_memory_vs_16bit": relative_kv_memory(control_bits, head_dim),
+               "recovered": recovered_fraction(fp, low, control_ppl)}
     return {
         "model": str(model_dir), "layers": n_layers, "head_dim": head_dim, "seq_len": seq_len,
         "prefill_len": p_len, "eval_tokens": sum(len(w) - 1 - p_len for w in windows), "bits_low": bits_low,
@@ -206,7 +207,6 @@ def check_engine(model_dir: str | Path, bits: int, prompt_len: int = 64, new_tok
     cache: the reimplementation with prefill_len = prompt length must match every one of them.
     """
     import torch
-
     from pdcluster.worker.engine import EngineConfig, LLMEngine
     from pdcluster.worker.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ A few-million-parameter Llama trained for a few minutes on text that is availabl
 (the stdlib's `*.py`) has real attention patterns and a perplexity that moves when K/V are perturbed.
 
 The result is an ordinary Hugging Face folder (config.json, model.safetensors, tokenizer.json) cached
-under ~/.cache/pdcluster/demo-model/<config-hash>/, plus `heldout.txt` (stdlib files never trained on)
+under ~/.cache/pdcluster/demo-model-trained/<config-hash>/, plus `heldout.txt` (stdlib files never trained on)
 for perplexity. Training is deterministic for a given config and a fixed number of steps, so the hash
 names one model; a `done` marker is written last so an interrupted run is never mistaken for a model.
 """
@@ -24,7 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_ROOT = Path(os.environ.get("PDCLUSTER_CACHE", Path.home() / ".cache" / "pdcluster")) / "demo-model"
+# Next to (not inside) the launcher's random demo model, ~/.cache/pdcluster/demo-model: one folder per
+# trained config, so changing a hyperparameter never silently reuses a stale model.
+CACHE_ROOT = Path(
+    os.environ.get("PDCLUSTER_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdcluster"
+) / "demo-model-trained"
 EOS = "<|endoftext|>"
 
 
@@ -72,7 +77,8 @@ def is_heldout(path: Path, every: int) -> bool:
 
 
 def split_corpus(cfg: DemoConfig) -> tuple[str, str]:
-    train, held = [], []
+    train: list[str] = []
+    held: list[str] = []
     for f in stdlib_files():
         text = f.read_text(encoding="utf-8", errors="replace")
         (held if is_heldout(f, cfg.heldout_every) else train).append(text)
@@ -136,7 +142,7 @@ def train(cfg: DemoConfig, out: Path, log=print) -> Path:
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         bos_token_id=eos,
         eos_token_id=eos,

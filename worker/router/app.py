@@ -150,7 +150,7 @@ class Tracker:
 async def _deadline_chunks(st: RouterState, rid: str, tok: Tokenized, tracker: Tracker) -> AsyncIterator[Chunk]:
     deadline = None if not st.request_timeout else tracker.arrival + st.request_timeout
     loop_deadline = None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
-    async with contextlib.aclosing(st.flow.run(rid, tok)) as chunks:
+    async with contextlib.aclosing(st.flow.run(rid, tok)) as chunks:  # type: ignore[type-var]
         while True:
             try:
                 async with asyncio.timeout_at(loop_deadline):

@@ -50,6 +50,10 @@ class NoCapacity(Exception):
     """Every candidate refused for lack of room (429s, no KV blocks): wait and try again."""
 
 
+class NoTransferPath(Exception):
+    """No decode worker can receive KV (e.g. `both` workers without a transfer secret): prefill there."""
+
+
 class UpstreamError(Exception):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         super().__init__(str(body))
@@ -138,7 +142,7 @@ class Flow:
                     stream = self._disaggregated(arid, prompt, params, excluded)
                 else:
                     stream = self._direct(arid, prompt, params, excluded)
-                async with contextlib.aclosing(stream) as chunks:
+                async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for c in chunks:
                         sent.extend(c.token_ids)
                         yield c
@@ -165,7 +169,9 @@ class Flow:
     # ------------------------------------------------------------------ one attempt, disaggregated
     async def _reserve(self, arid: str, prompt: list[int], params: dict[str, Any], prefer_node: str | None,
                        excluded: set[str]) -> tuple[Worker, int]:
-        for view in rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded):
+        ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded)
+        no_transfer = 0
+        for view in ranked:
             w = self.pool.get("decode", view.url)
             w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
             ok = False
@@ -188,8 +194,12 @@ class Flow:
                 return w, int(r.json()["transfer_port"])
             if r.status_code == 400:
                 raise await _error_of(r)
-            if r.status_code >= 500 and r.status_code != 503:
+            if r.status_code == 503 and (await _error_of(r)).body.get("error", {}).get("code") == "no_transfer":
+                no_transfer += 1
+            elif r.status_code >= 500 and r.status_code != 503:
                 self.pool.mark_failed("decode", w.url, f"reserve: HTTP {r.status_code}")
+        if ranked and no_transfer == len(ranked):
+            raise NoTransferPath()
         raise NoCapacity("no decode worker has free KV blocks")
 
     def _detach(self, coro: Any) -> None:
@@ -209,7 +219,12 @@ class Flow:
                 yield c
             return
         p = self.pool.get("prefill", pv.url)
-        d, port = await self._reserve(arid, prompt, params, p.node, excluded)
+        try:
+            d, port = await self._reserve(arid, prompt, params, p.node, excluded)
+        except NoTransferPath:
+            async for c in self._direct(arid, prompt, params, excluded):
+                yield c
+            return
         decoding = False
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)

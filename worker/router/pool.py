@@ -58,15 +58,17 @@ class Worker:
 
 def resolve_service(spec: str, default_port: int = 8000) -> list[str]:
     """`name[:port]` -> worker URLs, one per address (a headless Service returns every pod's IP)."""
-    host, _, port_s = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    port = int(port_s) if port_s.isdigit() else default_port
-    host = host or spec
+    host, port = spec, default_port
+    if ":" in spec:
+        head, _, tail = spec.rpartition(":")
+        if tail.isdigit():
+            host, port = head, int(tail)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         log.warning("cannot resolve %s: %s", spec, e)
         return []
-    addrs = sorted({info[4][0] for info in infos})
+    addrs = sorted({str(info[4][0]) for info in infos})
     return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
 
 

@@ -21,7 +21,7 @@ def _view(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 def _raw(*ts: torch.Tensor) -> bytes:

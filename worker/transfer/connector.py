@@ -157,13 +157,12 @@ class TCPConnector(KVConnector):
             return self._frames(request_id, layer, num_layers, k, v, token_start)
 
         def enqueue(fut: concurrent.futures.Future[list[Frame]]) -> None:
+            err: BaseException | None = None
             try:
                 frames = fut.result()
-            except Exception as e:  # e.g. NaN-free but unsupported dtype: fail this transfer only
+            except Exception as e:  # e.g. an unsupported dtype: fail this transfer only
                 log.exception("kv transfer %s: encoding layer %d failed", request_id, layer)
                 frames, err = [], e
-            else:
-                err = None
 
             def put() -> None:
                 if request_id not in self._outboxes:
@@ -269,7 +268,12 @@ class TCPConnector(KVConnector):
             return ErrorCode.SHAPE_MISMATCH
         if frame.layer in load.loaded:
             return ErrorCode.OK  # a resend after reconnect: already imported
-        k, v = codec.decode_layer(frame)
+        if len(frame.payload) > 256 * 1024:  # dequantize/copy off the event loop (torch releases the GIL)
+            k, v = await asyncio.to_thread(codec.decode_layer, frame)
+        else:
+            k, v = codec.decode_layer(frame)
+        if frame.request_id not in self._loads:  # cancelled while decoding
+            return ErrorCode.UNKNOWN_REQUEST
         load.bytes += len(frame.payload) + len(frame.scales)
         parts = load.chunks.setdefault(frame.layer, {})
         parts[frame.token_start] = (k, v)

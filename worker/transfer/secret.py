@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV_VAR = "PDCLUSTER_KV_SECRET"
@@ -18,12 +19,12 @@ def load_secret(secret_file: str | None = None, env: dict[str, str] | None = Non
 
     Raises SecretError when neither is set: frames must never travel unauthenticated.
     """
-    env = os.environ if env is None else env
+    source_env: Mapping[str, str] = os.environ if env is None else env
     if secret_file:
         raw = Path(secret_file).read_bytes().strip()
         source = secret_file
-    elif env.get(ENV_VAR):
-        raw = env[ENV_VAR].encode("utf-8").strip()
+    elif source_env.get(ENV_VAR):
+        raw = source_env[ENV_VAR].encode("utf-8").strip()
         source = f"${ENV_VAR}"
     else:
         raise SecretError(

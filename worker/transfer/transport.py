@@ -65,6 +65,11 @@ async def read_frame(reader: asyncio.StreamReader, secret: bytes, limits: Limits
     return await _read_rest(reader, head, secret, limits, timeout)
 
 
+# Above this, crc + HMAC run on a worker thread (hashlib and zlib release the GIL): a decode worker's event
+# loop keeps streaming tokens while a big layer is verified.
+OFFLOAD_BYTES = 256 * 1024
+
+
 async def _read_rest(reader: asyncio.StreamReader, head: bytes, secret: bytes, limits: Limits,
                      timeout: float | None) -> Frame:
     hdr = parse_header(head, limits)
@@ -73,6 +78,8 @@ async def _read_rest(reader: asyncio.StreamReader, head: bytes, secret: bytes, l
             body = await reader.readexactly(hdr.body_len)
     except asyncio.IncompleteReadError as e:
         raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {len(e.partial)} body bytes") from None
+    if len(body) > OFFLOAD_BYTES:
+        return await asyncio.to_thread(parse_body, hdr, head, body, secret)
     return parse_body(hdr, head, body, secret)
 
 
