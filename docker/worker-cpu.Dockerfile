@@ -20,9 +20,15 @@ RUN python -m venv /opt/pdcluster \
  && /opt/pdcluster/bin/pip install ".[worker]" \
  && /opt/pdcluster/bin/pdcluster serve --help >/dev/null
 
+# The tiny built-in demo model at /models/demo: examples/pdcluster-cpu.yaml serves file:///models/demo.
+RUN /opt/pdcluster/bin/python -c "from pathlib import Path; import shutil; \
+from pdcluster.worker.launcher import ensure_demo_model; \
+shutil.copytree(ensure_demo_model(Path('/tmp/demo-cache')), '/models/demo')"
+
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-worker-cpu"
 COPY --from=build /opt/pdcluster /opt/pdcluster
+COPY --from=build /models/demo /models/demo
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false HOME=/tmp
 USER 65532:65532

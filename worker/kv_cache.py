@@ -50,6 +50,12 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v ``[n, kv_heads, head_dim]`` at ``slots`` (int64, all valid)."""
+        if self.bits is None:
+            # Float caches: a plain scatter. The engine builds slots itself, so the kernel entry point's
+            # per-call validation (a host sync on CUDA) buys nothing in the per-layer hot path.
+            self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.dtype))
+            return
         write_kv_cache(
             k,
             v,

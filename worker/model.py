@@ -39,6 +39,10 @@ class AttnMetadata:
     seq_lens: torch.Tensor | None = None  # int32 [seqs] (decode, including the new token)
     # called after layer i's KV is in the cache (prefill only): lets KV stream out while later layers run
     layer_hook: Callable[[int], None] | None = None
+    # CPU float caches (decode): slots of every position of every sequence [seqs, max_len] and its mask
+    # [seqs, 1, 1, max_len], built once per step and shared by all layers (see Attention._decode)
+    gather_slots: torch.Tensor | None = None
+    gather_mask: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +123,22 @@ class Attention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
+        if md.gather_slots is not None:
+            # CPU, float cache: the kernel API is per layer and stateless, so it re-derives positions from
+            # the block table and validates its inputs in every layer; here the slot indices were built once
+            # per step, and each layer is one gather per K/V plus one fused SDPA (about 1/3 of the ops).
+            b, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
+            k = cache.k[self.layer].view(-1, kvh, d)[md.gather_slots]  # [seqs, max_len, kv_heads, d]
+            v = cache.v[self.layer].view(-1, kvh, d)[md.gather_slots]
+            o = F.scaled_dot_product_attention(
+                q.view(b, self.num_heads, 1, d),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=md.gather_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return o.view(b, self.num_heads, d)
         assert md.block_tables is not None and md.seq_lens is not None
         return paged_decode_attention(
             q,

@@ -47,6 +47,8 @@ class ModelRunner:
                 kv_cache_memory, gpu_memory_utilization, max_model_len * max_batch_size
             )
         self.cache = self._new_cache(num_blocks, self.device)
+        # CPU + float cache: decode attention gathers through per-step slot indices (AttnMetadata)
+        self.gather_decode = self.device.type == "cpu" and self.cache.bits is None
         # Swap space never needs more blocks than the device has; allocated on the first swap-out.
         self.num_host_blocks = min(swap_space_bytes // self.block_bytes, num_blocks)
         self._host_cache: PagedKVCache | None = None
@@ -153,4 +155,9 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
         )
+        if self.gather_decode:
+            assert md.block_tables is not None and md.seq_lens is not None
+            pos = torch.arange(max(lens))
+            md.gather_slots = md.block_tables.long()[:, pos // bs] * bs + pos % bs  # padding -> block 0
+            md.gather_mask = (pos[None, :] < md.seq_lens[:, None])[:, None, None, :]
         return md, torch.tensor([s.last_token_id for s in seqs], device=dev), None

@@ -61,6 +61,8 @@ def test_measure_reports_tables(tiny_model):
     assert abs(p["int8"] - p["fp32"]) <= abs(p["int4"] - p["fp32"]) + 1e-6
     assert sorted(r["sensitivity_order"]) == [0, 1]
     assert [len(m["full_precision_layers"]) for m in r["keep_most_sensitive"]] == [0, 1, 2]
+    assert 0 <= r["kl"]["int8"] < r["kl"]["int4"]
+    assert r["keep_most_sensitive"][-1]["kl"] == pytest.approx(0, abs=1e-9)
     assert r["keep_most_sensitive"][-1]["perplexity"] == pytest.approx(p["fp32"], rel=1e-6)
     md = kq.markdown(r)
     assert "| int8, all layers |" in md and "control" in md

@@ -91,7 +91,7 @@ def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
     model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              tokenizer=False)  # no BPE training: faster
     rc = main(["profile", "--model", str(model), "--batch-sizes", "1,2", "--prefill-len", "32",
-               "--prefill-requests", "2", "--decode-len", "4", "--block-sizes", "16,32"])
+               "--prefill-requests", "2", "--decode-len", "4", "--repeats", "1", "--block-sizes", "16,32"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "block size 32 vs 16" in out and "decodeTokensPerSecond" in out

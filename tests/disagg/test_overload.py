@@ -35,7 +35,7 @@ def test_overload_gives_429_not_5xx_and_timeouts_give_504(tiny_model_dir: Path) 
         loads = idle_everywhere(c)
         assert all(d["used_blocks"] == 0 for d in loads), loads
 
-    with cluster(tiny_model_dir, threshold=0, request_timeout=0.2) as c:
+        c.state.request_timeout = 0.2  # read per request: the same cluster, now with a tight deadline
         r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={
             "prompt": [7] * 10, "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=6)
     ap.add_argument("--long-len", type=int, default=1536)
     ap.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the layouts this many times (drift, noise)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.model:
@@ -110,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         model = ensure_demo_model(cache_dir(None))
     reqs = mixed(n_short=a.short, n_long=a.long, long_len=a.long_len, short_out=48, long_out=16, rate=a.rate)
     logdir = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
-    rows = [layout(name, model, reqs, a.threshold, logdir) for name in ("colocated", "disaggregated")]
+    rows = [{"run": i, **layout(name, model, reqs, a.threshold, logdir)}
+            for i in range(a.repeat) for name in ("colocated", "disaggregated")]
     print(f"workload: {a.short} short (16-48 tok, 48 out) + {a.long} long ({a.long_len} tok, 16 out) at "
           f"{a.rate}/s; model {model}; logs {logdir}")
-    print(f"{'layout':<14} {'ok':>5} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10} {'TPOT p99':>10} {'tok/s':>7}")
+    print(f"{'run':>3} {'layout':<14} {'ok':>5} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10} {'TPOT p99':>10} {'tok/s':>7}")
     for r in rows:
-        print(f"{r['layout']:<14} {r['ok']:>2}/{r['requests']:<2} {fmt_ms(r['ttft_p50']):>10} "
+        print(f"{r['run']:>3} {r['layout']:<14} {r['ok']:>2}/{r['requests']:<2} {fmt_ms(r['ttft_p50']):>10} "
               f"{fmt_ms(r['ttft_p99']):>10} {fmt_ms(r['tpot_p50']):>10} {fmt_ms(r['tpot_p99']):>10} "
               f"{r['throughput_tok_s']:>7.1f}")
     if a.json:

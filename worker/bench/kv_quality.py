@@ -128,68 +128,83 @@ def eval_windows(model_dir: str | Path, text: str | None, seq_len: int, n_window
     return wins
 
 
-def perplexity(model, windows: list[list[int]], score_from: int = 0, batch: int = 16) -> float:
-    """exp(mean NLL) of the tokens predicted at positions >= score_from (the continuation)."""
+def score(model, windows: list[list[int]], score_from: int = 0, ref: list | None = None,
+          batch: int = 16) -> tuple[float, float | None, list]:
+    """(perplexity, mean KL(ref || this) per token or None, log-probs) over the tokens predicted at
+    positions >= score_from (the continuation).
+
+    Why KL too: on a small model the perplexity change of int4 K/V can be smaller than the noise of which
+    tokens happen to get a little more or less likely, and can even go down. The KL divergence from the
+    full-precision next-token distribution measures how much quantization changes the model's output,
+    is never negative, and ranks layers reliably.
+    """
     import torch
 
-    nll, count = 0.0, 0
+    nll, kl, count, out = 0.0, 0.0, 0, []
     with torch.inference_mode():
-        for i in range(0, len(windows), batch):
+        for j, i in enumerate(range(0, len(windows), batch)):
             x = torch.tensor(windows[i : i + batch])
-            logits = model(input_ids=x).logits[:, score_from:-1].float()
+            logp = torch.log_softmax(model(input_ids=x).logits[:, score_from:-1].float(), dim=-1)
             target = x[:, score_from + 1 :]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                     reduction="sum")
-            nll += loss.item()
+            nll -= logp.gather(-1, target.unsqueeze(-1)).sum().item()
             count += target.numel()
-    return math.exp(nll / count)
+            if ref is not None:
+                kl += (ref[j].exp() * (ref[j] - logp)).sum().item()
+            out.append(logp)
+    return math.exp(nll / count), (kl / count if ref is not None else None), out
+
+
+def perplexity(model, windows: list[list[int]], score_from: int = 0, batch: int = 16) -> float:
+    return score(model, windows, score_from, None, batch)[0]
 
 
 def measure(model_dir: str | Path, seq_len: int = 128, n_windows: int = 64, bits_low: int = 4,
             prefill_len: int | None = None, log=print) -> dict:
     model = load_model(model_dir)
     n_layers = len(model.model.layers)
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    head_dim = getattr(model.config, "head_dim", None) or head_dim
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     windows = eval_windows(model_dir, None, seq_len, n_windows)
     p_len = seq_len // 2 if prefill_len is None else prefill_len
     t0 = time.time()
+    set_layer_bits(model, [None] * n_layers, p_len)
+    fp, _, ref = score(model, windows, p_len)
 
-    def ppl(bits: Sequence[int | None]) -> float:
+    def run(bits: Sequence[int | None]) -> dict:
         set_layer_bits(model, bits, p_len)
-        return perplexity(model, windows, score_from=p_len)
+        ppl, kl, _ = score(model, windows, p_len, ref)
+        return {"perplexity": ppl, "kl": kl, "kv_memory_vs_16bit": relative_kv_memory(bits, head_dim)}
 
-    fp = ppl([None] * n_layers)
-    int8 = ppl([8] * n_layers)
-    low = ppl([bits_low] * n_layers)
-    log(f"fp32 {fp:.3f}  int8 {int8:.3f}  int{bits_low} {low:.3f}  ({time.time() - t0:.0f}s)")
+    int8 = run([8] * n_layers)
+    low = run([bits_low] * n_layers)
+    log(f"fp32 {fp:.3f}  int8 {int8['perplexity']:.3f} (KL {int8['kl']:.2e})  "
+        f"int{bits_low} {low['perplexity']:.3f} (KL {low['kl']:.2e})  ({time.time() - t0:.0f}s)")
     single = []
     for i in range(n_layers):
-        single.append(ppl([bits_low if j == i else None for j in range(n_layers)]))
-        log(f"  only layer {i} int{bits_low}: {single[-1]:.3f}")
-    order = rank_layers(fp, single)
+        r = run([bits_low if j == i else None for j in range(n_layers)])
+        single.append({"layer": i, **r, "delta": r["perplexity"] - fp})
+        log(f"  only layer {i} int{bits_low}: ppl {r['perplexity']:.3f}  KL {r['kl']:.2e}")
+    order = rank_layers(0.0, [s["kl"] for s in single])  # most sensitive = largest KL
+
+    def with_recovery(r: dict, keep: list[int]) -> dict:
+        return {"full_precision_layers": keep, **r,
+                "recovered_kl": recovered_fraction(0.0, low["kl"], r["kl"]),
+                "recovered_ppl": recovered_fraction(fp, low["perplexity"], r["perplexity"])}
+
     mixed = []
     for k in range(n_layers + 1):
-        keep = set(order[:k])
-        bits = [None if j in keep else bits_low for j in range(n_layers)]
-        p = ppl(bits)
-        mixed.append({"full_precision_layers": sorted(keep), "perplexity": p,
-                      "recovered": recovered_fraction(fp, low, p),
-                      "kv_memory_vs_16bit": relative_kv_memory(bits, head_dim)})
+        keep = sorted(order[:k])
+        mixed.append(with_recovery(run([None if j in keep else bits_low for j in range(n_layers)]), keep))
     # Control: keep the *least* sensitive layer instead; the ranking, not the count, should matter.
     least = order[-1]
-    control_bits = [None if j == least else bits_low for j in range(n_layers)]
-    control_ppl = ppl(control_bits)
-    control = {"full_precision_layers": [least], "perplexity": control_ppl,
-               "kv_memory_vs_16bit": relative_kv_memory(control_bits, head_dim),
-               "recovered": recovered_fraction(fp, low, control_ppl)}
+    control = with_recovery(run([None if j == least else bits_low for j in range(n_layers)]), [least])
     return {
         "model": str(model_dir), "layers": n_layers, "head_dim": head_dim, "seq_len": seq_len,
         "prefill_len": p_len, "eval_tokens": sum(len(w) - 1 - p_len for w in windows), "bits_low": bits_low,
-        "perplexity": {"fp32": fp, "int8": int8, f"int{bits_low}": low},
-        "kv_memory_vs_16bit": {"fp32": 2.0, "fp16": 1.0, "int8": relative_kv_memory([8], head_dim),
-                               f"int{bits_low}": relative_kv_memory([bits_low], head_dim)},
-        "single_layer": [{"layer": i, "perplexity": p, "delta": p - fp} for i, p in enumerate(single)],
+        "perplexity": {"fp32": fp, "int8": int8["perplexity"], f"int{bits_low}": low["perplexity"]},
+        "kl": {"fp32": 0.0, "int8": int8["kl"], f"int{bits_low}": low["kl"]},
+        "kv_memory_vs_16bit": {"fp32": 2.0, "fp16": 1.0, "int8": int8["kv_memory_vs_16bit"],
+                               f"int{bits_low}": low["kv_memory_vs_16bit"]},
+        "single_layer": single,
         "sensitivity_order": order,
         "keep_most_sensitive": mixed,
         "control_keep_least_sensitive": control,
@@ -238,38 +253,40 @@ def check_engine(model_dir: str | Path, bits: int, prompt_len: int = 64, new_tok
 # ----------------------------------------------------------------------------------------- report
 
 
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.0f}%"
+
+
 def markdown(r: dict) -> str:
     low = f"int{r['bits_low']}"
-    mem = r["kv_memory_vs_16bit"]
-    p = r["perplexity"]
+    mem, p, kl = r["kv_memory_vs_16bit"], r["perplexity"], r["kl"]
     lines = [
         f"Model `{Path(r['model']).name}`: {r['layers']} layers, head_dim {r['head_dim']}; windows of "
         f"{r['seq_len']} held-out tokens, the first {r['prefill_len']} as the prompt (prefill), "
-        f"{r['eval_tokens']} continuation tokens scored (decode over the quantized cache).",
+        f"{r['eval_tokens']} continuation tokens scored (decode over the quantized cache). KL = mean "
+        "KL(fp32 ‖ quantized) of the next-token distribution, nats/token.",
         "",
-        "| KV cache | perplexity | Δ vs fp32 | KV memory vs 16-bit |",
-        "|---|---:|---:|---:|",
-        f"| fp32 (reference) | {p['fp32']:.3f} | – | 2.00× |",
-        f"| int8, all layers | {p['int8']:.3f} | {p['int8'] - p['fp32']:+.3f} ({(p['int8'] / p['fp32'] - 1) * 100:+.2f}%) | {mem['int8']:.2f}× |",
-        f"| {low}, all layers | {p[low]:.3f} | {p[low] - p['fp32']:+.3f} ({(p[low] / p['fp32'] - 1) * 100:+.2f}%) | {mem[low]:.2f}× |",
-        "",
-        f"Per-layer sensitivity (only that layer {low}, the rest full precision):",
-        "",
-        "| layer | perplexity | Δ vs fp32 | rank |",
-        "|---:|---:|---:|---:|",
+        "| KV cache | perplexity | Δ vs fp32 | KL vs fp32 | KV memory vs 16-bit |",
+        "|---|---:|---:|---:|---:|",
+        f"| fp32 (reference) | {p['fp32']:.3f} | – | 0 | 2.00× |",
     ]
+    for name in ("int8", low):
+        lines.append(f"| {name}, all layers | {p[name]:.3f} | {(p[name] / p['fp32'] - 1) * 100:+.2f}% | "
+                     f"{kl[name]:.2e} | {mem[name]:.2f}× |")
+    lines += ["", f"Per-layer sensitivity (only that layer {low}, the rest full precision):", "",
+              "| layer | perplexity | Δ vs fp32 | KL vs fp32 | rank |", "|---:|---:|---:|---:|---:|"]
     rank = {layer: i + 1 for i, layer in enumerate(r["sensitivity_order"])}
     for s in r["single_layer"]:
-        lines.append(f"| {s['layer']} | {s['perplexity']:.3f} | {s['delta']:+.3f} | {rank[s['layer']]} |")
+        lines.append(f"| {s['layer']} | {s['perplexity']:.3f} | {(s['perplexity'] / p['fp32'] - 1) * 100:+.2f}% | "
+                     f"{s['kl']:.2e} | {rank[s['layer']]} |")
     lines += ["", f"{low} everywhere except the k most sensitive layers (`kvCache.fullPrecisionLayers`):", "",
-              "| k | full-precision layers | perplexity | share of the int4 loss recovered | KV memory vs 16-bit |",
-              "|---:|---|---:|---:|---:|"]
-    for k, m in enumerate(r["keep_most_sensitive"]):
-        rec = "–" if m["recovered"] is None else f"{m['recovered'] * 100:.0f}%"
-        lines.append(f"| {k} | {m['full_precision_layers'] or '–'} | {m['perplexity']:.3f} | {rec} | {m['kv_memory_vs_16bit']:.2f}× |")
-    c = r["control_keep_least_sensitive"]
-    rec = "–" if c["recovered"] is None else f"{c['recovered'] * 100:.0f}%"
-    lines.append(f"| 1 (control: least sensitive) | {c['full_precision_layers']} | {c['perplexity']:.3f} | {rec} | {c['kv_memory_vs_16bit']:.2f}× |")
+              f"| k | full-precision layers | perplexity | KL vs fp32 | {low} KL recovered | KV memory vs 16-bit |",
+              "|---:|---|---:|---:|---:|---:|"]
+    rows = [(str(k), m) for k, m in enumerate(r["keep_most_sensitive"])]
+    rows.append(("1 (control: least sensitive)", r["control_keep_least_sensitive"]))
+    for k, m in rows:
+        lines.append(f"| {k} | {m['full_precision_layers'] or '–'} | {m['perplexity']:.3f} | {m['kl']:.2e} | "
+                     f"{_pct(m['recovered_kl'])} | {m['kv_memory_vs_16bit']:.2f}× |")
     return "\n".join(lines) + "\n"
 
 
