@@ -146,6 +146,8 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "pdcluster", "serve",
         "--model", model_dir,
         "--role", role,
+        # Both servers default to loopback for local use; in a pod they must listen on all interfaces.
+        "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
         "--block-size", str(kv.blockSize),
         "--kv-cache-dtype", kv.dtype,
@@ -173,7 +175,9 @@ def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
         "pdcluster", "router",
         "--prefill-service", service_url(owner, "prefill"),
         "--decode-service", service_url(owner, "decode"),
+        "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
+        "--cluster-name", owner.name,
         "--max-queue-depth", str(r.maxQueueDepth),
         "--request-timeout", _num(r.requestTimeoutSeconds),
         "--disaggregation-threshold", str(r.disaggregationThreshold),

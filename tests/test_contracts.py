@@ -1,0 +1,69 @@
+"""Cross-component contracts: what the operator renders must be what the worker and router accept.
+
+The operator and the worker are built and released separately, so a flag renamed on one side would
+only show up as a crash-looping pod. These tests parse the rendered command lines with the real
+argument parsers of `pdcluster serve` and `pdcluster router`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import pytest
+import yaml
+
+from pdcluster.operator import models, render
+from pdcluster.worker import serve_cli
+from pdcluster.worker.router import cli as router_cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def _parser(module) -> argparse.ArgumentParser:  # type: ignore[no-untyped-def]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    module.add_arguments(p)
+    return p
+
+
+def _children(path: pathlib.Path) -> list[dict]:
+    body = yaml.safe_load(path.read_text())
+    body["metadata"].setdefault("uid", "0000")
+    owner = render.Owner.from_body(body)
+    spec = models.parse_spec(body["spec"])
+    return render.render_children(owner, spec, {"prefill": 2, "decode": 3}, "fingerprint")
+
+
+def _container(deploy: dict) -> dict:
+    return deploy["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_rendered_commands_parse_with_the_real_clis(example: pathlib.Path) -> None:
+    deployments = {d["metadata"]["name"].rsplit("-", 1)[1]: d for d in _children(example)
+                   if d["kind"] == "Deployment"}
+    assert set(deployments) == {"prefill", "decode", "router"}
+    for role in ("prefill", "decode"):
+        cmd = _container(deployments[role])["command"]
+        assert cmd[:2] == ["pdcluster", "serve"]
+        args = _parser(serve_cli).parse_args(cmd[2:])
+        assert args.role == role
+        assert args.host == "0.0.0.0", "a worker bound to loopback is unreachable from the router pod"
+        assert args.kv_transfer_secret_file
+    cmd = _container(deployments["router"])["command"]
+    assert cmd[:2] == ["pdcluster", "router"]
+    args = _parser(router_cli).parse_args(cmd[2:])
+    assert args.host == "0.0.0.0"
+    assert args.prefill_service and args.decode_service
+
+
+def test_worker_ports_match_the_probes() -> None:
+    for d in _children(EXAMPLES[0]):
+        if d["kind"] != "Deployment":
+            continue
+        c = _container(d)
+        port = int(c["command"][c["command"].index("--port") + 1])
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["readinessProbe"]["httpGet"]["port"] in (port, "http")
+        assert any(p["containerPort"] == port for p in c["ports"])
