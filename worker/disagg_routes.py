@@ -36,7 +36,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .sampling_params import SamplingParams
 from .serving import WorkerServer
 from .transfer.connector import LoadSpec, TCPConnector, TransferTarget
-from .transfer.secret import load_secret
+from .transfer.secret import ENV_VAR, load_secret
 from .transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,10 @@ class Disaggregation:
     @classmethod
     def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
         """From serve_cli's TransferOptions. A `both` worker without a secret simply has no transfer path."""
-        needs = role in ("prefill", "decode")
-        try:
-            secret = load_secret(getattr(options, "secret_file", None))
-        except Exception:
-            if needs:
-                raise
+        secret_file = getattr(options, "secret_file", None)
+        if secret_file or role in ("prefill", "decode") or os.environ.get(ENV_VAR):
+            secret: bytes | None = load_secret(secret_file)  # SecretError (a ValueError) names what is missing
+        else:
             secret = None
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
@@ -243,6 +241,7 @@ class Disaggregation:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             w.admit()
             rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
+            w.check_prompt(ids, params.max_tokens)  # a bad request is a 400 here, not a broken stream later
             target = TransferTarget(str(data["target"]["host"]), int(data["target"]["port"]))
             return StreamingResponse(me._prefill_stream(w, rid, ids, params, target), media_type=NDJSON)
 
@@ -276,11 +275,15 @@ class Disaggregation:
         held, done = False, False
         try:
             first = None
-            async with contextlib.aclosing(self.engine.generate(rid, ids, params, prefill_only=True)) as outs:
-                async for out in outs:
-                    first = out
-                    if out.finished:
-                        break
+            try:
+                async with contextlib.aclosing(self.engine.generate(rid, ids, params, prefill_only=True)) as outs:
+                    async for out in outs:
+                        first = out
+                        if out.finished:
+                            break
+            except ValueError as e:  # the engine refused the request (raced a limit check_prompt passed)
+                yield _line({"event": "error", "stage": "prefill", "message": str(e)})
+                return
             if first is None or not first.new_token_ids:
                 reason = (first.error if first else None) or "prefill produced no token"
                 yield _line({"event": "error", "stage": "prefill", "message": reason})

@@ -143,6 +143,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detok[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
         self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt_token_ids)  # once, even if preemption recomputes it
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -188,7 +189,6 @@ class LLMEngine:
         if batch.is_prefill:
             n_tokens = sum(batch.num_new_tokens)
             self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
-            self.counters["prompt_tokens"] += n_tokens
             done = [
                 s
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)

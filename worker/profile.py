@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="--model only: cpu | cuda")
     p.add_argument("--dtype", default="auto", help="--model only: model dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="--model only: auto | int8 | int4")
+    p.add_argument("--threads", type=int, default=None,
+                   help="--model only: torch CPU threads (1 gives steadier figures on a busy machine)")
     p.add_argument("--repeats", type=int, default=3,
                    help="--model only: measure each point this many times and keep the fastest (a shared "
                         "machine only ever adds time, so the fastest run is the least disturbed)")
@@ -97,7 +99,8 @@ def _engine(args, block_size: int, max_batch: int):
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=block_size,
                        kv_cache_dtype=args.kv_cache_dtype, max_batch_size=max_batch,
-                       max_batch_tokens=max(2048, args.prefill_len), enable_prefix_caching=False)
+                       max_batch_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
+                       num_threads=args.threads)
     return LLMEngine(cfg)
 
 

@@ -99,3 +99,19 @@ def test_imported_sequences_wait_for_a_batch_slot():
     assert s.schedule().seqs == [b]  # b takes the freed slot, keeping the blocks it imported into
     s.remove(b)
     s.bm.check_no_leaks()
+
+
+def test_partial_prefill_yields_blocks_to_an_earlier_request_when_nothing_runs():
+    s = make(num_blocks=6, watermark=0.0, max_batch_tokens=32)
+    early, late = seq(30, "early"), seq(40, "late")  # early arrived first but is queued after late's chunk
+    s.add(late)
+    batch = s.schedule()
+    assert batch.seqs == [late] and batch.num_new_tokens == [32]
+    s.finish_prefill_chunk(late, 32)  # late holds 4 of 6 blocks, part-way through its prompt
+    s.add(early)
+    batch = s.schedule()
+    assert batch.seqs == [early]  # FCFS: the earlier request gets the blocks, late starts over
+    assert late.block_table == [] and late.num_computed_tokens == 0
+    for q in (early, late):
+        s.remove(q)
+    s.bm.check_no_leaks()

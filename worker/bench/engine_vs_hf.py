@@ -104,11 +104,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from pdcluster.worker.engine import EngineConfig, LLMEngine
     from transformers import LlamaForCausalLM
 
-    folder = build_demo_model(Path(tempfile.mkdtemp(prefix="pdc-bench-")), **MODEL)
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine(
-        EngineConfig(model=str(folder), max_batch_size=16, max_batch_tokens=4096, enable_prefix_caching=False)
-    )
+    with tempfile.TemporaryDirectory(prefix="pdc-bench-") as tmp:  # both sides load it into memory
+        folder = build_demo_model(Path(tmp), **MODEL)
+        hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(folder), max_batch_size=16, max_batch_tokens=4096, enable_prefix_caching=False
+            )
+        )
     params_m = sum(p.numel() for p in hf.parameters()) / 1e6
     print(
         f"model: {params_m:.1f}M params, fp32, {a.threads} threads, prompt {a.prompt_len}, {a.new_tokens} new"

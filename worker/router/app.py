@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -119,7 +120,7 @@ class Tracker:
 
     def __init__(self, st: RouterState, arrival: float) -> None:
         self.st, self.arrival, self.last = st, arrival, arrival
-        self.first, self.tokens = True, 0
+        self.first, self.tokens, self.finished = True, 0, False
         st.waiting += 1
         st.in_flight += 1
 
@@ -141,6 +142,9 @@ class Tracker:
         self.st.metrics.tokens_generated(n)
 
     def done(self) -> None:
+        if self.finished:  # idempotent: called by the stream's finally and by its finalizer
+            return
+        self.finished = True
         if self.first:
             self.st.waiting -= 1
         self.st.in_flight -= 1
@@ -306,4 +310,8 @@ def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk], t
             tracker.done()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    gen = body()
+    # If the client vanishes before Starlette starts iterating, `finally` above never runs; the finalizer
+    # still returns the request's place in the queue (else a few early disconnects would fill it for good).
+    weakref.finalize(gen, tracker.done)
+    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)

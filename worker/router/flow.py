@@ -74,6 +74,25 @@ class Stages:
         finally:
             self.counts[stage] -= 1
 
+    def cursor(self, stage: str) -> StageCursor:
+        return StageCursor(self, stage)
+
+
+class StageCursor:
+    """Where one request is now; `move` keeps the per-stage counts exact as it advances."""
+
+    def __init__(self, stages: Stages, stage: str | None) -> None:
+        self.stages = stages
+        self.stage: str | None = None
+        self.move(stage)
+
+    def move(self, stage: str | None) -> None:
+        if self.stage is not None:
+            self.stages.counts[self.stage] -= 1
+        self.stage = stage
+        if stage is not None:
+            self.stages.counts[stage] += 1
+
 
 async def _lines(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     async for line in resp.aiter_lines():
@@ -229,8 +248,7 @@ class Flow:
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)
         p.in_flight += 1
-        stage = self.stages.enter("prefill")
-        stage.__enter__()
+        stage = self.stages.cursor("prefill")
         try:
             body = {"request_id": arid, "prompt_token_ids": prompt, "params": params,
                     "target": {"host": d.host, "port": port}}
@@ -247,9 +265,7 @@ class Flow:
                         if ev.get("event") == "first_token":
                             first = ev
                             p.outstanding_prompt_tokens -= len(prompt)
-                            stage.__exit__(None, None, None)
-                            stage = self.stages.enter("transfer")
-                            stage.__enter__()
+                            stage.move("transfer")
                             yield Chunk([ev["token_id"]], ev.get("text", ""), bool(ev.get("finished")),
                                         ev.get("finish_reason"))
                             if ev.get("finished"):
@@ -269,15 +285,13 @@ class Flow:
                 self.pool.mark_failed("prefill", p.url, str(e))
                 raise WorkerFailed("prefill", p.url, str(e)) from e
             assert first is not None
-            stage.__exit__(None, None, None)
-            stage = self.stages.enter("decode")
-            stage.__enter__()
+            stage.move("decode")
             decoding = True
             async for c in self._decode_stream(d, "/internal/decode",
                                                {"request_id": arid, "first_token_id": first["token_id"]}):
                 yield c
         finally:
-            stage.__exit__(None, None, None)
+            stage.move(None)
             if first is None:
                 p.outstanding_prompt_tokens -= len(prompt)
             p.in_flight -= 1

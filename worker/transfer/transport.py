@@ -265,6 +265,11 @@ class Outbox:
                     acks.result()  # raises whatever ended the reader early
             if self._frames:
                 await acks
+        except (OSError, asyncio.IncompleteReadError):
+            # The receiver may have refused a frame (fatal) and closed: report that, not the broken pipe.
+            if acks.done() and not acks.cancelled() and isinstance(acks.exception(), TransferError):
+                raise acks.exception() from None  # type: ignore[misc]
+            raise
         finally:
             acks.cancel()
             writer.close()
