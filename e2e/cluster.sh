@@ -197,7 +197,10 @@ status:
 }
 
 up() {
-  local t0=$SECONDS
+  local t0=$SECONDS t
+  for t in openssl curl setsid; do
+    command -v "$t" >/dev/null || die "$t is required (Debian: apt-get install openssl curl util-linux)"
+  done
   "$HERE/build.sh" all >&2
   mkdir -p "$DIR"
   link_tools

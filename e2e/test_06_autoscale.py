@@ -9,6 +9,11 @@ are kwok-simulated; the traffic goes to the local workers, which stand in for it
 
 The capacities are given in the spec (small, so that a CPU-sized load is "high") to make the decisions
 deterministic; learned capacities are unit-tested in tests/operator.
+
+PDCLUSTER_E2E_SYNTHETIC_WORKERS=1 replaces `pdcluster up` and `pdcluster bench` with three in-process
+/metrics endpoints (router, prefill, decode) whose counters grow at the load level the test sets. Everything
+else (Prometheus, operator, API server) is real. It exercises the operator's side of the scenario while
+the real workers cannot run; it is not the scenario.
 """
 
 from __future__ import annotations
@@ -54,8 +59,75 @@ def _has_up() -> str | None:
     return None
 
 
+SYNTHETIC = bool(os.environ.get("PDCLUSTER_E2E_SYNTHETIC_WORKERS"))
+PROMPT_LEN, OUTPUT_LEN = 48, 16
+
+
+class SyntheticWorkers:
+    """Three /metrics endpoints with the contract's series, counters integrating `rate` requests/s."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.rate = 0.0
+        self._t = time.monotonic()
+        self._requests = 0.0
+        self._lock = threading.Lock()
+        self.servers = []
+        outer = self
+        for role in ("router", "prefill", "decode"):
+            class Handler(BaseHTTPRequestHandler):
+                _role = role
+
+                def do_GET(self) -> None:  # noqa: N802
+                    body = outer.render(self._role).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                def log_message(self, *args: Any) -> None:
+                    pass
+
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            self.servers.append(srv)
+        self.targets = [f"http://127.0.0.1:{srv.server_address[1]}" for srv in self.servers]
+
+    def set_rate(self, rate: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._requests += self.rate * (now - self._t)
+            self._t, self.rate = now, rate
+
+    def render(self, role: str) -> str:
+        with self._lock:
+            n = self._requests + self.rate * (time.monotonic() - self._t)
+        waiting = 1 if self.rate > 0 else 0
+        lines = [f'pdcluster_requests_total{{role="{role}"}} {n:.3f}',
+                 f'pdcluster_requests_waiting{{role="{role}"}} {waiting}']
+        if role in ("router", "prefill"):
+            lines.append(f'pdcluster_prompt_tokens_total{{role="{role}"}} {n * PROMPT_LEN:.3f}')
+        if role in ("router", "decode"):
+            lines.append(f'pdcluster_generation_tokens_total{{role="{role}"}} {n * OUTPUT_LEN:.3f}')
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.shutdown()
+
+
 @pytest.fixture(scope="module")
 def workers(artifacts: Path) -> Iterator[dict[str, Any]]:
+    if SYNTHETIC:
+        if not shutil.which("prometheus"):
+            pytest.skip("prometheus is not installed (`bash scripts/setup.sh test` installs the Debian package)")
+        syn = SyntheticWorkers()
+        yield {"url": None, "targets": syn.targets, "model": None, "synthetic": syn}
+        syn.close()
+        return
     why = _has_up()
     if why:
         pytest.skip(why)
@@ -155,7 +227,13 @@ def prometheus(workers: dict[str, Any], artifacts: Path) -> Iterator[Prometheus]
 class Load:
     """`pdcluster bench` in the background (the project's load generator)."""
 
-    def __init__(self, url: str, out: Path, *, prompt_len: int, output_len: int, requests: int, concurrency: int):
+    def __init__(self, workers: dict[str, Any], out: Path, *, prompt_len: int, output_len: int, requests: int,
+                 concurrency: int):
+        self.synthetic = workers.get("synthetic")
+        if self.synthetic:
+            self.synthetic.set_rate(2.0)
+            return
+        url = workers["url"]
         out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / "bench.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -165,6 +243,9 @@ class Load:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
+        if self.synthetic:
+            self.synthetic.set_rate(0.0)
+            return
         _stop_group(self.proc, 20)
         self.log.close()
 
@@ -202,7 +283,7 @@ def test_autoscaler_follows_traffic(kube: Kube, operator: Operator, namespace: s
     assert _replicas(kube, namespace) == {"prefill": 1, "decode": 1}, pdc["status"]
 
     # ---- high: concurrent traffic well above the declared capacities -> scale up
-    load = Load(workers["url"], artifacts / "bench-high", prompt_len=48, output_len=16, requests=100000,
+    load = Load(workers, artifacts / "bench-high", prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN, requests=100000,
                 concurrency=6)
     try:
         up = wait_until("prefill and decode scaled up", lambda: (r := _replicas(kube, namespace))["prefill"] > 1

@@ -7,7 +7,7 @@ import re
 
 from pdc_e2e import Operator
 
-DENIED = re.compile(r"\b403\b|forbidden", re.IGNORECASE)
+DENIED = re.compile(r"403 Forbidden|status=403|APIForbiddenError|\bforbidden\b", re.IGNORECASE)
 # a 403 that is not about RBAC: writes into a namespace being deleted (the tests delete theirs)
 NOT_RBAC = re.compile(r"NamespaceTerminating|because it is being terminated")
 

@@ -46,3 +46,21 @@ def test_overload_gives_429_not_5xx_and_timeouts_give_504(tiny_model_dir: Path) 
         assert '"timeout"' in events[-2] and events[-1] == "data: [DONE]"
         loads = idle_everywhere(c)
         assert all(d["used_blocks"] == 0 for d in loads), loads
+
+
+@pytest.mark.slow
+def test_no_free_blocks_on_decode_queues_instead_of_failing(tiny_model_dir: Path) -> None:
+    """8 blocks of 16 tokens on every worker: one 100-token request fills the decode worker's cache, so the
+    others' reservations get 429 (never an OOM) and the router waits for room; all complete."""
+    with cluster(tiny_model_dir, threshold=0, prefill_blocks=(16,), decode_blocks=(16,), num_kv_blocks=8) as c:
+        async def go() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=c.router, timeout=120) as client:
+                return list(await asyncio.gather(*(client.post("/v1/completions", json={
+                    "prompt": [9 + i] * 100, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                    for i in range(3))))
+
+        rs = asyncio.run(go())
+        assert [r.status_code for r in rs] == [200, 200, 200], [r.text for r in rs]
+        assert metric(c.decode[0], "pdcluster_requests_rejected_total") >= 1  # reservations refused meanwhile
+        loads = idle_everywhere(c)
+        assert all(d["used_blocks"] == 0 for d in loads), loads

@@ -1,0 +1,37 @@
+"""How a worker's transfer path is configured from `pdcluster serve` flags (Disaggregation.from_options)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from pdcluster.worker.disagg_routes import Disaggregation
+from pdcluster.worker.transfer.secret import SecretError
+
+ENGINE = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)))
+
+
+def opts(**kw: object) -> SimpleNamespace:
+    return SimpleNamespace(**{"secret_file": None, "compression": "none", "timeout_s": 5.0, "max_retries": 1,
+                              "port": None, **kw})
+
+
+def test_prefill_and_decode_need_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDCLUSTER_KV_SECRET", raising=False)
+    for role in ("prefill", "decode"):
+        with pytest.raises(SecretError, match="shared secret"):
+            Disaggregation.from_options(ENGINE, role, opts())
+    assert Disaggregation.from_options(ENGINE, "both", opts()).connector is None  # colocated: no transfer
+
+
+def test_secret_from_env_or_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PDCLUSTER_KV_SECRET", "e" * 32)
+    d = Disaggregation.from_options(ENGINE, "decode", opts(compression="int8"))
+    assert d.connector is not None and d.connector.secret == b"e" * 32 and d.connector.compression == "int8"
+    assert Disaggregation.from_options(ENGINE, "both", opts()).connector is not None
+    f = tmp_path / "secret"
+    f.write_text("f" * 40)
+    assert Disaggregation.from_options(ENGINE, "prefill", opts(secret_file=str(f))).connector.secret == b"f" * 40  # type: ignore[union-attr]
+    with pytest.raises(FileNotFoundError):
+        Disaggregation.from_options(ENGINE, "both", opts(secret_file=str(tmp_path / "missing")))
