@@ -243,3 +243,27 @@ def test_cluster_role_is_exactly_what_the_operator_uses():
     extra = granted - wanted
     assert not missing, f"chart ClusterRole lacks what operator/rbac.yaml needs: {sorted(missing)}"
     assert not extra, f"chart ClusterRole grants more than operator/rbac.yaml declares: {sorted(extra)}"
+
+
+@needs_helm
+@pytest.mark.parametrize("values", CI_VALUES, ids=[p.name for p in CI_VALUES])
+def test_rendered_operator_args_parse_with_the_real_cli(values: Path):
+    """The Deployment's command line is accepted by `pdcluster operator`'s own argument parser."""
+    import argparse
+
+    from pdcluster.operator import cli
+
+    if values.name == "full-values.yaml" and not _observability_ready():
+        pytest.skip("files/ copies not in the chart yet")
+    (dep,) = by_kind(render("-f", str(values)), "Deployment")
+    (ctr,) = dep["spec"]["template"]["spec"]["containers"]
+    assert ctr["command"] == ["pdcluster", "operator"]
+    parser = argparse.ArgumentParser(prog="pdcluster operator", exit_on_error=False)
+    cli.add_arguments(parser)
+    args = parser.parse_args(ctr["args"])
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    assert args.liveness.endswith(f":{ports['health']}/healthz")
+    if "metrics" in ports:
+        assert args.metrics_port == ports["metrics"]
+    else:
+        assert args.metrics_port == 0
