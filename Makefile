@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test demo test lint bench bench-kernels demo-model e2e e2e-kind clean
+.PHONY: setup setup-test demo test lint bench bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
 
 setup-test:
 	@scripts/setup.sh test
+	@e2e/build.sh helm   # the chart tests drive a real helm binary (cached in ~/.cache/pdcluster)
 
 demo: setup
 	$(VENV)/bin/pdcluster up --demo
@@ -32,8 +33,25 @@ bench-kernels: setup
 demo-model: setup
 	$(PY) -m pdcluster.worker.bench.train_demo_model
 
-e2e: setup-test
-	$(PYTEST) -q -p no:cacheprovider e2e
+# The e2e suite needs a real control plane: built from the Go module proxy on first use (slow, cached
+# in ~/.cache/pdcluster keyed by version), started on loopback, torn down afterwards.
+E2E_PYTEST_FLAGS ?= -q -p no:cacheprovider -o timeout=600
+e2e-build:
+	@e2e/build.sh all
+
+cluster-up: e2e-build
+	@e2e/cluster.sh up
+
+cluster-down:
+	@e2e/cluster.sh down
+
+e2e: setup-test e2e-build
+	@e2e/cluster.sh up >/dev/null || { e2e/cluster.sh down; exit 1; }
+	@rc=0; $(PYTEST) $(E2E_PYTEST_FLAGS) e2e || rc=$$?; \
+	  if [ -z "$$PDCLUSTER_E2E_KEEP" ]; then e2e/cluster.sh down; fi; exit $$rc
+
+e2e-kind:
+	@e2e/kind/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
