@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="use kopf peering NAME for active/standby replicas (needs kopf's peering CRDs)")
     parser.add_argument("--metrics-port", type=int, default=8080,
                         help="serve the operator's Prometheus metrics on this port (0: off)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR",
+                        help="bind the metrics server to this address (default 0.0.0.0, as in a pod; "
+                             "127.0.0.1 for a local run)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                         help="kopf liveness endpoint URL ('' to disable)")
     parser.add_argument("--resync-seconds", type=float, default=60.0,
@@ -41,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     handlers.RUNTIME.resync_seconds = args.resync_seconds
     if args.metrics_port:
-        start_http_server(args.metrics_port, registry=opmetrics.REGISTRY)
+        try:
+            start_http_server(args.metrics_port, addr=args.metrics_address, registry=opmetrics.REGISTRY)
+        except OSError as e:  # address not local, port taken, bad name
+            print(f"pdcluster operator: error: cannot serve metrics on {args.metrics_address}:{args.metrics_port}: "
+                  f"{e}", file=sys.stderr)
+            return 2
     namespaces = list(args.namespace)
     try:
         asyncio.run(kopf.operator(

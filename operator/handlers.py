@@ -2,12 +2,19 @@
 
 - `on.create` / `on.update` (spec changes) / `on.resume` (operator restart): reconcile now. API errors
   become `kopf.TemporaryError` with exponential backoff, so kopf retries; a 409 re-reads and retries once.
-- a per-PDCluster `daemon`: the periodic, level-triggered resync (drift correction for every child, the
-  autoscaler's interval) and the consumer of "kicks".
+- a per-PDCluster resync task: the periodic, level-triggered resync (drift correction for every child, the
+  autoscaler's interval) and the consumer of "kicks". It is our own asyncio task, started and stopped by
+  an `on.event` handler on PDClusters, not a `kopf.daemon`: kopf puts a finalizer on every object that has
+  a daemon or timer (hard-wired in kopf 1.45), and a finalizer that only a running operator removes leaves
+  PDClusters (and their namespaces) Terminating forever once the operator is uninstalled. The operator
+  has nothing to clean up on deletion (owner references garbage-collect the children), so it uses no
+  finalizer; it still *removes* the `pdcluster.dev/finalizer` that older versions added.
 - `on.event` for the operator's Deployments and Services: any change or deletion of a child kicks its
-  owner's daemon, so a hand-edited or deleted child is restored within about a second.
+  owner's resync task, so a hand-edited or deleted child is restored within about a second.
+- nothing is reconciled while a PDCluster has `metadata.deletionTimestamp` (see `reconcile`).
 - `on.startup` configures kopf (annotation-based state under pdcluster.dev/, no CRD scanning, only
-  WARNING+ kopf logs become Events) and opens the API client; `on.cleanup` closes it.
+  WARNING+ kopf logs become Events) and opens the API client; `on.cleanup` stops the resync tasks and
+  closes the client.
 
 Run with `pdcluster operator` (see `cli`), or `kopf run -m pdcluster.operator.handlers`.
 """
@@ -28,6 +35,7 @@ from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_toke
 GROUP, VERSION, PLURAL = models.API_GROUP, models.API_VERSION, models.PLURAL
 CHILD_LABELS = {"app.kubernetes.io/name": "pdcluster", "app.kubernetes.io/managed-by": "pdcluster-operator"}
 KICK_DEBOUNCE_SECONDS = 0.5
+LEGACY_FINALIZER = "pdcluster.dev/finalizer"
 
 
 class _Runtime:
@@ -39,12 +47,49 @@ class _Runtime:
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.kicks: dict[tuple[str, str], asyncio.Event] = {}
         self.resync_seconds: float = rec.RESYNC_SECONDS
+        self.tasks: dict[tuple[str, str], tuple[asyncio.Task[None], asyncio.Event]] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
     def kick(self, namespace: str, name: str) -> asyncio.Event:
         return self.kicks.setdefault((namespace, name), asyncio.Event())
+
+    def start_resync(self, namespace: str, name: str, delay: float, logger: Any) -> bool:
+        """Start the PDCluster's resync task unless one is running; True if started."""
+        key = (namespace, name)
+        running = self.tasks.get(key)
+        if running is not None and not running[0].done():
+            return False
+        stop = asyncio.Event()
+        task = asyncio.create_task(_resync_loop(name, namespace, stop, logger, self.kick(namespace, name), delay),
+                                   name=f"pdcluster resync {namespace}/{name}")
+        self.tasks[key] = (task, stop)
+
+        def forget(t: asyncio.Task[None]) -> None:
+            if self.tasks.get(key, (None,))[0] is t:
+                del self.tasks[key]
+                self.kicks.pop(key, None)
+
+        task.add_done_callback(forget)
+        return True
+
+    async def stop_resync(self, namespace: str, name: str, timeout: float = 1.0) -> None:
+        """Ask the resync task to stop; cancel it if it has not stopped within `timeout` seconds."""
+        running = self.tasks.get((namespace, name))
+        if running is None:
+            return
+        task, stop = running
+        stop.set()
+        self.kick(namespace, name).set()  # wake it now
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop_resync(ns, name) for ns, name in list(self.tasks)))
 
 
 RUNTIME = _Runtime()
@@ -65,8 +110,9 @@ async def configure(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> N
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdcluster.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="pdcluster.dev", key="last-handled-configuration")
-    # kopf adds this finalizer because of the per-object daemon; it is removed when the daemon stops.
-    settings.persistence.finalizer = "pdcluster.dev/finalizer"
+    # No handler here needs a finalizer (no kopf.daemon/timer, no on.delete), so kopf adds none. Naming
+    # the one older versions added lets kopf remove it from existing PDClusters ("no handlers require it").
+    settings.persistence.finalizer = LEGACY_FINALIZER
     settings.posting.level = logging.WARNING  # our own Events are explicit; no "handler succeeded" noise
     settings.scanning.disabled = True  # no CRD watching: less RBAC, resources are fixed
     settings.execution.max_workers = 4
@@ -103,6 +149,7 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    await RUNTIME.stop_all()
     if RUNTIME.kube is not None:
         await RUNTIME.kube.close()
     if RUNTIME.http is not None:
@@ -121,8 +168,8 @@ async def _reconcile_locked(body: dict[str, Any], trigger: str, retry: int = 0) 
         except ApiError as e:
             raise kopf.TemporaryError(f"Kubernetes API error, will retry: {e}",
                                       delay=min(60.0, 2.0 ** min(retry, 6))) from e
-        if fresh is None:
-            return None
+        if fresh is None or rec.is_deleting(fresh):
+            return None  # gone, or going: never re-apply children of a PDCluster being deleted
         body = fresh
         for attempt in range(2):
             try:
@@ -130,7 +177,7 @@ async def _reconcile_locked(body: dict[str, Any], trigger: str, retry: int = 0) 
             except ApiError as e:
                 if e.status == 409 and attempt == 0:
                     fresh = await ctx.kube.get(PDC_API_VERSION, models.KIND, namespace, name)
-                    if fresh is None:
+                    if fresh is None or rec.is_deleting(fresh):
                         return None
                     body = fresh
                     continue
@@ -146,30 +193,33 @@ async def reconcile_pdcluster(body: kopf.Body, reason: Any, retry: int, **_: Any
     await _reconcile_locked(_plain(body), trigger=str(reason), retry=retry)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=1.0)
-async def resync(name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: Any, spec: Any,
-                 **_: Any) -> None:
-    namespace = namespace or "default"
-    kick = RUNTIME.kick(namespace, name)
+def _initial_delay(spec: Any) -> float:
     delay = RUNTIME.resync_seconds
     auto = (spec or {}).get("autoscaling") or {}
-    if auto.get("enabled") and isinstance(auto.get("intervalSeconds"), int | float):
+    if auto.get("enabled") and isinstance(auto.get("intervalSeconds"), int | float) and auto["intervalSeconds"] > 0:
         delay = min(delay, float(auto["intervalSeconds"]))
-    try:
-        await _resync_loop(name, namespace, stopped, logger, kick, delay)
-    except asyncio.CancelledError:
-        return  # the operator is exiting or the PDCluster is gone: nothing to clean up
+    return delay
 
 
-async def _resync_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: Any,
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track_pdcluster(type: str | None, body: kopf.Body, name: str, namespace: str | None, logger: Any,
+                          **_: Any) -> None:
+    """Start the resync task when a PDCluster appears (listing, creation, any later event while it has
+    none), stop it when the PDCluster is marked for deletion or gone."""
+    namespace = namespace or "default"
+    if type == "DELETED" or rec.is_deleting(_plain(body)):
+        await RUNTIME.stop_resync(namespace, name)
+        return
+    if RUNTIME.kube is not None:
+        RUNTIME.start_resync(namespace, name, _initial_delay(body.get("spec")), logger)
+
+
+async def _resync_loop(name: str, namespace: str, stopped: asyncio.Event, logger: Any,
                        kick: asyncio.Event, delay: float) -> None:
+    """Reconcile every `delay` seconds or when kicked, until stopped or the PDCluster is gone or deleting."""
     failures = 0
-
-    async def stop_wait() -> None:
-        await stopped.wait()
-
-    while not stopped:
-        waiters = {asyncio.ensure_future(kick.wait()), asyncio.ensure_future(stop_wait())}
+    while not stopped.is_set():
+        waiters = {asyncio.ensure_future(kick.wait()), asyncio.ensure_future(stopped.wait())}
         try:
             await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -178,19 +228,19 @@ async def _resync_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, l
             for w in waiters:
                 with contextlib.suppress(asyncio.CancelledError):
                     await w
-        if stopped:
+        if stopped.is_set():
             break
         trigger = "child" if kick.is_set() else "resync"
         if kick.is_set():
             await asyncio.sleep(KICK_DEBOUNCE_SECONDS)  # coalesce bursts of child events
         kick.clear()
-        if stopped or RUNTIME.kube is None:
+        if stopped.is_set() or RUNTIME.kube is None:
             break
         try:
             out = await _reconcile_locked({"metadata": {"name": name, "namespace": namespace}},
                                           trigger=trigger, retry=failures)
             if out is None:
-                return  # the PDCluster is gone
+                return  # the PDCluster is gone or being deleted
             delay = out.next_delay
             failures = 0
         except kopf.TemporaryError as e:
@@ -201,7 +251,7 @@ async def _resync_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, l
             failures += 1
             delay = min(60.0, 2.0 ** min(failures, 6))
             logger.warning("resync of %s/%s failed, retrying in %.0fs: %s", namespace, name, delay, e)
-        except Exception:  # never let one bad pass kill the loop
+        except Exception:  # never let one bad pass kill the loop (cancellation is not an Exception)
             failures += 1
             delay = min(60.0, 2.0 ** min(failures, 6))
             logger.exception("resync of %s/%s crashed; retrying in %.0fs", namespace, name, delay)

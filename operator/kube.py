@@ -37,16 +37,33 @@ PLURALS: dict[tuple[str, str], str] = {
 PDC_API_VERSION = f"{models.API_GROUP}/{models.API_VERSION}"
 
 
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str, method: str = "", path: str = "") -> None:
+    def __init__(self, status: int, reason: str, message: str, method: str = "", path: str = "",
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(f"{method} {path}: {status} {reason}: {message}".strip())
         self.status = status
         self.reason = reason
         self.message = message
+        self.details = details if isinstance(details, dict) else {}
 
     @property
     def retryable(self) -> bool:
         return self.status in (0, 409, 429) or self.status >= 500
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """A 403 because the namespace is being deleted: creating anything in it is refused until it is gone.
+        The API server says so with reason Forbidden, a `NamespaceTerminating` cause in `details`, and the
+        message "... unable to create new content in namespace X because it is being terminated"."""
+        if self.status != 403:
+            return False
+        causes = self.details.get("causes") or []
+        if any(isinstance(c, dict) and c.get("type") == NAMESPACE_TERMINATING for c in causes):
+            return True
+        return self.reason == NAMESPACE_TERMINATING or "because it is being terminated" in self.message
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,
@@ -144,13 +161,14 @@ class Kube:
                                              headers=headers, ssl=self._ssl) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
-                    reason, message = resp.reason or "", text[:300]
+                    reason, message, details = resp.reason or "", text[:300], None
                     try:
                         st = json.loads(text)
                         reason, message = st.get("reason") or reason, st.get("message") or message
-                    except ValueError:
+                        details = st.get("details")
+                    except (ValueError, AttributeError):
                         pass
-                    raise ApiError(resp.status, str(reason), str(message), method, path)
+                    raise ApiError(resp.status, str(reason), str(message), method, path, details)
                 return json.loads(text) if text else {}
         except (TimeoutError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, str(e) or repr(e), method, path) from e

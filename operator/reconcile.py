@@ -10,7 +10,11 @@ Error policy:
 - an API error the server will not fix by itself (4xx other than 409/429) -> `Degraded=True` (reason
   ApplyFailed), Warning Event, returns normally; the periodic resync tries again;
 - retryable API errors (5xx, 429, 409, connection errors) propagate as `ApiError`, which the handlers
-  turn into `kopf.TemporaryError` (backoff and retry).
+  turn into `kopf.TemporaryError` (backoff and retry);
+- a PDCluster being deleted (`metadata.deletionTimestamp`) is not reconciled at all: no children applied,
+  no pods drained, no status written. Its children go with it through their owner references;
+- a 403 because the namespace is being terminated (children are refused while the namespace controller
+  deletes everything, the PDCluster included) ends the pass quietly: no Degraded, no Event, no retry.
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ class Outcome:
     status: dict[str, Any] = field(default_factory=dict)
     decision: asc.Decision | None = None
     degraded: str | None = None
+    skipped: str | None = None  # why nothing was done: "deleting", "namespace-terminating"
+
+
+def is_deleting(body: dict[str, Any]) -> bool:
+    """The object has been marked for deletion (it may linger while finalizers run)."""
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def _strip_none(obj: Any) -> Any:
@@ -187,11 +197,24 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 
 async def reconcile(ctx: Context, body: dict[str, Any], trigger: str = "resync") -> Outcome:
+    meta = body.get("metadata") or {}
+    if is_deleting(body):
+        # Never apply children or drain pods of an object on its way out (a foreground deletion, a namespace
+        # being deleted, someone else's finalizer): re-creating children here would fight the garbage
+        # collector, and in a terminating namespace every create is refused anyway.
+        log.debug("%s/%s is being deleted: not reconciling", meta.get("namespace"), meta.get("name"))
+        opmetrics.RECONCILES.labels(trigger, "skipped").inc()
+        return Outcome(ctx.resync_seconds, skipped="deleting")
     try:
         out = await _reconcile(ctx, body)
         opmetrics.RECONCILES.labels(trigger, "degraded" if out.degraded else "ok").inc()
         return out
-    except ApiError:
+    except ApiError as e:
+        if e.namespace_terminating:
+            log.info("%s/%s: namespace %s is being terminated; nothing to reconcile", meta.get("namespace"),
+                     meta.get("name"), meta.get("namespace"))
+            opmetrics.RECONCILES.labels(trigger, "skipped").inc()
+            return Outcome(ctx.resync_seconds, skipped="namespace-terminating")
         opmetrics.RECONCILES.labels(trigger, "retry").inc()
         opmetrics.ERRORS.labels("api").inc()
         raise
@@ -323,7 +346,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
             await ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace,
                                   render.network_policy_name(owner))
     except ApiError as e:
-        if e.retryable:
+        if e.retryable or e.namespace_terminating:
             raise
         return await _degraded(ctx, body, "ApplyFailed", f"{e.status} {e.reason}: {e.message}", "api")
 

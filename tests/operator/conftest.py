@@ -37,12 +37,19 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
 
     # (predicate(request) -> bool, HTTP status) consumed one by one: injected API failures.
     failures: list[tuple[Any, int]] = []
+    # (predicate(request) -> bool, error) never consumed: every matching request fails; `rejected` records them.
+    rejections: list[tuple[Any, kmock.KubernetesError]] = []
+    rejected: list[Any] = []
 
     async def _handle(self, request: Any) -> Any:
         for i, (pred, code) in enumerate(list(self.failures)):
             if pred(request):
                 del self.failures[i]
                 raise kmock.KubernetesError(status=code, reason="InjectedFailure", message="injected by the test")
+        for pred, error in self.rejections:
+            if pred(request):
+                self.rejected.append(request)
+                raise error
         ctype = (request.headers or {}).get("Content-Type", "")
         if (request.resource is not None and request.action == enums.action.UPDATE
                 and "apply-patch" in ctype and request.name and not request.subresource):
@@ -66,6 +73,8 @@ def kmock_options() -> dict[str, Any]:
 @pytest.fixture()
 def k8s(kmock: ApplyingEmulator) -> ApplyingEmulator:
     kmock.failures = []
+    kmock.rejections = []
+    kmock.rejected = []
     for res, info in RESOURCES.items():
         kmock.resources[res] = kmock.ResourceInfo(verbs=VERBS, **info)
     return kmock

@@ -71,6 +71,22 @@ def test_operator_cli_parser() -> None:
     cli.add_arguments(p)
     a = p.parse_args([])
     assert a.namespace == [] and a.peering is None and a.metrics_port == 8080 and a.resync_seconds == 60
+    assert a.metrics_address == "0.0.0.0"
+    assert p.parse_args(["--metrics-address", "127.0.0.1"]).metrics_address == "127.0.0.1"
     a = p.parse_args(["-n", "a", "--namespace", "b", "--peering", "x", "--resync-seconds", "5"])
     assert a.namespace == ["a", "b"] and a.peering == "x" and a.resync_seconds == 5
     assert cli.run(p.parse_args(["--resync-seconds", "0", "--metrics-port", "0"])) == 2
+
+
+def test_operator_metrics_address_that_cannot_be_bound_is_a_one_line_error(capsys) -> None:
+    import socket
+
+    with socket.socket() as s:  # a free port, so only the address can be the problem
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    # 203.0.113.0/24 is TEST-NET-3: never a local address
+    assert cli.run(p.parse_args(["--metrics-port", str(port), "--metrics-address", "203.0.113.7"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot serve metrics on 203.0.113.7" in err[0]
