@@ -63,13 +63,13 @@ ROWS: list[tuple[str, list[dict]]] = [
              desc="Share of requests over 2.5 s to first token, at the router (budget 1%).",
              thresholds=[(0.01, "orange"), (0.144, "red")]),
         stat("TPOT SLO errors (1h)", "max(pdcluster:tpot_slo_errors:ratio_rate1h{" + SEL + "})", "percentunit",
-             desc="Share of requests over 100 ms per output token, at the router (budget 1%).",
+             desc="Share of inter-token gaps over 100 ms, at the router (budget 1%).",
              thresholds=[(0.01, "orange"), (0.144, "red")]),
         stat("Requests/s", f'sum(rate(pdcluster_requests_total{{role="router",{SEL}}}[$__rate_interval]))', "reqps"),
         stat("Rejected/s", f"sum(rate(pdcluster_requests_rejected_total{{{SEL}}}[$__rate_interval]))", "reqps",
              thresholds=[(0.01, "orange"), (1, "red")]),
-        stat("P:D ratio", f'count(pdcluster_requests_running{{role="prefill",{SEL}}}) / count(pdcluster_requests_running{{role="decode",{SEL}}})',
-             "none", desc="Prefill replicas per decode replica (reporting instances)."),
+        stat("Ratio D/P", f'count(pdcluster_requests_running{{role="decode",{SEL}}}) / count(pdcluster_requests_running{{role="prefill",{SEL}}})',
+             "none", desc="Decode replicas per prefill replica (reporting instances), as the Ratio column of kubectl get pdc."),
         stat("Max KV usage", f"max(pdcluster_kv_cache_usage_ratio{{{SEL}}})", "percentunit",
              thresholds=[(0.8, "orange"), (0.9, "red")]),
         ts("TTFT p50 / p99 by role", [
@@ -125,10 +125,10 @@ ROWS: list[tuple[str, list[dict]]] = [
             (f'count by (role) (pdcluster_requests_running{{role=~"prefill|decode|both",{SEL}}})', "serving {{role}}"),
             (f'max by (role) (pdcluster_autoscaler_desired_replicas{{{SEL}}})', "desired {{role}}"),
         ], "short", desc="Desired above serving for long = ScalingLimited (pending pods, maxReplicas)."),
-        ts("P:D ratio", [
-            (f'count(pdcluster_requests_running{{role="prefill",{SEL}}}) / count(pdcluster_requests_running{{role="decode",{SEL}}})', "serving P:D"),
-            (f'max(pdcluster_autoscaler_desired_replicas{{role="prefill",{SEL}}}) / max(pdcluster_autoscaler_desired_replicas{{role="decode",{SEL}}})', "desired P:D"),
-        ], "none"),
+        ts("Ratio D/P (decode per prefill replica)", [
+            (f'count(pdcluster_requests_running{{role="decode",{SEL}}}) / count(pdcluster_requests_running{{role="prefill",{SEL}}})', "serving"),
+            (f'max(pdcluster_autoscaler_desired_replicas{{role="decode",{SEL}}}) / max(pdcluster_autoscaler_desired_replicas{{role="prefill",{SEL}}})', "desired"),
+        ], "none", desc="Same convention as status.ratio / the Ratio column of kubectl get pdc."),
         ts("Autoscaler decisions by reason", [
             (f"sum by (reason) (increase(pdcluster_autoscaler_decisions_total{{{SEL}}}[$__rate_interval]))", "{{reason}}"),
         ], "short", bars=True, stack=True, desc="Each decision of the autoscaler (ScaleUp, ScaleDown, Steady, Stabilizing, CapacityUnknown, ...)."),

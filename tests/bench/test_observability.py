@@ -129,7 +129,7 @@ def test_dashboard_is_valid_and_uses_known_series_only():
     joined = " | ".join(titles)
     for want in ("TTFT p50 / p99 by role", "TPOT p50 / p99 by role", "Prefill queue", "Transfer queue",
                  "Decode queue", "KV usage", "Preemptions", "Transfer bandwidth", "Transfer latency",
-                 "Transfer failures", "Replicas", "P:D ratio", "Autoscaler decisions"):
+                 "Transfer failures", "Replicas", "Ratio D/P", "Autoscaler decisions"):
         assert want in joined, want
     used_all = set(METRIC.findall(" ".join(exprs)))
     assert {"pdcluster_autoscaler_desired_replicas", "pdcluster_autoscaler_decisions_total"} <= used_all

@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 
 from pdcluster.worker.router import cli
-from pdcluster.worker.router.pool import Pool, resolve_service
+from pdcluster.worker.router.pool import Pool, parse_service, resolve_service
 
 
 def test_resolve_service_gives_one_url_per_address() -> None:
     urls = resolve_service("localhost:8123")
-    assert urls and all(u.endswith(":8123") for u in urls)
+    assert urls and all(u.startswith("http://") and u.endswith(":8123") for u in urls)
+    # the operator renders Service URLs: http://<name>-prefill.<ns>.svc:8000
+    assert resolve_service("http://localhost:8124") and all(u.endswith(":8124") for u in resolve_service("http://localhost:8124"))
     assert resolve_service("no-such-host.invalid:80") == []
+    assert parse_service("http://pd-prefill.ns.svc:8000") == ("http", "pd-prefill.ns.svc", 8000)
+    assert parse_service("pd-decode") == ("http", "pd-decode", 8000)
+    assert parse_service("pd-decode:9000") == ("http", "pd-decode", 9000)
 
 
 async def test_pool_marks_and_snapshot() -> None:

@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs (http://host:port)")
     a("--decode", nargs="*", default=[], metavar="URL", help="decode worker URLs (a `both` worker goes here too)")
     a("--prefill-service", action="append", default=[], metavar="NAME[:PORT]",
-      help="Kubernetes (headless) Service of the prefill pool, re-resolved via DNS every probe interval")
+      help="Kubernetes (headless) Service of the prefill pool (NAME[:PORT] or http://NAME:PORT), re-resolved "
+           "via DNS every probe interval")
     a("--decode-service", action="append", default=[], metavar="NAME[:PORT]",
       help="Kubernetes (headless) Service of the decode pool")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")

@@ -56,20 +56,28 @@ class Worker:
                 "source": self.source}
 
 
+def parse_service(spec: str, default_port: int = 8000) -> tuple[str, str, int]:
+    """(scheme, host, port) of `name[:port]` or `http://name[:port]` (the operator renders the URL form)."""
+    if "://" in spec:
+        u = urlparse(spec)
+        return u.scheme or "http", u.hostname or "", u.port or default_port
+    head, _, tail = spec.rpartition(":")
+    if head and tail.isdigit():
+        return "http", head, int(tail)
+    return "http", spec, default_port
+
+
 def resolve_service(spec: str, default_port: int = 8000) -> list[str]:
-    """`name[:port]` -> worker URLs, one per address (a headless Service returns every pod's IP)."""
-    host, port = spec, default_port
-    if ":" in spec:
-        head, _, tail = spec.rpartition(":")
-        if tail.isdigit():
-            host, port = head, int(tail)
+    """A Service -> worker URLs, one per address: a headless Service's DNS name returns every ready pod's IP,
+    which is how the router discovers (and forgets) workers as pods come and go."""
+    scheme, host, port = parse_service(spec, default_port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
+    except (socket.gaierror, UnicodeError) as e:
         log.warning("cannot resolve %s: %s", spec, e)
         return []
     addrs = sorted({str(info[4][0]) for info in infos})
-    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
+    return [f"{scheme}://[{a}]:{port}" if ":" in a else f"{scheme}://{a}:{port}" for a in addrs]
 
 
 @dataclass

@@ -15,8 +15,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -106,7 +108,7 @@ class TCPConnector(KVConnector):
 
     def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
-                 chunk_bytes: int = 64 * 1024 * 1024) -> None:
+                 chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4) -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression must be one of {codec.COMPRESSIONS}")
         self.secret, self.importer, self.compression = secret, importer, compression
@@ -119,9 +121,12 @@ class TCPConnector(KVConnector):
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        # One encoder thread keeps frames in layer order and keeps quantize/serialize/HMAC off both the
-        # engine's forward pass and the event loop.
-        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
+        # Encoder threads keep quantize/serialize/HMAC off both the engine's forward pass and the event loop;
+        # several, because HMAC-SHA256 is the transfer's CPU ceiling and hashlib releases the GIL (frames
+        # are keyed by (layer, token_start), so their order on the wire does not matter).
+        self._encoder = concurrent.futures.ThreadPoolExecutor(
+            max(1, min(encoder_threads, os.cpu_count() or 1)), thread_name_prefix="kv-encode")
+        self._encoding: dict[str, list[concurrent.futures.Future[list[Frame]]]] = {}
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
@@ -175,7 +180,9 @@ class TCPConnector(KVConnector):
 
             loop.call_soon_threadsafe(put)
 
-        self._encoder.submit(encode).add_done_callback(enqueue)
+        fut = self._encoder.submit(encode)
+        fut.add_done_callback(enqueue)
+        self._encoding.setdefault(request_id, []).append(fut)
 
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
                 offset: int) -> list[Frame]:
@@ -192,9 +199,12 @@ class TCPConnector(KVConnector):
         if entry is None:
             raise TransferError(f"no transfer started for {request_id}")
         box = entry[0]
-        # Frames still in the encoder thread must reach the outbox before it is closed.
-        await asyncio.wrap_future(self._encoder.submit(lambda: None))
-        await asyncio.sleep(0)  # let the call_soon_threadsafe(put) callbacks run
+        # Frames still being encoded must reach the outbox before it is closed. Each future's own done
+        # callback (enqueue) was registered first, so its put() is scheduled before this await resumes.
+        for fut in self._encoding.pop(request_id, []):
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(fut)
+        await asyncio.sleep(0)
         try:
             seconds = await box.wait()
         except TransferError:
@@ -207,6 +217,7 @@ class TCPConnector(KVConnector):
         return SaveResult(seconds, box.total_bytes)
 
     async def abort_save(self, request_id: str) -> None:
+        self._encoding.pop(request_id, None)
         entry = self._outboxes.pop(request_id, None)
         if entry is not None:
             await entry[0].abort()

@@ -22,6 +22,7 @@ from pdcluster.worker.transfer.frame import (
     ErrorCode,
     Frame,
     FrameError,
+    Header,
     Kind,
     Limits,
     ack,
@@ -88,10 +89,11 @@ class KVServer:
 
     def __init__(self, secret: bytes, handler: FrameHandler, *, limits: Limits = DEFAULT_LIMITS,
                  idle_timeout: float = 60.0, frame_timeout: float = 30.0,
-                 stats: TransportStats | None = None) -> None:
+                 stats: TransportStats | None = None, pipeline: int = 4) -> None:
         self.secret, self.handler, self.limits = secret, handler, limits
         self.idle_timeout, self.frame_timeout = idle_timeout, frame_timeout
         self.stats = stats or TransportStats()
+        self.pipeline = max(1, pipeline)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.port = 0
@@ -112,12 +114,16 @@ class KVServer:
                 await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read frames back to back; verify and handle up to `pipeline` of them concurrently (HMAC is the
+        CPU ceiling and releases the GIL), so reading the next frame overlaps checking this one."""
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
         peer = writer.get_extra_info("peername")
+        slots = asyncio.Semaphore(self.pipeline)
+        inflight: set[asyncio.Task[None]] = set()
         try:
-            while True:
+            while not writer.is_closing():
                 try:
                     # An idle connection may wait idle_timeout for its next header; once a header is in,
                     # the peer gets frame_timeout for the body (a stalled sender cannot pin the buffer).
@@ -128,32 +134,63 @@ class KVServer:
                         if not e.partial:
                             return  # clean close at a frame boundary
                         raise FrameError(ErrorCode.TRUNCATED, f"header cut after {len(e.partial)} bytes") from None
-                    frame = await _read_rest(reader, head, self.secret, self.limits, self.frame_timeout)
+                    hdr = parse_header(head, self.limits)
+                    try:
+                        async with asyncio.timeout(self.frame_timeout):
+                            body = await reader.readexactly(hdr.body_len)
+                    except asyncio.IncompleteReadError as e:
+                        raise FrameError(ErrorCode.TRUNCATED, f"closed after {len(e.partial)} body bytes") from None
                 except (FrameError, TimeoutError) as e:
-                    code = e.code if isinstance(e, FrameError) else ErrorCode.TRUNCATED
-                    self.stats.frames_rejected += 1
-                    log.warning("kv transfer: rejected frame from %s: %s", peer, e)
-                    # Framing is lost after a bad frame: report once and drop this connection only.
-                    with contextlib.suppress(Exception):
-                        writer.write(encode_frame(ack("?", 0, code), self.secret))
-                        await writer.drain()
+                    self._reject(writer, peer, e)
                     return
-                self.stats.bytes_received += len(frame.payload) + len(frame.scales)
-                try:
-                    status = await self.handler(frame)
-                except Exception:  # a bug in one transfer must not take the listener down
-                    log.exception("kv transfer: handler failed for %s layer %d", frame.request_id, frame.layer)
-                    status = ErrorCode.INTERNAL
-                if frame.kind == Kind.LAYER:
-                    reply = Frame(kind=Kind.ACK, request_id=frame.request_id, layer=frame.layer,
-                                  token_start=frame.token_start, token_end=frame.token_end, status=int(status))
-                    writer.write(encode_frame(reply, self.secret))
-                    await writer.drain()
+                await slots.acquire()
+                t = asyncio.ensure_future(self._process(hdr, head, body, writer, peer))
+                inflight.add(t)
+
+                def done(t: asyncio.Task[None]) -> None:
+                    inflight.discard(t)
+                    slots.release()
+
+                t.add_done_callback(done)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            if inflight:  # let verified frames get their ACKs before the connection goes
+                with contextlib.suppress(BaseException):
+                    await asyncio.gather(*inflight, return_exceptions=True)
             self._conns.discard(task)
             writer.close()
+
+    def _reject(self, writer: asyncio.StreamWriter, peer: object, e: Exception) -> None:
+        code = e.code if isinstance(e, FrameError) else ErrorCode.TRUNCATED
+        self.stats.frames_rejected += 1
+        log.warning("kv transfer: rejected frame from %s: %s", peer, e)
+        # Framing (or trust) is lost after a bad frame: report once and drop this connection only.
+        with contextlib.suppress(Exception):
+            writer.write(encode_frame(ack("?", 0, code), self.secret))
+            writer.close()
+
+    async def _process(self, hdr: Header, head: bytes, body: bytes, writer: asyncio.StreamWriter,
+                       peer: object) -> None:
+        try:
+            if len(body) > OFFLOAD_BYTES:
+                frame = await asyncio.to_thread(parse_body, hdr, head, body, self.secret)
+            else:
+                frame = parse_body(hdr, head, body, self.secret)
+        except FrameError as e:
+            self._reject(writer, peer, e)
+            return
+        self.stats.bytes_received += len(frame.payload) + len(frame.scales)
+        try:
+            status = await self.handler(frame)
+        except Exception:  # a bug in one transfer must not take the listener down
+            log.exception("kv transfer: handler failed for %s layer %d", frame.request_id, frame.layer)
+            status = ErrorCode.INTERNAL
+        if frame.kind == Kind.LAYER and not writer.is_closing():
+            reply = Frame(kind=Kind.ACK, request_id=frame.request_id, layer=frame.layer,
+                          token_start=frame.token_start, token_end=frame.token_end, status=int(status))
+            # ACKs are 70 bytes: no drain (several tasks share this writer, and the sender reads them).
+            writer.write(encode_frame(reply, self.secret))
 
 
 class Outbox:
