@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdcluster.worker.config import ModelConfig
 from pdcluster.worker.engine import EngineConfig, LLMEngine
 from pdcluster.worker.outputs import RequestOutput
 from pdcluster.worker.sampling_params import SamplingParams
+from pdcluster.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,6 +90,28 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # -- read-only views (any thread) -------------------------------------------------------------------
+    # Fixed when the engine is built and never reassigned, so reading them off the engine thread is safe.
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the engine would reject this request; callable from any thread.
+
+        Pure checks against fixed limits (vocabulary, model length, total cache size); it reads no
+        scheduler state, so it need not be queued to the engine thread."""
+        self.engine.validate_request(prompt_token_ids, params)
 
     # -- API --------------------------------------------------------------------------------------------
 

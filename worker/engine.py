@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from pdcluster.worker.block_manager import BlockManager
 from pdcluster.worker.config import ModelConfig
+from pdcluster.worker.kv_cache import layer_kv_dtypes
 from pdcluster.worker.model_runner import ModelRunner
 from pdcluster.worker.outputs import RequestOutput
 from pdcluster.worker.sampler import sample
@@ -31,6 +32,10 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16  # 8 | 16 | 32
     kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | int4
+    # Layers whose KV cache stays in the model dtype while the others use kv_cache_dtype (int8/int4); the
+    # most quantization-sensitive layers (often the first ones) recover most of int4's quality loss. A
+    # no-op with kv_cache_dtype "auto" (every layer is full precision already); indices must still be valid.
+    full_precision_layers: tuple[int, ...] = ()
     max_batch_size: int = 16  # decode sequences per step
     max_batch_tokens: int = 2048  # prefill tokens per step (longer prompts are chunked)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -50,6 +55,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if self.kv_cache_dtype not in ("auto", "int8", "int4"):
             raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
+        if isinstance(self.full_precision_layers, str | bytes):  # "0,1" would iterate as characters
+            raise ValueError(
+                f"full_precision_layers must be a sequence of layer indices, got {self.full_precision_layers!r}"
+            )
+        for i in self.full_precision_layers:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"full_precision_layers: {i!r} is not a layer index (an int >= 0)")
         if self.preemption_mode not in ("swap", "recompute", "auto"):
             raise ValueError(f"preemption_mode must be swap, recompute or auto, got {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
@@ -68,6 +80,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_folder(config.model)
+        # The upper bound needs the model: check it before loading weights (fail fast, name the field).
+        layer_kv_dtypes(self.model_config.num_layers, config.kv_cache_dtype, config.full_precision_layers)
         self.tokenizer = Tokenizer.from_folder(config.model)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -77,6 +91,7 @@ class LLMEngine:
             device=config.device,
             block_size=config.block_size,
             kv_cache_dtype=config.kv_cache_dtype,
+            full_precision_layers=tuple(config.full_precision_layers),
             num_blocks=config.num_kv_blocks,
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,

@@ -3,12 +3,37 @@
 Blocks hold ``block_size`` token slots; slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
 Storage and quantization formats come from ``pdcluster.kernels`` (float, int8, packed int4 + f32 scales), so
 the decode kernel, the transfer path and this class all agree on one layout.
+
+Mixed precision: with an int8/int4 ``kv_dtype``, the layers in ``full_precision_layers`` keep a float cache
+in the model dtype (no scales) and the rest are quantized. Every per-layer operation looks up its own layer's
+format, so a block is a slot in every layer's pool but its bytes differ from layer to layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from pdcluster.kernels import allocate_kv_cache, dequantize_kv, kv_bits, kv_bytes_per_token, write_kv_cache
+
+
+def layer_kv_dtypes(
+    num_layers: int, kv_dtype: str, full_precision_layers: Iterable[int] = ()
+) -> tuple[str, ...]:
+    """The KV dtype of each layer: ``kv_dtype``, except "auto" for the full-precision layers.
+
+    Raises ValueError naming ``full_precision_layers`` for an index that is not a layer of the model. With
+    ``kv_dtype == "auto"`` every layer is already full precision, so the list (once valid) changes nothing.
+    """
+    keep: set[int] = set()
+    for i in full_precision_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ValueError(
+                f"full_precision_layers: {i!r} is not a layer index of this model "
+                f"(it has {num_layers} layers: 0..{num_layers - 1})"
+            )
+        keep.add(i)
+    return tuple("auto" if i in keep else kv_dtype for i in range(num_layers))
 
 
 class PagedKVCache:
@@ -22,14 +47,17 @@ class PagedKVCache:
         kv_dtype: str = "auto",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        full_precision_layers: Iterable[int] = (),
     ) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.kv_dtype, self.dtype = kv_heads, head_dim, kv_dtype, dtype
-        self.bits = kv_bits(kv_dtype)
+        self.layer_kv_dtypes = layer_kv_dtypes(num_layers, kv_dtype, full_precision_layers)
+        # per layer: 8 / 4 for quantized pools, None for float pools (model dtype, no scales)
+        self.layer_bits = [kv_bits(d) for d in self.layer_kv_dtypes]
         self.device = torch.device(device)
         layers = [
-            allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, kv_dtype, dtype, device)
-            for _ in range(num_layers)
+            allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, layer_dtype, dtype, device)
+            for layer_dtype in self.layer_kv_dtypes
         ]
         self.k = [layer[0] for layer in layers]
         self.v = [layer[1] for layer in layers]
@@ -38,19 +66,34 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype: str, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        kv_dtype: str,
+        dtype: torch.dtype,
+        full_precision_layers: Iterable[int] = (),
     ) -> int:
-        return block_size * kv_bytes_per_token(kv_heads, head_dim, kv_dtype, dtype, layers=num_layers)
+        """Bytes one block takes over all layers; each layer is sized in its own format."""
+        dtypes = layer_kv_dtypes(num_layers, kv_dtype, full_precision_layers)
+        return block_size * sum(kv_bytes_per_token(kv_heads, head_dim, d, dtype) for d in dtypes)
 
     @property
     def block_bytes(self) -> int:
-        return self.bytes_per_block(
-            self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.kv_dtype, self.dtype
+        return self.block_size * sum(
+            kv_bytes_per_token(self.kv_heads, self.head_dim, d, self.dtype) for d in self.layer_kv_dtypes
         )
+
+    def is_quantized(self, layer: int) -> bool:
+        return self.layer_bits[layer] is not None
+
+    @property
+    def has_float_layers(self) -> bool:
+        return any(b is None for b in self.layer_bits)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v ``[n, kv_heads, head_dim]`` at ``slots`` (int64, all valid)."""
-        if self.bits is None:
+        if self.layer_bits[layer] is None:
             # Float caches: a plain scatter. The engine builds slots itself, so the kernel entry point's
             # per-call validation (a host sync on CUDA) buys nothing in the per-layer hot path.
             self.k[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.dtype))
@@ -69,16 +112,19 @@ class PagedKVCache:
     def read(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` tokens stored in ``block_ids`` (in order), dequantized to the model dtype."""
         out = []
+        bits = self.layer_bits[layer]
         for cache, scale in ((self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer])):
             x = cache[block_ids].flatten(0, 1)[:num_tokens]
-            if self.bits is not None:
+            if bits is not None:
                 assert scale is not None
-                x = dequantize_kv(x, scale[block_ids].flatten(0, 1)[:num_tokens], self.bits, self.dtype)
+                x = dequantize_kv(x, scale[block_ids].flatten(0, 1)[:num_tokens], bits, self.dtype)
             out.append(x)
         return out[0], out[1]
 
     def copy_blocks_to(self, dst: PagedKVCache, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Copy whole blocks (codes and scales as stored) into another pool of the same format: swap."""
+        # Raw copies are only meaningful between pools with the same per-layer formats (device <-> host).
+        assert dst.layer_kv_dtypes == self.layer_kv_dtypes and dst.dtype == self.dtype
         dst_ids = dst_ids.to(dst.device)
         for layer in range(self.num_layers):
             for s, d in (

@@ -40,7 +40,7 @@ class AttnMetadata:
     # called after layer i's KV is in the cache (prefill only): lets KV stream out while later layers run
     layer_hook: Callable[[int], None] | None = None
     # CPU float caches (decode): slots of every position of every sequence [seqs, max_len] and its mask
-    # [seqs, 1, 1, max_len], built once per step and shared by all layers (see Attention._decode)
+    # [seqs, 1, 1, max_len], built once per step and shared by all float layers (see Attention._decode)
     gather_slots: torch.Tensor | None = None
     gather_mask: torch.Tensor | None = None
 
@@ -123,7 +123,9 @@ class Attention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
-        if md.gather_slots is not None:
+        # gather_slots exist when any layer is float; quantized layers of a mixed-precision cache still go
+        # through the kernel, which dequantizes with this layer's scales.
+        if md.gather_slots is not None and not cache.is_quantized(self.layer):
             # CPU, float cache: the kernel API is per layer and stateless, so it re-derives positions from
             # the block table and validates its inputs in every layer; here the slot indices were built once
             # per step, and each layer is one gather per K/V plus one fused SDPA (about 1/3 of the ops).

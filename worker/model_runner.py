@@ -26,6 +26,7 @@ class ModelRunner:
         device: str,
         block_size: int,
         kv_cache_dtype: str,
+        full_precision_layers: tuple[int, ...] = (),
         num_blocks: int | None,
         kv_cache_memory: int | None,
         gpu_memory_utilization: float,
@@ -38,17 +39,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.full_precision_layers = full_precision_layers
         self.model = load_model(cfg, self.dtype, self.device, max_len=max_model_len)
+        # Summed layer by layer: full-precision layers of a mixed cache cost more than the quantized ones,
+        # so the block count from a byte budget must use the real per-block total.
         self.block_bytes = PagedKVCache.bytes_per_block(
-            cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, self.dtype
+            cfg.num_layers,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            kv_cache_dtype,
+            self.dtype,
+            full_precision_layers,
         )
         if num_blocks is None:
             num_blocks = self._blocks_from_budget(
                 kv_cache_memory, gpu_memory_utilization, max_model_len * max_batch_size
             )
         self.cache = self._new_cache(num_blocks, self.device)
-        # CPU + float cache: decode attention gathers through per-step slot indices (AttnMetadata)
-        self.gather_decode = self.device.type == "cpu" and self.cache.bits is None
+        # CPU + any float layer: those layers' decode attention gathers through per-step slot indices
+        # (AttnMetadata); quantized layers use the kernel
+        self.gather_decode = self.device.type == "cpu" and self.cache.has_float_layers
         # Swap space never needs more blocks than the device has; allocated on the first swap-out.
         self.num_host_blocks = min(swap_space_bytes // self.block_bytes, num_blocks)
         self._host_cache: PagedKVCache | None = None
@@ -64,6 +75,7 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.dtype,
             device,
+            self.full_precision_layers,
         )
 
     def _blocks_from_budget(self, budget: int | None, utilization: float, useful_tokens: int) -> int:

@@ -100,3 +100,19 @@ async def test_imported_request_streams_through_open_stream(aengine, make_engine
     async for out in stream:
         toks += out.new_token_ids
     assert toks == expected
+
+
+def test_read_only_accessors(aengine):
+    """What the HTTP server needs, without reaching into ``AsyncEngine.engine`` (and without a loop)."""
+    engine = aengine.engine
+    assert aengine.tokenizer is engine.tokenizer is not None
+    assert aengine.model_config is engine.model_config
+    assert aengine.max_model_len == engine.max_model_len == 1024
+    aengine.validate_request([1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        aengine.validate_request([10**6], SamplingParams())
+    with pytest.raises(ValueError, match="model length"):
+        aengine.validate_request([1] * 10, SamplingParams(max_tokens=5000))
+    assert not engine.seqs  # pure checks: nothing was queued or added
+    with pytest.raises(AttributeError):
+        aengine.max_model_len = 5  # type: ignore[misc]
