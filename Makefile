@@ -24,8 +24,10 @@ lint: setup
 	$(VENV)/bin/ruff check src operator worker kernels tests e2e
 	$(VENV)/bin/mypy src operator worker kernels
 
+# Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
 bench: setup
-	$(PY) -m pdcluster.worker.bench.engine_vs_hf --out docs/benchmarks
+	$(PY) -m pdcluster.worker.bench.engine_vs_hf --threads 2 --repeats 3
+	$(PY) -m pdcluster.worker.bench.disagg_transfer
 
 bench-kernels: setup
 	$(PY) kernels/bench.py
