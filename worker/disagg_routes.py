@@ -81,12 +81,17 @@ class Disaggregation:
 
     @classmethod
     def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
-        """From serve_cli's TransferOptions. A `both` worker without a secret simply has no transfer path."""
+        """From serve_cli's TransferOptions. Without a secret there is no transfer listener at all (frames are
+        never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
+        the router prefills on it directly. A given but unusable secret is an error."""
         secret_file = getattr(options, "secret_file", None)
-        if secret_file or role in ("prefill", "decode") or os.environ.get(ENV_VAR):
-            secret: bytes | None = load_secret(secret_file)  # SecretError (a ValueError) names what is missing
+        if secret_file or os.environ.get(ENV_VAR):
+            secret: bytes | None = load_secret(secret_file)  # SecretError (a ValueError) names what is wrong
         else:
             secret = None
+            if role in ("prefill", "decode"):
+                log.warning("no KV transfer secret (--kv-transfer-secret-file or $%s): this %s worker cannot "
+                            "send or receive KV; the router will prefill on decode workers instead", ENV_VAR, role)
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None))

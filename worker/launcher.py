@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -99,6 +100,16 @@ def wait_ready(urls: list[str], timeout: float, sup: Supervisor) -> bool:
     return not pending
 
 
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class _Stop(Exception):
     pass
 
@@ -121,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
     base = f"http://{args.host}"
     prefill_ports = [args.port + 1 + i for i in range(n_p)]
     decode_ports = [args.port + 1 + n_p + i for i in range(n_d)]
+    busy = [p for p in [args.port, *prefill_ports, *decode_ports] if port_in_use(args.host, p)]
+    if busy:
+        print(f"pdcluster up: error: port(s) {', '.join(map(str, busy))} on {args.host} are in use; "
+              f"choose another --port (the router takes it, the workers the {n_p + n_d} after it)", file=sys.stderr)
+        return 2
     sup = Supervisor(run_dir)
 
     def on_signal(signum: int, _: Any) -> None:

@@ -244,6 +244,11 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError, MemoryError) as e:  # unreadable files, CUDA/OOM: not a usage error
         raise StartupError(f"cannot load the model from {str(folder)!r}: {type(e).__name__}: {e}") from None
     name = args.served_model_name or folder.resolve().name
+    # Prefill/decode KV transfer: the /internal/* routes and the transfer listener (docs/disaggregation.md).
+    # Without a shared secret there is no transfer listener (logged); an unusable one is a usage error.
+    from .disagg_routes import Disaggregation
+
+    disagg = Disaggregation.from_options(engine, args.role, transfer, listen_host=args.host)
 
     async def start() -> None:
         engine.start()
@@ -258,8 +263,9 @@ def _run(args: argparse.Namespace) -> int:
         model_aliases=[args.model, str(folder.resolve()), folder.resolve().name],
         max_queue_depth=args.max_queue_depth,
         request_timeout=args.request_timeout,
-        on_startup=[start],
-        on_shutdown=[stop],
+        routers=[disagg.router],
+        on_startup=[start, disagg.start],
+        on_shutdown=[disagg.stop, stop],
     )
     app.state.transfer_options = transfer
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)

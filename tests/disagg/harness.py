@@ -76,7 +76,7 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
             threshold: int = 0, max_queue_depth: int | None = None, request_timeout: float | None = 60.0,
             max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256,
             prefill_kw: dict[str, Any] | None = None, decode_role: str = "decode",
-            decode_secret: bytes | None = SECRET) -> Iterator[Cluster]:
+            decode_secret: bytes | None = SECRET, prefill_secret: bytes | None = SECRET) -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
 
@@ -87,7 +87,7 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                 kw = (prefill_kw or {}) if role == "prefill" else {}
                 app, engine = make_worker(model, role if role == "prefill" else decode_role, block_size=bs,
                                           compression=compression, num_kv_blocks=num_kv_blocks,
-                                          secret=SECRET if role == "prefill" else decode_secret, **kw)
+                                          secret=prefill_secret if role == "prefill" else decode_secret, **kw)
                 c.engines.append(engine)
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2)

@@ -120,3 +120,8 @@ def test_decode_pool_without_transfer_path_prefills_itself(tiny_model_dir: Path)
         got = asyncio.run(run_all(c.router, ps, stream=False))
         assert metric(c.prefill[0], "pdcluster_kv_transfer_bytes_total") == 0
     assert got == want
+    # the same with the secret missing on the prefill side instead
+    with cluster(tiny_model_dir, threshold=0, prefill_secret=None) as c:
+        got = asyncio.run(run_all(c.router, ps, stream=False))
+        leaks = idle_everywhere(c)
+    assert got == want and all(d["used_blocks"] == 0 for d in leaks), leaks

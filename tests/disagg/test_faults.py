@@ -109,7 +109,7 @@ def used_blocks_settle(urls: list[str], timeout: float = 30.0) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
-    port = free_port()
+    port = free_block(4)
     up = Up(tiny_model_dir, port)
     router, prefill, decodes = up.url(0), up.url(1), [up.url(2), up.url(3)]
     prompt = [(13 * i) % 900 + 5 for i in range(40)]
@@ -171,6 +171,16 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+def free_block(n: int) -> int:
+    """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it)."""
+    from pdcluster.worker.launcher import port_in_use
+
+    while True:
+        p = free_port()
+        if p + n < 65535 and not any(port_in_use("127.0.0.1", p + i) for i in range(n)):
+            return p
 
 
 def _alive(pid: int) -> bool:

@@ -17,12 +17,15 @@ def opts(**kw: object) -> SimpleNamespace:
                               "port": None, **kw})
 
 
-def test_prefill_and_decode_need_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_secret_there_is_no_transfer_listener(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("PDCLUSTER_KV_SECRET", raising=False)
-    for role in ("prefill", "decode"):
-        with pytest.raises(SecretError, match="shared secret"):
-            Disaggregation.from_options(ENGINE, role, opts())
-    assert Disaggregation.from_options(ENGINE, "both", opts()).connector is None  # colocated: no transfer
+    for role in ("prefill", "decode", "both"):
+        assert Disaggregation.from_options(ENGINE, role, opts()).connector is None
+    assert "cannot send or receive KV" in caplog.text  # loud for prefill/decode
+    monkeypatch.setenv("PDCLUSTER_KV_SECRET", "short")
+    with pytest.raises(SecretError):  # a secret that is there but unusable is an error, not a silent fallback
+        Disaggregation.from_options(ENGINE, "decode", opts())
 
 
 def test_secret_from_env_or_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

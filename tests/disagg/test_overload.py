@@ -64,3 +64,26 @@ def test_no_free_blocks_on_decode_queues_instead_of_failing(tiny_model_dir: Path
         assert metric(c.decode[0], "pdcluster_requests_rejected_total") >= 1  # reservations refused meanwhile
         loads = idle_everywhere(c)
         assert all(d["used_blocks"] == 0 for d in loads), loads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_that_gives_up_frees_everything(tiny_model_dir: Path, stream: bool) -> None:
+    """A client leaving mid-request (non-streamed: its read timeout; streamed: it closes after a few chunks)
+    aborts the work on the workers: no running request, no used block, nothing in flight at the router."""
+    body = {"prompt": [7] * 30, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": stream}
+    with cluster(tiny_model_dir, threshold=0) as c:
+        with httpx.Client(timeout=httpx.Timeout(0.1, connect=5)) as client:  # 900 engine steps take longer
+            if stream:
+                with client.stream("POST", f"{c.router}/v1/completions", json=body) as r:
+                    for n, _ in enumerate(r.iter_lines()):
+                        if n >= 5:
+                            break  # leaving the block closes the connection mid-stream
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post(f"{c.router}/v1/completions", json=body)
+        loads = idle_everywhere(c, timeout=30)
+        assert all(d["used_blocks"] == 0 and d["running"] == 0 for d in loads), loads
+        assert httpx.get(f"{c.router}/cluster").json()["router"]["in_flight"] == 0
+        # stopped early, not merely finished: 900 engine steps take far longer than the abort's round trip
+        assert metric(c.decode[0], "pdcluster_generation_tokens_total") < 800

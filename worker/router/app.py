@@ -207,7 +207,7 @@ def build_router_app(state: RouterState) -> FastAPI:
                 resp = _stream(kind, rid, tok, chunks, tracker)
                 tracker = None  # type: ignore[assignment]  # the stream owns it now
                 return resp
-            return await _collect(kind, rid, tok, chunks)
+            return await _collect(request, kind, rid, tok, chunks)
         finally:
             if tracker is not None:
                 tracker.done()
@@ -254,14 +254,39 @@ def build_router_app(state: RouterState) -> FastAPI:
     return app
 
 
-async def _collect(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk]) -> JSONResponse:
+async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,
+                   chunks: AsyncIterator[Chunk]) -> JSONResponse:
     ids: list[int] = []
-    text, reason = [], None
+    text: list[str] = []
+    reason: str | None = None
+
+    async def gather() -> None:
+        nonlocal reason
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for c in chunks:
+                ids.extend(c.token_ids)
+                text.append(c.text)
+                reason = c.finish_reason if c.finished else reason
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    # A client that gives up on a non-streaming request must not leave workers generating for nobody:
+    # cancelling `work` closes the chunk stream, which closes the worker streams, which aborts there.
+    work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(disconnected())
     try:
-        async for c in chunks:
-            ids.extend(c.token_ids)
-            text.append(c.text)
-            reason = c.finish_reason if c.finished else reason
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise errors.APIError(499, "client disconnected", code="client_closed")
+    try:
+        work.result()
     except UpstreamError as e:
         raise _upstream(e) from None
     usage = Usage.of(len(tok.prompt_token_ids), len(ids))

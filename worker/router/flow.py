@@ -151,11 +151,13 @@ class Flow:
             attempt += 1
             arid = f"{rid}-{attempt}"
             try:
+                if sent and len(sent) >= int(params["max_tokens"]):
+                    yield Chunk([], "", True, "length")  # everything was delivered; only the final flag was lost
+                    return
                 if sent:
                     # Resume: the new decode worker prefills prompt + what the client already has, then
                     # continues. Greedy decoding continues exactly where it stopped.
                     rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent))
-                    self.resumes += 1
                     stream = self._direct(arid, prompt + sent, rest, excluded)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
                     stream = self._disaggregated(arid, prompt, params, excluded)
@@ -177,6 +179,7 @@ class Flow:
                     raise UpstreamError(502, {"error": {
                         "message": f"request failed on {failures} worker pairs; last error: {e}",
                         "type": "upstream_error", "code": "workers_failed"}}) from e
+                self.resumes += bool(sent)  # the next attempt continues a stream the client already sees
                 if len(excluded) >= len(self.pool.workers):
                     excluded.clear()  # everyone failed once: let the health state decide again
             except NoCapacity:
@@ -256,6 +259,8 @@ class Flow:
                 async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body) as resp:
                     if resp.status_code != 200:
                         err = await _error_of(resp)
+                        if err.body.get("error", {}).get("code") == "no_transfer":  # misconfigured: skip it
+                            raise WorkerFailed("prefill", p.url, "no KV transfer secret configured")
                         if resp.status_code in (429, 503):
                             raise NoCapacity(str(err))
                         if resp.status_code < 500:
