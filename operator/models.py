@@ -133,7 +133,9 @@ class KVCache(_Base):
     swapSpaceGiB: float = Field(default=4.0, ge=0, le=1024, description="CPU swap space for preempted KV.")
     preemption: Literal["swap", "recompute", "auto"] = Field(default="auto")
     swapWatermark: float = Field(
-        default=0.01, ge=0, le=0.5, description="Fraction of GPU blocks kept free before admitting work."
+        default=0.15, ge=0, le=0.5,
+        description="Fraction of KV blocks kept free before admitting new work (useful range 0.10-0.20): "
+        "running sequences grow into it instead of preempting each other at once.",
     )
 
 

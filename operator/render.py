@@ -161,7 +161,10 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--swap-space", _num(kv.swapSpaceGiB),
         "--preemption", kv.preemption,
         "--gpu-memory-utilization", _num(kv.gpuMemoryUtilization),
+        "--swap-watermark", _num(kv.swapWatermark),
     ]
+    if spec.model.maxModelLen:
+        cmd += ["--max-model-len", str(spec.model.maxModelLen)]
     if spec.model.dtype != "auto":
         cmd += ["--dtype", spec.model.dtype]
     if kv.fullPrecisionLayers:

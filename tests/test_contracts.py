@@ -67,3 +67,24 @@ def test_worker_ports_match_the_probes() -> None:
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
         assert c["readinessProbe"]["httpGet"]["port"] in (port, "http")
         assert any(p["containerPort"] == port for p in c["ports"])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_spec_fields_reach_the_engine_config(example: pathlib.Path) -> None:
+    """Every KV/batching field of the spec must end up in EngineConfig, not only in a ConfigMap."""
+    from pdcluster.worker.engine import EngineConfig
+
+    body = yaml.safe_load(example.read_text())
+    spec = models.parse_spec(body["spec"])
+    decode = next(d for d in _children(example)
+                  if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-decode"))
+    args = _parser(serve_cli).parse_args(_container(decode)["command"][2:])
+    config = serve_cli.make_config(EngineConfig, serve_cli.engine_config_kwargs(args))
+    assert config.block_size == spec.kvCache.blockSize
+    assert config.kv_cache_dtype == spec.kvCache.dtype
+    assert config.watermark == pytest.approx(spec.kvCache.swapWatermark)
+    assert config.preemption_mode == spec.kvCache.preemption
+    assert config.swap_space == pytest.approx(spec.kvCache.swapSpaceGiB)
+    assert tuple(config.full_precision_layers) == tuple(spec.kvCache.fullPrecisionLayers)
+    assert config.max_batch_size == spec.decode.maxBatchSize
+    assert config.max_model_len == spec.model.maxModelLen

@@ -96,6 +96,16 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 2000000000 or 2Gi)") from None
 
 
+def _watermark(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 0.5:
+        raise argparse.ArgumentTypeError("must be in [0, 0.5]")
+    return value
+
+
 def _layers(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(x) for x in text.split(",") if x.strip())
@@ -124,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu-memory-utilization", type=_utilization, default=0.9, help="fraction of GPU memory to use (CUDA)")
     a("--swap-space", type=_non_negative_float, default=4.0, metavar="GiB", help="host memory for swapped-out KV")
     a("--preemption", choices=["swap", "recompute", "auto"], default="auto")
+    a("--swap-watermark", type=_watermark, default=None, metavar="F",
+      help="fraction of KV blocks kept free before admitting new work (default 0.15; useful 0.10-0.20)")
+    a("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
+      help="longest prompt + output (default: the model's max_position_embeddings)")
     a("--max-queue-depth", type=_positive_int, default=None, help="429 when this many requests wait")
     a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
     a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
@@ -177,6 +191,9 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "swap_space": args.swap_space,
         "preemption_mode": args.preemption,
+        "watermark": args.swap_watermark,
+        "max_model_len": args.max_model_len,
+        "full_precision_layers": tuple(args.full_precision_layers) or None,
         "num_threads": args.threads,
     }
 
