@@ -12,7 +12,6 @@ import pathlib
 
 import pytest
 import yaml
-
 from pdcluster.operator import models, render
 from pdcluster.worker import serve_cli
 from pdcluster.worker.router import cli as router_cli
