@@ -3,15 +3,12 @@ controller owner references, pods go Ready (kwok), status and conditions follow,
 
 from __future__ import annotations
 
-import pytest
 import yaml
 from pdc_e2e import EXAMPLE, ROLES, Kube, Operator, deployments, wait_ready, wait_until
 
 
 def test_apply_cpu_example(kube: Kube, operator: Operator, namespace: str, diag: list[str]):
     diag.append(namespace)
-    if not EXAMPLE.exists():
-        pytest.skip(f"{EXAMPLE} is not written yet")
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     kube.run("apply", "-n", namespace, "-f", str(EXAMPLE))
     pdc = wait_ready(kube, namespace, name, timeout=120)
