@@ -187,6 +187,24 @@ def _check_final(out: RequestOutput | None) -> None:
         raise errors.APIError(503, "the request was aborted by the worker", code="aborted")
 
 
+async def _visible(outputs: AsyncIterator[RequestOutput], want_ids: bool) -> AsyncIterator[RequestOutput]:
+    """The outputs worth a stream chunk; a failed or aborted end raises (it becomes an error event)."""
+    async for out in outputs:
+        if out.finished and out.finish_reason in ("error", "abort"):
+            _check_final(out)
+        if out.new_text or out.finished or (want_ids and out.new_token_ids):
+            yield out
+
+
+def _joined(outs: list[RequestOutput], want_ids: bool) -> tuple[str, list[int] | None, RequestOutput]:
+    """A whole non-streamed result: its text, its token ids (when asked for) and the final output."""
+    final = outs[-1] if outs else None
+    _check_final(final)
+    assert final is not None
+    ids = [t for o in outs for t in o.new_token_ids] if want_ids else None
+    return "".join(o.new_text for o in outs), ids, final
+
+
 async def _prepare(
     worker: WorkerServer, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_tokens: int | None
 ) -> tuple[list[int], Any]:
@@ -227,16 +245,11 @@ def _openai_routes() -> APIRouter:
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                async for out in outputs:
-                    if out.finished and out.finish_reason in ("error", "abort"):
-                        _check_final(out)  # raises: becomes an error event
-                    text, ids = out.new_text, out.new_token_ids
-                    if not (text or out.finished or (req.return_token_ids and ids)):
-                        continue
+                async for out in _visible(outputs, req.return_token_ids):
                     choice = CompletionChoice(
-                        text=text,
+                        text=out.new_text,
                         finish_reason=out.finish_reason if out.finished else None,
-                        token_ids=list(ids) if req.return_token_ids else None,
+                        token_ids=list(out.new_token_ids) if req.return_token_ids else None,
                     )
                     usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
                     chunk = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
@@ -244,15 +257,8 @@ def _openai_routes() -> APIRouter:
 
             return _stream(outputs, events())
 
-        outs = await _collect(request, outputs)
-        final = outs[-1] if outs else None
-        _check_final(final)
-        assert final is not None
-        choice = CompletionChoice(
-            text="".join(o.new_text for o in outs),
-            finish_reason=final.finish_reason,
-            token_ids=[t for o in outs for t in o.new_token_ids] if req.return_token_ids else None,
-        )
+        text, ids, final = _joined(await _collect(request, outputs), req.return_token_ids)
+        choice = CompletionChoice(text=text, finish_reason=final.finish_reason, token_ids=ids)
         usage = Usage.of(n_prompt, final.completion_tokens)
         body = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
         return JSONResponse(body.model_dump())
@@ -275,16 +281,11 @@ def _openai_routes() -> APIRouter:
                 # OpenAI sends the role alone first; clients key off it.
                 first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
                 yield _sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[first]))
-                async for out in outputs:
-                    if out.finished and out.finish_reason in ("error", "abort"):
-                        _check_final(out)  # raises: becomes an error event
-                    text, ids = out.new_text, out.new_token_ids
-                    if not (text or out.finished or (req.return_token_ids and ids)):
-                        continue
+                async for out in _visible(outputs, req.return_token_ids):
                     choice = ChatChunkChoice(
-                        delta=ChatDelta(content=text) if text else ChatDelta(),
+                        delta=ChatDelta(content=out.new_text) if out.new_text else ChatDelta(),
                         finish_reason=out.finish_reason if out.finished else None,
-                        token_ids=list(ids) if req.return_token_ids else None,
+                        token_ids=list(out.new_token_ids) if req.return_token_ids else None,
                     )
                     usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
                     chunk = ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice], usage=usage)
@@ -292,15 +293,8 @@ def _openai_routes() -> APIRouter:
 
             return _stream(outputs, events())
 
-        outs = await _collect(request, outputs)
-        final = outs[-1] if outs else None
-        _check_final(final)
-        assert final is not None
-        choice = ChatChoice(
-            message=ChatMessageOut(content="".join(o.new_text for o in outs)),
-            finish_reason=final.finish_reason,
-            token_ids=[t for o in outs for t in o.new_token_ids] if req.return_token_ids else None,
-        )
+        text, ids, final = _joined(await _collect(request, outputs), req.return_token_ids)
+        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=final.finish_reason, token_ids=ids)
         usage = Usage.of(n_prompt, final.completion_tokens)
         chat_body = ChatCompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
         return JSONResponse(chat_body.model_dump())
