@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, as one script for a session that has a CUDA device (budget: ~10 minutes).
+#   1. kernels/bench.py: correctness on CUDA (bf16 included), then paged decode attention time and achieved
+#      bandwidth vs device copy bandwidth and vs SDPA, fp16/int8/int4 caches.
+#   2. GPU suite: the kernel tests with the real Triton compiler instead of the interpreter.
+#   3. A latency heat map of one worker serving a ~1.1B-parameter random Llama in bf16.
+# Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the tables into docs/benchmarks/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-bench-out}
+mkdir -p "$OUT"
+PY=.venv/bin/python
+[ -x "$PY" ] || { scripts/setup.sh python || exit 1; }
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+
+echo "== 1. kernel benchmark"
+timeout 360 "$PY" kernels/bench.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+
+echo "== 2. kernel tests on the device (real Triton compiler)"
+PDCLUSTER_TEST_CUDA=1 timeout 240 .venv/bin/pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -5 | tee "$OUT/kernel-tests.log"
+
+echo "== 3. 1.1B random Llama: one worker, heat map"
+MODEL="$OUT/llama-1b"
+"$PY" - "$MODEL" <<'PY'
+import sys
+from pdcluster.worker.demo_model import build_demo_model
+build_demo_model(sys.argv[1], hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, dtype="bfloat16",
+                 max_position_embeddings=4096)
+PY
+.venv/bin/pdcluster serve --model "$MODEL" --device cuda --dtype bfloat16 --port 18001 \
+    --max-batch-size 32 --max-batch-tokens 8192 > "$OUT/serve.log" 2>&1 &
+SERVE=$!
+for _ in $(seq 180); do curl -sf http://127.0.0.1:18001/health >/dev/null && break; sleep 1; done
+timeout 240 .venv/bin/pdcluster bench --url http://127.0.0.1:18001 --prompt-lens 128,512,2048 \
+    --output-lens 16,128 --requests 16 --concurrency 8 --out "$OUT/heatmap-1b" 2>&1 | tail -12 | tee "$OUT/heatmap.log"
+kill -TERM "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null
+echo "== done: $OUT"
