@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import httpx
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import drain, opmetrics, render
+from pdcluster.operator import drain, naming, opmetrics, render
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
 from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
@@ -131,8 +131,8 @@ async def _degraded(ctx: Context, body: dict[str, Any], reason: str, message: st
     return Outcome(ctx.resync_seconds, new_status, degraded=message)
 
 
-async def _kv_secret_key(ctx: Context, owner: render.Owner) -> bytes:
-    name = render.secret_name(owner)
+async def _kv_secret_key(ctx: Context, owner: naming.Owner) -> bytes:
+    name = naming.secret_name(owner)
     existing = await ctx.kube.get("v1", "Secret", owner.namespace, name)
     if existing is not None:
         raw = (existing.get("data") or {}).get(render.KV_SECRET_KEY)
@@ -168,7 +168,7 @@ def _clamp(v: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, v))
 
 
-async def _observe(ctx: Context, owner: render.Owner, spec: PDClusterSpec, ready: dict[str, int]
+async def _observe(ctx: Context, owner: naming.Owner, spec: PDClusterSpec, ready: dict[str, int]
                    ) -> tuple[asc.Observation | None, str, str]:
     url = spec.autoscaling.prometheusUrl or ""
     try:
@@ -222,7 +222,7 @@ async def reconcile(ctx: Context, body: dict[str, Any], trigger: str = "resync")
 
 async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     body = copy.deepcopy(dict(body))
-    owner = render.Owner.from_body(body)
+    owner = naming.Owner.from_body(body)
     meta = body["metadata"]
     old_status = body.get("status") or {}
     generation = meta.get("generation")
@@ -243,7 +243,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     fingerprint = render.secret_fingerprint(key)
 
     # 3. What runs now.
-    deps = {r: await ctx.kube.get("apps/v1", "Deployment", owner.namespace, render.child_name(owner, r))
+    deps = {r: await ctx.kube.get("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, r))
             for r in render.ROLES}
     current = {r: (st.deployment_replicas(deps[r])[0] if deps[r] else None) for r in render.WORKER_ROLES}
     ready = {r: st.deployment_replicas(deps[r])[2] for r in render.WORKER_ROLES}
@@ -344,14 +344,14 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
             applied[(obj["kind"], obj["metadata"]["name"])] = await ctx.kube.apply(obj)
         if not spec.networkPolicy.enabled:
             await ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace,
-                                  render.network_policy_name(owner))
+                                  naming.network_policy_name(owner))
     except ApiError as e:
         if e.retryable or e.namespace_terminating:
             raise
         return await _degraded(ctx, body, "ApplyFailed", f"{e.status} {e.reason}: {e.message}", "api")
 
     # 7. Status.
-    after = {r: applied.get(("Deployment", render.child_name(owner, r))) or deps[r] for r in render.ROLES}
+    after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
     conditions = st.workload_conditions(after) + extra_conditions
     for c in conditions:
         if c["type"] == "Degraded":
@@ -363,7 +363,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         "decode": st.pool_status(after["decode"], desired["decode"]),
         "router": st.pool_status(after["router"], spec.router.replicas),
         "ratio": st.ratio(desired["prefill"], desired["decode"]),
-        "endpoint": render.endpoint(owner),
+        "endpoint": naming.endpoint(owner),
         "autoscaler": autoscaler_status or None,
     }
     await _patch_status(ctx, body, new_status)
@@ -374,8 +374,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     return Outcome(next_delay, new_status, decision)
 
 
-async def _drain_victims(ctx: Context, owner: render.Owner, role: str, count: int, now_s: str) -> None:
-    pods = await ctx.kube.list("v1", "Pod", owner.namespace, render.selector_labels(owner, role))
+async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str) -> None:
+    pods = await ctx.kube.list("v1", "Pod", owner.namespace, naming.selector_labels(owner, role))
     victims = drain.pick_victims(pods, count)
     http = ctx.http or httpx.AsyncClient(trust_env=False)
     try:

@@ -12,11 +12,22 @@ import hashlib
 import json
 import math
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator import models
 from pdcluster.operator.models import KV_TRANSFER_PORT, WORKER_PORT, PDClusterSpec
+from pdcluster.operator.naming import (
+    Owner,
+    child_name,
+    config_map_name,
+    instance_labels,
+    meta,
+    network_policy_name,
+    role_labels,
+    secret_name,
+    selector_labels,
+    service_url,
+)
 
 ROLES = ("prefill", "decode", "router")
 WORKER_ROLES = ("prefill", "decode")
@@ -30,80 +41,6 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdcluster-operator"}
 
 class RenderError(ValueError):
     """A spec the schema accepted but the operator cannot render (reported as Degraded)."""
-
-
-@dataclass(frozen=True)
-class Owner:
-    name: str
-    namespace: str
-    uid: str
-    api_version: str = f"{models.API_GROUP}/{models.API_VERSION}"
-    kind: str = models.KIND
-
-    @classmethod
-    def from_body(cls, body: Any) -> Owner:
-        meta = body["metadata"]
-        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
-
-
-# ---- names and labels ------------------------------------------------------------------------------
-
-def child_name(owner: Owner | str, role: str) -> str:
-    name = owner.name if isinstance(owner, Owner) else owner
-    return f"{name}-{role}"
-
-
-def config_map_name(owner: Owner) -> str:
-    return f"{owner.name}-config"
-
-
-def secret_name(owner: Owner) -> str:
-    return f"{owner.name}-kv-secret"
-
-
-def network_policy_name(owner: Owner) -> str:
-    return f"{owner.name}-workers"
-
-
-def instance_labels(owner: Owner) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/name": "pdcluster",
-        "app.kubernetes.io/managed-by": "pdcluster-operator",
-    }
-
-
-def selector_labels(owner: Owner, role: str) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": owner.name, "app.kubernetes.io/name": "pdcluster",
-            "pdcluster.dev/role": role}
-
-
-def role_labels(owner: Owner, role: str) -> dict[str, str]:
-    return {**instance_labels(owner), "pdcluster.dev/role": role, "app.kubernetes.io/component": role}
-
-
-def owner_reference(owner: Owner) -> dict[str, Any]:
-    return {
-        "apiVersion": owner.api_version,
-        "kind": owner.kind,
-        "name": owner.name,
-        "uid": owner.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _meta(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": dict(labels),
-            "ownerReferences": [owner_reference(owner)]}
-
-
-def service_url(owner: Owner, role: str) -> str:
-    return f"http://{child_name(owner, role)}.{owner.namespace}.svc:{WORKER_PORT}"
-
-
-def endpoint(owner: Owner) -> str:
-    return service_url(owner, "router")
 
 
 # ---- model volume ----------------------------------------------------------------------------------
@@ -278,7 +215,7 @@ def _deployment(owner: Owner, role: str, replicas: int, pod_spec: dict[str, Any]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner, child_name(owner, role), labels),
+        "metadata": meta(owner, child_name(owner, role), labels),
         "spec": {
             "replicas": int(replicas),
             "revisionHistoryLimit": 3,
@@ -396,7 +333,7 @@ def render_service(owner: Owner, spec: PDClusterSpec, role: str) -> dict[str, An
     else:
         svc_spec["type"] = spec.router.serviceType
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(owner, child_name(owner, role), role_labels(owner, role)), "spec": svc_spec}
+            "metadata": meta(owner, child_name(owner, role), role_labels(owner, role)), "spec": svc_spec}
 
 
 def render_config_map(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
@@ -410,7 +347,7 @@ def render_config_map(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
         "ports": {"http": WORKER_PORT, "kvTransfer": KV_TRANSFER_PORT},
     }
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(owner, config_map_name(owner), instance_labels(owner)),
+            "metadata": meta(owner, config_map_name(owner), instance_labels(owner)),
             "data": {"pdcluster.json": json.dumps(config, indent=2, sort_keys=True)}}
 
 
@@ -421,13 +358,13 @@ def new_kv_secret_key() -> bytes:
 
 def render_secret(owner: Owner, key: bytes) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(owner, secret_name(owner), instance_labels(owner)),
+            "metadata": meta(owner, secret_name(owner), instance_labels(owner)),
             "data": {KV_SECRET_KEY: base64.b64encode(key).decode()}}
 
 
 def render_pdb(owner: Owner, role: str) -> dict[str, Any]:
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _meta(owner, child_name(owner, role), role_labels(owner, role)),
+            "metadata": meta(owner, child_name(owner, role), role_labels(owner, role)),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, role)}}}
 
 
@@ -441,7 +378,7 @@ def render_network_policy(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(owner, network_policy_name(owner), instance_labels(owner)),
+        "metadata": meta(owner, network_policy_name(owner), instance_labels(owner)),
         "spec": {
             "podSelector": {"matchExpressions": [
                 {"key": "app.kubernetes.io/instance", "operator": "In", "values": [owner.name]},

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 import yaml
-from pdcluster.operator import models, render
+from pdcluster.operator import models, naming, render
 from pdcluster.worker import serve_cli
 from pdcluster.worker.router import cli as router_cli
 
@@ -29,7 +29,7 @@ def _parser(module) -> argparse.ArgumentParser:  # type: ignore[no-untyped-def]
 def _children(path: pathlib.Path) -> list[dict]:
     body = yaml.safe_load(path.read_text())
     body["metadata"].setdefault("uid", "0000")
-    owner = render.Owner.from_body(body)
+    owner = naming.Owner.from_body(body)
     spec = models.parse_spec(body["spec"])
     return render.render_children(owner, spec, {"prefill": 2, "decode": 3}, "fingerprint")
 

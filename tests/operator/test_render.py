@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdcluster.operator import render
+from pdcluster.operator import naming, render
 from pdcluster.operator.models import parse_spec
 
 from .conftest import make_spec
 
 GOLDEN = Path(__file__).parent / "golden" / "children.yaml"
-OWNER = render.Owner(name="llama", namespace="inference", uid="0000-1111")
+OWNER = naming.Owner(name="llama", namespace="inference", uid="0000-1111")
 FP = render.secret_fingerprint(b"k" * 32)
 
 
@@ -130,9 +130,9 @@ def test_network_policy_only_router_http_and_prefill_to_decode_transfer() -> Non
     (np,) = [o for o in _children() if o["kind"] == "NetworkPolicy"]
     http, transfer = np["spec"]["ingress"]
     assert http["ports"] == [{"protocol": "TCP", "port": 8000}]
-    assert http["from"][0] == {"podSelector": {"matchLabels": render.selector_labels(OWNER, "router")}}
+    assert http["from"][0] == {"podSelector": {"matchLabels": naming.selector_labels(OWNER, "router")}}
     assert transfer["ports"] == [{"protocol": "TCP", "port": 9000}]
-    assert transfer["from"] == [{"podSelector": {"matchLabels": render.selector_labels(OWNER, "prefill")}}]
+    assert transfer["from"] == [{"podSelector": {"matchLabels": naming.selector_labels(OWNER, "prefill")}}]
     assert np["spec"]["policyTypes"] == ["Ingress"]
 
 
@@ -185,7 +185,7 @@ def test_network_policy_can_be_disabled() -> None:
 def test_examples_render(name: str) -> None:
     doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / name).read_text())
     spec = parse_spec(doc["spec"])
-    owner = render.Owner(doc["metadata"]["name"], "demo", "uid")
+    owner = naming.Owner(doc["metadata"]["name"], "demo", "uid")
     objs = render.render_children(owner, spec, {"prefill": spec.prefill.initial_replicas,
                                                 "decode": spec.decode.initial_replicas}, FP)
     assert len([o for o in objs if o["kind"] == "Deployment"]) == 3

@@ -1,0 +1,86 @@
+"""Who a PDCluster's children are: the owner identity, child names, labels, owner references, URLs.
+
+Pure and tiny on purpose: the reconciler, the drain logic and the tests all address children through these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import models
+from pdcluster.operator.models import WORKER_PORT
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+    api_version: str = f"{models.API_GROUP}/{models.API_VERSION}"
+    kind: str = models.KIND
+
+    @classmethod
+    def from_body(cls, body: Any) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
+
+
+# ---- names and labels ------------------------------------------------------------------------------
+
+def child_name(owner: Owner | str, role: str) -> str:
+    name = owner.name if isinstance(owner, Owner) else owner
+    return f"{name}-{role}"
+
+
+def config_map_name(owner: Owner) -> str:
+    return f"{owner.name}-config"
+
+
+def secret_name(owner: Owner) -> str:
+    return f"{owner.name}-kv-secret"
+
+
+def network_policy_name(owner: Owner) -> str:
+    return f"{owner.name}-workers"
+
+
+def instance_labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/name": "pdcluster",
+        "app.kubernetes.io/managed-by": "pdcluster-operator",
+    }
+
+
+def selector_labels(owner: Owner, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": owner.name, "app.kubernetes.io/name": "pdcluster",
+            "pdcluster.dev/role": role}
+
+
+def role_labels(owner: Owner, role: str) -> dict[str, str]:
+    return {**instance_labels(owner), "pdcluster.dev/role": role, "app.kubernetes.io/component": role}
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": owner.api_version,
+        "kind": owner.kind,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def meta(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": dict(labels),
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def service_url(owner: Owner, role: str) -> str:
+    return f"http://{child_name(owner, role)}.{owner.namespace}.svc:{WORKER_PORT}"
+
+
+def endpoint(owner: Owner) -> str:
+    return service_url(owner, "router")
