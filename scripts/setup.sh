@@ -6,13 +6,15 @@ cd "$(dirname "$0")/.."
 
 want_system=${1:-python}   # python | test (adds the system tools the suite drives)
 
+UV=(uv)
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install --quiet --user uv || python3 -m pip install --quiet uv
-  export PATH="$HOME/.local/bin:$PATH"
+  # Wherever pip put the binary, the package runs as a module (no PATH or pyenv-shim assumptions).
+  UV=(python3 -m uv)
 fi
 
 # uv.lock pins every version; --frozen refuses to silently re-resolve.
-uv sync --frozen --extra worker --extra dev --quiet
+"${UV[@]}" sync --frozen --extra worker --extra dev --quiet
 
 if [ "$want_system" = "test" ]; then
   # A real Prometheus server backs the autoscaler's metrics-source tests.
