@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import httpx
 import kopf
-from pdcluster.operator import models
+from pdcluster.operator import models, opmetrics
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration
 
@@ -209,6 +209,7 @@ async def track_pdcluster(type: str | None, body: kopf.Body, name: str, namespac
     namespace = namespace or "default"
     if type == "DELETED" or rec.is_deleting(_plain(body)):
         await RUNTIME.stop_resync(namespace, name)
+        opmetrics.forget_conditions(namespace, name)
         return
     if RUNTIME.kube is not None:
         RUNTIME.start_resync(namespace, name, _initial_delay(body.get("spec")), logger)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+from pdcluster.operator.status import CONDITION_TYPES
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -31,3 +35,26 @@ DRAINS = Counter(
     "pdcluster_operator_drains_total", "Pods asked to drain before a scale-down, by result.",
     ["result"], registry=REGISTRY,
 )
+CONDITION = Gauge(
+    "pdcluster_operator_condition",
+    "Status conditions of each PDCluster: 1 for the current status (True/False/Unknown), 0 for the others.",
+    ["pdcluster", "namespace", "condition", "status"], registry=REGISTRY,
+)
+CONDITION_STATUSES = ("True", "False", "Unknown")
+
+
+def set_conditions(namespace: str, name: str, conditions: list[dict[str, Any]]) -> None:
+    """Export the conditions written to a PDCluster's status (the kube-state-metrics convention)."""
+    for c in conditions:
+        type_, current = c.get("type"), c.get("status")
+        if not type_:
+            continue
+        for s in CONDITION_STATUSES:
+            CONDITION.labels(name, namespace, type_, s).set(1.0 if s == current else 0.0)
+
+
+def forget_conditions(namespace: str, name: str) -> None:
+    """Drop every condition series of a PDCluster (deleted or being deleted)."""
+    for type_, s in [(t, s) for t in CONDITION_TYPES for s in CONDITION_STATUSES]:
+        with contextlib.suppress(KeyError):
+            CONDITION.remove(name, namespace, type_, s)

@@ -128,6 +128,7 @@ async def _degraded(ctx: Context, body: dict[str, Any], reason: str, message: st
     )
     new_status = {"observedGeneration": meta.get("generation"), "conditions": conditions}
     await _patch_status(ctx, body, new_status)
+    opmetrics.set_conditions(meta.get("namespace") or "default", meta["name"], conditions)
     return Outcome(ctx.resync_seconds, new_status, degraded=message)
 
 
@@ -204,6 +205,8 @@ async def reconcile(ctx: Context, body: dict[str, Any], trigger: str = "resync")
         # collector, and in a terminating namespace every create is refused anyway.
         log.debug("%s/%s is being deleted: not reconciling", meta.get("namespace"), meta.get("name"))
         opmetrics.RECONCILES.labels(trigger, "skipped").inc()
+        if meta.get("name"):
+            opmetrics.forget_conditions(meta.get("namespace") or "default", meta["name"])
         return Outcome(ctx.resync_seconds, skipped="deleting")
     try:
         out = await _reconcile(ctx, body)
@@ -367,6 +370,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         "autoscaler": autoscaler_status or None,
     }
     await _patch_status(ctx, body, new_status)
+    opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
     if old_status.get("observedGeneration") != generation:
         ctx.emit(body, "Normal", "Reconciled",
                  f"applied generation {generation}: prefill {desired['prefill']}, decode {desired['decode']}, "
