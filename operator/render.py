@@ -121,6 +121,8 @@ def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
         "--max-queue-depth", str(r.maxQueueDepth),
         "--request-timeout", _num(r.requestTimeoutSeconds),
         "--disaggregation-threshold", str(r.disaggregationThreshold),
+        # the workers' KV secret also authenticates the router's /internal/* calls (derived bearer token)
+        "--internal-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}",
     ]
 
 
@@ -299,7 +301,8 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec) -> dict[str, Any
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "env": _env(owner, "router"),
         "resources": _resources(spec.router.resources),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True}],
         "securityContext": _container_security(),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                            "failureThreshold": 2, "timeoutSeconds": 3},
@@ -312,7 +315,8 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec) -> dict[str, Any
         "securityContext": _pod_security(),
         "terminationGracePeriodSeconds": int(math.ceil(spec.router.requestTimeoutSeconds)) + 30,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}},
+                    {"name": "kv-secret", "secret": {"secretName": secret_name(owner), "defaultMode": 0o440}}],
         "topologySpreadConstraints": _topology_spread(owner, "router"),
     }
     annotations = {**_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command)}

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import errors
@@ -36,7 +36,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .sampling_params import SamplingParams
 from .serving import WorkerServer
 from .transfer.connector import LoadSpec, TCPConnector, TransferTarget
-from .transfer.secret import ENV_VAR, load_secret
+from .transfer.secret import ENV_VAR, check_internal_auth, load_secret
 from .transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Disaggregation:
         self.timeout = timeout
         self.listen_host, self.transfer_port = listen_host, transfer_port or 0
         self.node = node if node is not None else os.environ.get("NODE_NAME")
+        self.secret = secret  # also authenticates router -> worker /internal/* calls (derived bearer token)
         self.connector: TCPConnector | None = None
         if secret is not None:
             self.connector = TCPConnector(secret, importer=self._import, compression=compression,
@@ -167,8 +168,17 @@ class Disaggregation:
 
     # ------------------------------------------------------------------ routes
     def _routes(self) -> APIRouter:
-        r = APIRouter(prefix="/internal")
         me = self
+
+        async def authenticate(request: Request) -> None:
+            # Only the router may drive these endpoints: with a secret configured every call must carry
+            # `Authorization: Bearer <HMAC(secret, "pdcluster-internal-v1")>`; without one (local dev) none.
+            if not check_internal_auth(me.secret, request.headers.get("authorization")):
+                raise errors.APIError(401, "missing or invalid internal authentication token",
+                                      type="authentication_error", code="invalid_internal_token",
+                                      headers={"WWW-Authenticate": "Bearer"})
+
+        r = APIRouter(prefix="/internal", dependencies=[Depends(authenticate)])
 
         def worker(request: Request) -> WorkerServer:
             return request.app.state.worker  # type: ignore[no-any-return]

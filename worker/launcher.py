@@ -125,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdcluster up: error: --model {model} is not a Hugging Face model folder", file=sys.stderr)
         return 2
     run_dir = Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
-    # One secret for this cluster's KV transfers, passed by environment (not visible in `ps`).
-    env = {"PDCLUSTER_KV_SECRET": secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
+    # One secret for this cluster's KV transfers and router -> worker /internal/* calls, passed by environment
+    # (not visible in `ps`) to the workers and the router alike. A usable $PDCLUSTER_KV_SECRET is kept, so the
+    # caller can reach the workers' /internal/* endpoints too; otherwise a fresh one per cluster.
+    given = os.environ.get("PDCLUSTER_KV_SECRET", "").strip()
+    env = {"PDCLUSTER_KV_SECRET": given if len(given.encode()) >= 16 else secrets.token_hex(32),
+           "PYTHONUNBUFFERED": "1"}
     n_p = args.max_workers if args.autoscale else args.prefill
     n_d = args.max_workers if args.autoscale else args.decode
     base = f"http://{args.host}"

@@ -4,6 +4,8 @@ ports in background threads, each worker with its own AsyncEngine thread and KV 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ from typing import Any
 import uvicorn
 
 SECRET = b"test-secret-0123456789abcdef"
+AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", hashlib.sha256).hexdigest()}
 
 
 def free_port() -> int:
@@ -90,7 +93,8 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                                           secret=prefill_secret if role == "prefill" else decode_secret, **kw)
                 c.engines.append(engine)
                 urls.append(stack.enter_context(serve(app)))
-        pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2)
+        pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2,
+                    secret=prefill_secret or decode_secret)
         c.state = RouterState(pool, max_queue_depth=max_queue_depth, threshold=threshold,
                               request_timeout=request_timeout, max_retries=max_retries)
         c.router = stack.enter_context(serve(build_router_app(c.state)))
@@ -104,7 +108,7 @@ def idle_everywhere(c: Cluster, timeout: float = 10.0) -> list[dict[str, Any]]:
 
     deadline = time.monotonic() + timeout
     while True:
-        loads = [httpx.get(f"{u}/internal/load", timeout=5).json() for u in c.prefill + c.decode]
+        loads = [httpx.get(f"{u}/internal/load", headers=AUTH, timeout=5).json() for u in c.prefill + c.decode]
         if all(d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0 for d in loads):
             return loads
         if time.monotonic() > deadline:

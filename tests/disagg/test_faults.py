@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .harness import free_port, metric
+from .harness import AUTH, SECRET, free_port, metric
 
 MAX_NEW = 160
 
@@ -62,7 +62,8 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("up_driver.py")), "--model", str(model), "--prefill", "1",
              "--decode", "2", "--port", str(port), "--disaggregation-threshold", "16"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env={**os.environ, "PDCLUSTER_KV_SECRET": SECRET.decode()})  # so the test can read /internal/load
         self.lines: list[str] = []
 
     def wait_line(self, pattern: str, timeout: float) -> bool:
@@ -100,7 +101,7 @@ def wait_all_healthy(router: str, timeout: float) -> dict[str, Any]:
 def used_blocks_settle(urls: list[str], timeout: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
-        used = [httpx.get(f"{u}/internal/load", timeout=5).json()["used_blocks"] for u in urls]
+        used = [httpx.get(f"{u}/internal/load", headers=AUTH, timeout=5).json()["used_blocks"] for u in urls]
         if not any(used) or time.monotonic() > deadline:
             return used
         time.sleep(0.1)
@@ -126,7 +127,7 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
         async def kill_decode_once(n: int) -> None:
             if n >= 20 and not killed:
                 for i, u in enumerate(decodes):  # the one running the request
-                    if httpx.get(f"{u}/internal/load", timeout=5).json()["running"] > 0:
+                    if httpx.get(f"{u}/internal/load", headers=AUTH, timeout=5).json()["running"] > 0:
                         os.kill(pids[f"decode-{i}"], signal.SIGKILL)
                         killed.append(u)
                         return

@@ -25,17 +25,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--request-timeout", type=float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
     a("--max-retries", type=int, default=2, help="re-runs of a request on another worker pair after failures")
     a("--health-interval", type=float, default=1.0, metavar="S")
+    a("--internal-secret-file", default=None, metavar="PATH",
+      help="shared secret (the workers' --kv-transfer-secret-file; else $PDCLUSTER_KV_SECRET) that authenticates "
+           "the router's /internal/* calls to workers")
     a("--cluster-name", default=None, help="value of the `pdcluster` metrics label")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from ..transfer.secret import optional_secret
     from .app import RouterState, build_router_app
     from .pool import Pool
 
     pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
                 prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),
-                interval=args.health_interval)
+                interval=args.health_interval,
+                secret=optional_secret(getattr(args, "internal_secret_file", None)))
     state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
                         request_timeout=args.request_timeout or None, max_retries=args.max_retries,
                         cluster=args.cluster_name)
@@ -53,7 +58,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    app = build(args)
+    from ..transfer.secret import SecretError
+
+    try:
+        app = build(args)
+    except (SecretError, OSError) as e:
+        print(f"pdcluster router: error: {e}", file=sys.stderr)
+        return 2
     logging.getLogger(__name__).info("router on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
                                      args.prefill or args.prefill_service, args.decode or args.decode_service)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)

@@ -112,7 +112,9 @@ async def _error_of(resp: httpx.Response) -> UpstreamError:
 class Flow:
     def __init__(self, pool: Pool, *, threshold: int = 0, max_retries: int = 2, connect_timeout: float = 2.0) -> None:
         self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
+        # the pool's auth header (derived from the shared secret) goes on every /internal/* call
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
+                                        headers=getattr(pool, "headers", {}))
         self.stages = Stages()
         self.resumes = 0
         self.retries = 0

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from ..transfer.secret import internal_headers
 from .picking import WorkerView, health_transition
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Pool:
     decode_services: list[str] = field(default_factory=list)
     interval: float = 1.0
     probe_timeout: float = 2.0
+    secret: bytes | None = None  # shared KV secret: authenticates /internal/* calls (None: local dev)
 
     def __post_init__(self) -> None:
         self.workers: dict[tuple[str, str], Worker] = {}
@@ -95,7 +97,8 @@ class Pool:
             self._add(url.rstrip("/"), "prefill")
         for url in self.decode_urls:
             self._add(url.rstrip("/"), "decode")
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.probe_timeout))
+        self.headers = internal_headers(self.secret)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.probe_timeout), headers=self.headers)
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,3 +36,36 @@ def load_secret(secret_file: str | None = None, env: dict[str, str] | None = Non
     if len(raw) < MIN_SECRET_BYTES:
         raise SecretError(f"KV transfer secret from {source} is shorter than {MIN_SECRET_BYTES} bytes")
     return raw
+
+
+# Router -> worker `/internal/*` calls carry a key derived from the same secret (never the secret itself).
+INTERNAL_AUTH_HEADER = "Authorization"
+_INTERNAL_LABEL = b"pdcluster-internal-v1"
+
+
+def internal_token(secret: bytes) -> str:
+    """Hex HMAC-SHA256(secret, "pdcluster-internal-v1"): what the router sends as `Bearer <token>`."""
+    return hmac.new(secret, _INTERNAL_LABEL, hashlib.sha256).hexdigest()
+
+
+def internal_headers(secret: bytes | None) -> dict[str, str]:
+    """Headers for every router -> worker internal call ({} without a secret: local dev, as before)."""
+    return {INTERNAL_AUTH_HEADER: f"Bearer {internal_token(secret)}"} if secret is not None else {}
+
+
+def check_internal_auth(secret: bytes | None, header: str | None) -> bool:
+    """True when no secret is configured, or `header` is `Bearer <the derived token>` (constant-time compare)."""
+    if secret is None:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), internal_token(secret).encode())
+
+
+def optional_secret(secret_file: str | None = None, env: dict[str, str] | None = None) -> bytes | None:
+    """load_secret when a file or the env var is given, else None; a given but unusable secret still raises."""
+    source_env: Mapping[str, str] = os.environ if env is None else env
+    if secret_file or source_env.get(ENV_VAR):
+        return load_secret(secret_file, env)
+    return None
