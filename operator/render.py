@@ -291,7 +291,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
     return _deployment(owner, role, replicas, pod_spec, annotations, strategy)
 
 
-def render_router_deployment(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
+def render_router_deployment(owner: Owner, spec: PDClusterSpec, kv_secret_fingerprint: str) -> dict[str, Any]:
     command = router_command(owner, spec)
     container = {
         "name": "router",
@@ -319,7 +319,10 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec) -> dict[str, Any
                     {"name": "kv-secret", "secret": {"secretName": secret_name(owner), "defaultMode": 0o440}}],
         "topologySpreadConstraints": _topology_spread(owner, "router"),
     }
-    annotations = {**_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command)}
+    # The router reads the secret once at start (it derives the /internal token from it): a rotated
+    # secret must roll the router together with the workers.
+    annotations = {**_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command),
+                   "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint}
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     return _deployment(owner, "router", spec.router.replicas, pod_spec, annotations, strategy)
 
@@ -410,7 +413,7 @@ def render_children(owner: Owner, spec: PDClusterSpec, replicas: dict[str, int],
     objs.append(render_service(owner, spec, "router"))
     for role in WORKER_ROLES:
         objs.append(render_worker_deployment(owner, spec, role, replicas[role], kv_secret_fingerprint))
-    objs.append(render_router_deployment(owner, spec))
+    objs.append(render_router_deployment(owner, spec, kv_secret_fingerprint))
     for role in ROLES:
         objs.append(render_pdb(owner, role))
     if spec.networkPolicy.enabled:
