@@ -11,6 +11,10 @@ from typing import Any
 from pdcluster.operator import models
 from pdcluster.operator.models import WORKER_PORT
 
+WORKER_ROLES = ("prefill", "decode")
+# The operator's own pods: the NetworkPolicy lets them reach workers for POST /drain.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdcluster-operator"}
+
 
 @dataclass(frozen=True)
 class Owner:

@@ -17,26 +17,25 @@ from typing import Any
 from pdcluster.operator import models
 from pdcluster.operator.models import KV_TRANSFER_PORT, WORKER_PORT, PDClusterSpec
 from pdcluster.operator.naming import (
+    WORKER_ROLES,
     Owner,
     child_name,
     config_map_name,
     instance_labels,
     meta,
-    network_policy_name,
     role_labels,
     secret_name,
     selector_labels,
     service_url,
 )
+from pdcluster.operator.policies import render_network_policy, render_pdb
 
 ROLES = ("prefill", "decode", "router")
-WORKER_ROLES = ("prefill", "decode")
 KV_SECRET_KEY = "key"
 KV_SECRET_DIR = "/etc/pdcluster/kv-secret"
 CONFIG_DIR = "/etc/pdcluster/config"
 MODEL_MOUNT = "/models"
 RUN_AS = 65532
-OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdcluster-operator"}
 
 
 class RenderError(ValueError):
@@ -367,40 +366,6 @@ def render_secret(owner: Owner, key: bytes) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": meta(owner, secret_name(owner), instance_labels(owner)),
             "data": {KV_SECRET_KEY: base64.b64encode(key).decode()}}
-
-
-def render_pdb(owner: Owner, role: str) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": meta(owner, child_name(owner, role), role_labels(owner, role)),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, role)}}}
-
-
-def render_network_policy(owner: Owner) -> dict[str, Any]:
-    """Workers accept HTTP only from this instance's router (and the operator, for /drain, and
-    Prometheus in any namespace for /metrics scraping), and KV transfers only from prefill to decode."""
-    router_peer = {"podSelector": {"matchLabels": selector_labels(owner, "router")}}
-    operator_peer = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
-    prometheus_peer = {"namespaceSelector": {},
-                       "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": meta(owner, network_policy_name(owner), instance_labels(owner)),
-        "spec": {
-            "podSelector": {"matchExpressions": [
-                {"key": "app.kubernetes.io/instance", "operator": "In", "values": [owner.name]},
-                {"key": "app.kubernetes.io/name", "operator": "In", "values": ["pdcluster"]},
-                {"key": "pdcluster.dev/role", "operator": "In", "values": list(WORKER_ROLES)},
-            ]},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [router_peer, operator_peer, prometheus_peer],
-                 "ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
-                {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "prefill")}}],
-                 "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]},
-            ],
-        },
-    }
 
 
 def render_children(owner: Owner, spec: PDClusterSpec, replicas: dict[str, int],

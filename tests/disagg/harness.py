@@ -6,42 +6,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
+from ..netutil import free_port, serve  # noqa: F401  (re-exported to the tests)
 
 SECRET = b"test-secret-0123456789abcdef"
 AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", hashlib.sha256).hexdigest()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def serve(app: Any, timeout: float = 60.0) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
