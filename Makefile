@@ -26,14 +26,14 @@ lint: setup
 
 # Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
 bench: setup
-	$(PY) -m pdcluster.worker.bench.engine_vs_hf --threads 2 --repeats 3
-	$(PY) -m pdcluster.worker.bench.disagg_transfer
+	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
+	$(PY) -m pdcluster.bench.disagg_transfer
 
 bench-kernels: setup
-	$(PY) kernels/bench.py
+	$(PY) -m pdcluster.bench.kernels
 
 demo-model: setup
-	$(PY) -m pdcluster.worker.bench.train_demo_model
+	$(PY) -m pdcluster.bench.train_demo_model
 
 # The e2e suite needs a real control plane: built from the Go module proxy on first use (slow, cached
 # in ~/.cache/pdcluster keyed by version), started on loopback, torn down afterwards.

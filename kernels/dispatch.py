@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from .reference import paged_decode_attention_torch, write_kv_cache_torch
-from .validate import check_attention, check_write
+from pdcluster.kernels.reference import paged_decode_attention_torch, write_kv_cache_torch
+from pdcluster.kernels.validate import check_attention, check_write
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -60,7 +60,7 @@ def paged_decode_attention(
         return paged_decode_attention_torch(
             q, k_cache, v_cache, block_tables, seq_lens, info, scale=scale, k_scale=k_scale, v_scale=v_scale
         )
-    from .paged_attention import paged_decode_attention_triton
+    from pdcluster.kernels.paged_attention import paged_decode_attention_triton
 
     return paged_decode_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, info, scale=scale, k_scale=k_scale, v_scale=v_scale
@@ -87,6 +87,6 @@ def write_kv_cache(
     if resolve_backend(backend, k.device) == "torch":
         write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, info, k_scale=k_scale, v_scale=v_scale)
         return
-    from .write_kv import write_kv_cache_triton
+    from pdcluster.kernels.write_kv import write_kv_cache_triton
 
     write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, info, k_scale=k_scale, v_scale=v_scale)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validate import CacheInfo, check_seq_lens_values
+from pdcluster.kernels.validate import CacheInfo, check_seq_lens_values
 
 LOG2E = 1.4426950408889634
 

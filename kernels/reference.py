@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .kv_quant import dequantize_kv, quantize_kv
-from .validate import CacheInfo, check_seq_lens_values, check_slot_values
+from pdcluster.kernels.kv_quant import dequantize_kv, quantize_kv
+from pdcluster.kernels.validate import CacheInfo, check_seq_lens_values, check_slot_values
 
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, bt: torch.Tensor, info: CacheInfo) -> torch.Tensor:

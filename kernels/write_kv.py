@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_quant import ROUND_MAGIC
-from .validate import CacheInfo, check_slot_values
+from pdcluster.kernels.kv_quant import ROUND_MAGIC
+from pdcluster.kernels.validate import CacheInfo, check_slot_values
 
 ROUND_MAGIC_C = tl.constexpr(ROUND_MAGIC)
 

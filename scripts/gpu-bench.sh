@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as one script for a session that has a CUDA device (budget: ~10 minutes).
-#   1. kernels/bench.py: correctness on CUDA (bf16 included), then paged decode attention time and achieved
+#   1. bench/kernels.py: correctness on CUDA (bf16 included), then paged decode attention time and achieved
 #      bandwidth vs device copy bandwidth and vs SDPA, fp16/int8/int4 caches.
 #   2. GPU suite: the kernel tests with the real Triton compiler instead of the interpreter.
 #   3. A latency heat map of one worker serving a ~1.1B-parameter random Llama in bf16.
@@ -14,7 +14,7 @@ PY=.venv/bin/python
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 echo "== 1. kernel benchmark"
-timeout 360 "$PY" kernels/bench.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+timeout 360 "$PY" -m pdcluster.bench.kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 
 echo "== 2. kernel tests on the device (real Triton compiler)"
 PDCLUSTER_TEST_CUDA=1 timeout 240 .venv/bin/pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -5 | tee "$OUT/kernel-tests.log"
@@ -23,7 +23,7 @@ echo "== 3. 1.1B random Llama: one worker, heat map"
 MODEL="$OUT/llama-1b"
 "$PY" - "$MODEL" <<'PY'
 import sys
-from pdcluster.worker.demo_model import build_demo_model
+from pdcluster.worker.local.demo_model import build_demo_model
 build_demo_model(sys.argv[1], hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
                  num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, dtype="bfloat16",
                  max_position_embeddings=4096)

@@ -27,7 +27,7 @@ TINY_MODEL = dict(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama HF folder with tokenizer (config.json, model.safetensors, tokenizer.json, ...)."""
-    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("tiny-model"), **TINY_MODEL)
 
@@ -35,7 +35,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same shape without tokenizer files: serves token-id prompts only (vocab 512, no EOS)."""
-    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     return build_demo_model(
         tmp_path_factory.mktemp("tiny-model-ids"), tokenizer=False, vocab_size=512, **TINY_MODEL
@@ -45,6 +45,6 @@ def tiny_model_dir_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture
 def tiny_engine_config(tiny_model_dir: Path):  # noqa: ANN201 - avoids importing torch at collection time
     """An EngineConfig for the tiny model with a small, fixed KV cache (256 blocks of 16)."""
-    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.engine.llm_engine import EngineConfig
 
     return EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, num_threads=None)

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import yaml
 from pdcluster.operator import models, naming, render
-from pdcluster.worker import serve_cli
+from pdcluster.worker.server import cli as serve_cli
 from pdcluster.worker.router import cli as router_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_worker_ports_match_the_probes() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_spec_fields_reach_the_engine_config(example: pathlib.Path) -> None:
     """Every KV/batching field of the spec must end up in EngineConfig, not only in a ConfigMap."""
-    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.engine.llm_engine import EngineConfig
 
     body = yaml.safe_load(example.read_text())
     spec = models.parse_spec(body["spec"])

@@ -13,14 +13,14 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pdcluster.worker.serve_cli", "run one inference worker (prefill, decode or both)"),
+    "serve": ("pdcluster.worker.server.cli", "run one inference worker (prefill, decode or both)"),
     "router": ("pdcluster.worker.router.cli", "run the router in front of prefill and decode pools"),
-    "up": ("pdcluster.worker.launcher", "run router + workers locally as separate processes"),
+    "up": ("pdcluster.worker.local.launcher", "run router + workers locally as separate processes"),
     "operator": ("pdcluster.operator.cli", "run the kopf operator against the current kubeconfig"),
     "plan": ("pdcluster.operator.plan_cli", "compute prefill/decode replicas for a workload"),
     "kv-budget": ("pdcluster.operator.kv_budget_cli", "KV-cache memory for a model and workload"),
-    "bench": ("pdcluster.worker.bench.cli", "load generator: TTFT/TPOT grid sweeps and heat maps"),
-    "profile": ("pdcluster.worker.profile", "measure a worker's prefill and decode capacity"),
+    "bench": ("pdcluster.bench.cli", "load generator: TTFT/TPOT grid sweeps and heat maps"),
+    "profile": ("pdcluster.bench.profile", "measure a worker's prefill and decode capacity"),
 }
 
 

@@ -4,8 +4,8 @@ import csv
 import json
 
 import pytest
-from pdcluster.worker.bench import heatmap
-from pdcluster.worker.bench.stats import CELL_FIELDS
+from pdcluster.bench import heatmap
+from pdcluster.bench.stats import CELL_FIELDS
 
 from pdcluster.cli import main
 

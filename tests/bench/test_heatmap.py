@@ -1,6 +1,6 @@
 import math
 
-from pdcluster.worker.bench import heatmap
+from pdcluster.bench import heatmap
 
 
 def cell(p, o, **kw):

@@ -2,7 +2,7 @@
 it reproduces the engine's int8/int4 decode logits."""
 
 import pytest
-from pdcluster.worker.bench import kv_quality as kq
+from pdcluster.bench import kv_quality as kq
 
 torch = pytest.importorskip("torch")
 
@@ -23,7 +23,7 @@ def test_rank_and_recovered_fraction():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     d = build_demo_model(tmp_path_factory.mktemp("kvq") / "m", hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, tokenizer_vocab_size=300)

@@ -2,7 +2,7 @@ import random
 
 import httpx
 import pytest
-from pdcluster.worker.bench import loadgen
+from pdcluster.bench import loadgen
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def allowed_series() -> set[str]:
 
 
 def test_worker_metrics_module_exports_the_design_names():
-    from pdcluster.worker.metrics import SERIES
+    from pdcluster.worker.api.metrics import SERIES
 
     assert set(SERIES) == DESIGN_SERIES
 

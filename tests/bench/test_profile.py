@@ -4,8 +4,8 @@ import json
 
 import pytest
 import yaml
-from pdcluster.worker.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
-from pdcluster.worker.profile import summarize
+from pdcluster.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
+from pdcluster.bench.profile import summarize
 
 from pdcluster.cli import main
 
@@ -86,7 +86,7 @@ def test_profile_unreachable_url_is_a_message(free_port, capsys):
 @pytest.mark.slow
 def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
     pytest.importorskip("torch")
-    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              tokenizer=False)  # no BPE training: faster

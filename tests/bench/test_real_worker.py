@@ -11,9 +11,9 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from pdcluster.worker.async_engine import AsyncEngine
-    from pdcluster.worker.demo_model import build_demo_model
-    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.engine.async_engine import AsyncEngine
+    from pdcluster.worker.local.demo_model import build_demo_model
+    from pdcluster.worker.engine.llm_engine import EngineConfig
 
     model = build_demo_model(tmp_path_factory.mktemp("bench-worker"), hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, max_position_embeddings=256, tokenizer=False)
@@ -25,7 +25,7 @@ def engine(tmp_path_factory):
 
 @pytest.mark.slow
 def test_bench_and_profile_against_a_real_worker(engine, serve_asgi, tmp_path, capsys):
-    from pdcluster.worker.server import build_app
+    from pdcluster.worker.server.app import build_app
 
     url = serve_asgi(build_app(engine, role="both", served_model_name="demo", request_timeout=60)).url
     rc = main(["bench", "--url", url, "--prompt-lens", "4,12", "--output-lens", "3", "--requests", "2",

@@ -2,7 +2,7 @@ import math
 
 import numpy as np
 import pytest
-from pdcluster.worker.bench.stats import (
+from pdcluster.bench.stats import (
     CELL_FIELDS,
     RequestResult,
     parse_int_list,

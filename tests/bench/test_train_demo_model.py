@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from pdcluster.worker.bench import train_demo_model as tdm
+from pdcluster.bench import train_demo_model as tdm
 
 
 def test_config_key_is_stable_and_changes_with_the_config():
@@ -40,8 +40,8 @@ def test_tiny_training_run_writes_a_complete_hf_folder(tmp_path, monkeypatch):
         assert (out / name).is_file(), name
     conf = json.loads((out / "config.json").read_text())
     assert conf["num_hidden_layers"] == 1 and conf["vocab_size"] == 300
-    from pdcluster.worker.engine import EngineConfig, LLMEngine
-    from pdcluster.worker.sampling_params import SamplingParams
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=str(out), max_batch_size=1))  # the engine loads it
     assert len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]) == 3

@@ -21,10 +21,10 @@ AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", 
 def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
                 compression: str = "none", secret: bytes | None = SECRET, **engine_kw: Any) -> tuple[Any, Any]:
     """(app, AsyncEngine) of one worker with the disaggregation routes mounted."""
-    from pdcluster.worker.async_engine import AsyncEngine
-    from pdcluster.worker.disagg_routes import Disaggregation
-    from pdcluster.worker.engine import EngineConfig
-    from pdcluster.worker.server import build_app
+    from pdcluster.worker.engine.async_engine import AsyncEngine
+    from pdcluster.worker.server.internal_routes import Disaggregation
+    from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.server.app import build_app
 
     engine = AsyncEngine.from_config(EngineConfig(model=str(model), block_size=block_size,
                                                   num_kv_blocks=num_kv_blocks, num_threads=1, **engine_kw))

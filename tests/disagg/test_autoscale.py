@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 import pytest
-from pdcluster.worker import launch_autoscale
-from pdcluster.worker.launch_autoscale import Autoscaler, counters
-from pdcluster.worker.launch_demo import plan_pd
+from pdcluster.worker.local import autoscale as launch_autoscale
+from pdcluster.worker.local.autoscale import Autoscaler, counters
+from pdcluster.worker.local.demo import plan_pd
 
 
 def test_counters_sum_series_across_labels() -> None:

@@ -22,8 +22,8 @@ def prompts(lengths: list[int] = LENGTHS, vocab: int = 1000) -> list[list[int]]:
 
 
 def reference(model: Path, ps: list[list[int]]) -> list[list[int]]:
-    from pdcluster.worker.engine import EngineConfig, LLMEngine
-    from pdcluster.worker.sampling_params import SamplingParams
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, num_threads=1))
     return engine.generate(ps, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))

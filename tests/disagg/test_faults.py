@@ -26,8 +26,8 @@ MAX_NEW = 160
 
 
 def reference(model: Path, prompt: list[int], n: int) -> list[int]:
-    from pdcluster.worker.engine import EngineConfig, LLMEngine
-    from pdcluster.worker.sampling_params import SamplingParams
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.engine.sampling_params import SamplingParams
 
     e = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=256, num_threads=1))
     return e.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
@@ -176,7 +176,7 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
 
 def free_block(n: int) -> int:
     """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it)."""
-    from pdcluster.worker.launcher import port_in_use
+    from pdcluster.worker.local.launcher import port_in_use
 
     while True:
         p = free_port()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pdcluster.worker.engine import EngineConfig, LLMEngine
-from pdcluster.worker.sampling_params import SamplingParams
+from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import decode_frame, encode_frame
 

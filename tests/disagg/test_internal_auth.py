@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from pdcluster.worker import errors
-from pdcluster.worker.disagg_routes import Disaggregation
+from pdcluster.worker.api import errors
+from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.router import cli
 from pdcluster.worker.transfer.secret import (
     SecretError,

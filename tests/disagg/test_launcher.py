@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdcluster.worker.supervisor import Supervisor, backoff
+from pdcluster.worker.local.supervisor import Supervisor, backoff
 
 
 def test_backoff_grows_and_caps() -> None:

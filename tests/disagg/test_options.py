@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pdcluster.worker.disagg_routes import Disaggregation
+from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.transfer.secret import SecretError
 
 ENGINE = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)))

@@ -9,7 +9,8 @@ import inspect
 import sys
 from pathlib import Path
 
-from pdcluster.worker import launcher, serve_cli
+from pdcluster.worker.local import launcher
+from pdcluster.worker.server import cli as serve_cli
 
 if __name__ == "__main__":
     if "disagg_routes" not in inspect.getsource(serve_cli):

@@ -1,4 +1,4 @@
-"""kernels/bench.py's CPU-safe parts: the --cpu-smoke mode drives the same correctness sweep and timing
+"""bench/kernels.py's CPU-safe parts: the --cpu-smoke mode drives the same correctness sweep and timing
 loop as the CUDA run, with tiny sizes under the Triton interpreter. No timing assertions."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdcluster.kernels import bench
+from pdcluster.bench import kernels as bench
 
 
 @pytest.mark.triton

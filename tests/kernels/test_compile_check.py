@@ -1,5 +1,5 @@
 """Every Triton kernel variant compiles for sm_90 (no GPU needed): the interpreter-run tests cannot catch
-GPU compile errors. Runs kernels/compile_check.py in a subprocess because the test process has the
+GPU compile errors. Runs bench/compile_check.py in a subprocess because the test process has the
 interpreter switched on."""
 
 from __future__ import annotations

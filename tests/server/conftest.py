@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pdcluster.worker.server import build_app
+from pdcluster.worker.server.app import build_app
 
 from .fake_engine import FakeEngine
 from .harness import serve
@@ -40,15 +40,15 @@ def client(fake_url: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdcluster.worker.demo_model import build_demo_model
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("server-model"), num_hidden_layers=2, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def real_engine(demo_model_dir: Path) -> Iterator[Any]:
-    from pdcluster.worker.async_engine import AsyncEngine
-    from pdcluster.worker.engine import EngineConfig
+    from pdcluster.worker.engine.async_engine import AsyncEngine
+    from pdcluster.worker.engine.llm_engine import EngineConfig
 
     engine = AsyncEngine.from_config(
         EngineConfig(model=str(demo_model_dir), block_size=8, num_kv_blocks=128, max_batch_size=4, num_threads=1)

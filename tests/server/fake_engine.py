@@ -12,8 +12,8 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdcluster.worker.outputs import RequestOutput
-from pdcluster.worker.sampling_params import SamplingParams
+from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.sampling_params import SamplingParams
 
 VOCAB = 128
 EOS = 0

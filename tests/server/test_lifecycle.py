@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from pdcluster.worker.server import build_app
+from pdcluster.worker.server.app import build_app
 
 from .fake_engine import FakeEngine
 from .harness import raw_post, serve, wait_until

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pdcluster.worker import errors
-from pdcluster.worker.prompting import encode_prompt, render_chat
+from pdcluster.worker.api import errors
+from pdcluster.worker.api.prompting import encode_prompt, render_chat
 
 from .fake_engine import CharTokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdcluster.worker.serve_cli import TransferOptions, _bytes
+from pdcluster.worker.server.cli import TransferOptions, _bytes
 
 from pdcluster.cli import main
 

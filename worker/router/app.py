@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .. import errors
-from ..metrics import CONTENT_TYPE, WorkerMetrics
-from ..protocol import (
+from pdcluster.worker.api import errors
+from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
+from pdcluster.worker.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -33,9 +33,9 @@ from ..protocol import (
     Usage,
     new_id,
 )
-from .flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
-from .picking import admit, retry_after_seconds
-from .pool import Pool
+from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
+from pdcluster.worker.router.picking import admit, retry_after_seconds
+from pdcluster.worker.router.pool import Pool
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from ..transfer.secret import optional_secret
-    from .app import RouterState, build_router_app
-    from .pool import Pool
+    from pdcluster.worker.transfer.secret import optional_secret
+    from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.pool import Pool
 
     pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
                 prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from ..transfer.secret import SecretError
+    from pdcluster.worker.transfer.secret import SecretError
 
     try:
         app = build(args)

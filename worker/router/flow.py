@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from .picking import pick_prefill, rank_decode, should_disaggregate
-from .pool import Pool, Worker
+from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
+from pdcluster.worker.router.pool import Pool, Worker
 
 log = logging.getLogger(__name__)
 

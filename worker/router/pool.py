@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from ..transfer.secret import internal_headers
-from .picking import WorkerView, health_transition
+from pdcluster.worker.transfer.secret import internal_headers
+from pdcluster.worker.router.picking import WorkerView, health_transition
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,213 @@
+"""`pdcluster bench`: grid sweep of prompt x output lengths against any OpenAI-compatible URL.
+
+Writes to --out: results.json (list of cells), results.csv, requests.jsonl (every request), meta.json
+and heat maps (heatmap_<metric>.png); with --compare, ratio.json and ratio_<metric>.png (this run /
+the other). Failures (bad URL, unreachable, HTTP errors, broken streams) are counted per cell and
+summarised; the command exits 0 if anything succeeded, 1 if nothing did, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from pdcluster.bench import heatmap
+from pdcluster.bench import loadgen
+from pdcluster.bench.stats import CELL_FIELDS, RequestResult, parse_int_list, summarize_cell
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="router or worker base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--prompt-lens", required=True, help="comma-separated prompt lengths in tokens")
+    p.add_argument("--output-lens", required=True, help="comma-separated output lengths in tokens")
+    p.add_argument("--requests", type=int, default=16, help="requests per cell (default 16)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight (default 4)")
+    mode.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests/s")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--compare", type=Path, default=None,
+                   help="another run's results.json (or its directory): draw this/other ratio maps")
+    p.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the sweep")
+    p.add_argument("--token-id-max", type=int, default=250,
+                   help="prompt token ids are drawn from [5, this); keep below the vocabulary size")
+    p.add_argument("--label", default="", help="a name for this run, shown in titles (e.g. colocated)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG heat maps")
+
+
+def load_results(path: Path) -> list[dict]:
+    path = path / "results.json" if path.is_dir() else path
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):  # tolerate {"cells": [...]}
+        data = data.get("cells", [])
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of cells")
+    return data
+
+
+def write_csv(cells: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CELL_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for c in cells:
+            row = dict(c)
+            row["error_kinds"] = ";".join(f"{k}={v}" for k, v in c.get("error_kinds", {}).items())
+            w.writerow(row)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:8.1f}"
+
+
+def format_table(cells: list[dict]) -> str:
+    head = f"{'prompt':>7} {'output':>7} {'ok/n':>9} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'out tok/s':>10}  errors"
+    lines = [head + "   (times in ms)"]
+    for c in cells:
+        errs = ", ".join(f"{k}×{v}" for k, v in c["error_kinds"].items())
+        tps = c["output_tokens_per_second"]
+        lines.append(
+            f"{c['prompt_len']:>7} {c['output_len']:>7} {c['completed']:>4}/{c['requests']:<4} "
+            f"{_ms(c['ttft_p50']):>9} {_ms(c['ttft_p99']):>8} {_ms(c['tpot_p50']):>9} {_ms(c['tpot_p99']):>8} "
+            f"{(tps or 0):>10.1f}  {errs}"
+        )
+    return "\n".join(lines)
+
+
+class _Progress:
+    """tqdm when available and wanted; a silent stand-in otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+            except ImportError:
+                pass
+        self.errors = 0
+
+    def done(self, r: RequestResult) -> None:
+        self.errors += not r.ok
+        if self.bar:
+            self.bar.update(1)
+            if self.errors:
+                self.bar.set_postfix(errors=self.errors)
+
+    def describe(self, text: str) -> None:
+        if self.bar:
+            self.bar.set_description(text)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+async def sweep(args, url: str, prompt_lens: list[int], output_lens: list[int], out: Path) -> tuple[list[dict], dict]:
+    concurrency = args.concurrency or (256 if args.rate else 4)
+    meta: dict = {"url": args.url, "mode": "open" if args.rate else "closed", "rate": args.rate,
+                  "concurrency": None if args.rate else concurrency, "requests_per_cell": args.requests,
+                  "seed": args.seed, "label": args.label, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    cells: list[dict] = []
+    async with loadgen.make_client(concurrency, args.timeout) as client:
+        model = args.model or await loadgen.discover_model(client, url)
+        meta["model"] = model
+        probe = await loadgen.probe_shape(client, url, model, min(args.timeout, 60.0))
+        if probe.shape is None:
+            # Nothing works: count every planned request as failed with the probe's reason, so the
+            # report says "unreachable" per cell instead of spending N timeouts to learn it again.
+            meta["probe_error"] = f"{probe.result.error}: {probe.result.detail}"
+            for pl in prompt_lens:
+                for ol in output_lens:
+                    fails = [RequestResult(ok=False, error=probe.result.error, detail=probe.result.detail)
+                             for _ in range(args.requests)]
+                    cells.append(summarize_cell(pl, ol, fails, 0.0))
+            return cells, meta
+        meta["request_shape"] = probe.shape
+        if not probe.shape["ids"]:
+            print("bench: server rejects token-id prompts; using text prompts (lengths approximate)",
+                  file=sys.stderr)
+        rng = random.Random(args.seed)
+        for _ in range(args.warmup):
+            await loadgen.stream_one(client, url, loadgen.build_payload(16, 4, rng, probe.shape, model), args.timeout)
+        total = len(prompt_lens) * len(output_lens) * args.requests
+        progress = _Progress(total, enabled=not args.no_progress)
+        reqlog = (out / "requests.jsonl").open("w")
+        try:
+            for pl in prompt_lens:
+                for ol in output_lens:
+                    progress.describe(f"prompt {pl} out {ol}")
+                    ids_range = (5, max(6, args.token_id_max))
+                    payloads = [loadgen.build_payload(pl, ol, rng, probe.shape, model, ids_range)
+                                for _ in range(args.requests)]
+                    results, wall = await loadgen.run_requests(
+                        client, url, payloads, concurrency=None if args.rate else concurrency,
+                        rate=args.rate, seed=args.seed, timeout=args.timeout, on_done=progress.done)
+                    cell = summarize_cell(pl, ol, results, wall)
+                    cells.append(cell)
+                    for r in results:
+                        reqlog.write(json.dumps({"prompt_len": pl, "output_len": ol, **r.to_json()}) + "\n")
+                    # Write as we go: an interrupted long sweep still leaves usable results.
+                    (out / "results.json").write_text(json.dumps(cells, indent=1))
+        finally:
+            reqlog.close()
+            progress.close()
+    return cells, meta
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        url = loadgen.completions_url(args.url)
+        prompt_lens = parse_int_list(args.prompt_lens)
+        output_lens = parse_int_list(args.output_lens)
+        if args.requests < 1:
+            raise ValueError("--requests must be >= 1")
+        if args.concurrency is not None and args.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
+        if args.rate is not None and args.rate <= 0:
+            raise ValueError("--rate must be > 0")
+        other = load_results(args.compare) if args.compare else None
+    except (ValueError, OSError) as e:
+        print(f"pdcluster bench: {e}", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cells, meta = asyncio.run(sweep(args, url, prompt_lens, output_lens, out))
+    except KeyboardInterrupt:
+        print("pdcluster bench: interrupted; partial results are in", out, file=sys.stderr)
+        return 130
+    (out / "results.json").write_text(json.dumps(cells, indent=1))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_csv(cells, out / "results.csv")
+    plots: list[Path] = []
+    suffix = f" — {args.label}" if args.label else ""
+    if not args.no_plots:
+        plots += heatmap.plot_all(cells, out, "heatmap", suffix)
+    if other is not None:
+        ratios = heatmap.ratio_cells(cells, other)
+        (out / "ratio.json").write_text(json.dumps(ratios, indent=1))
+        if not args.no_plots:
+            plots += heatmap.plot_all(ratios, out, "ratio", f" (this / {args.compare.name})", ratio=True)
+
+    print(format_table(cells))
+    n = sum(c["requests"] for c in cells)
+    ok = sum(c["completed"] for c in cells)
+    kinds: Counter[str] = Counter()
+    for c in cells:
+        kinds.update(c["error_kinds"])
+    print(f"\n{ok}/{n} requests succeeded" + (f"; errors: {dict(kinds)}" if kinds else ""))
+    if "probe_error" in meta:
+        print(f"pdcluster bench: {args.url} is not serving completions ({meta['probe_error']})", file=sys.stderr)
+    print(f"wrote {out}/results.json, results.csv" + (f" and {len(plots)} heat maps" if plots else ""))
+    return 0 if ok else 1

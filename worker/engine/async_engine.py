@@ -1,0 +1,218 @@
+"""AsyncEngine: the LLMEngine on a background thread, with per-request async output streams.
+
+The engine is not thread-safe, so only its own thread touches it: everything else (adding, aborting,
+KV import/export for disaggregation) is a command queued to that thread and run between two steps
+(`call`). Torch releases the GIL inside kernels, so the event loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RequestStream:
+    """Outputs of one request, delivered from the engine thread into an asyncio queue."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str) -> None:
+        self.owner, self.request_id = owner, request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if out.finished:
+            self.finished = True
+            self.owner._streams.pop(self.request_id, None)
+        return out
+
+    def close(self) -> None:
+        """Stop listening; a request that has not finished is aborted (its KV blocks are freed)."""
+        if not self.finished:
+            self.finished = True
+            self.owner._streams.pop(self.request_id, None)
+            self.owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, float | int] = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pdcluster-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- read-only views (any thread) -------------------------------------------------------------------
+    # Fixed when the engine is built and never reassigned, so reading them off the engine thread is safe.
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the engine would reject this request; callable from any thread.
+
+        Pure checks against fixed limits (vocabulary, model length, total cache size); it reads no
+        scheduler state, so it need not be queued to the engine thread."""
+        self.engine.validate_request(prompt_token_ids, params)
+
+    # -- API --------------------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return (or raise) its result."""
+        self.start()
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def open_stream(self, request_id: str) -> RequestStream:
+        """Listen for a request's outputs; open it before the request can produce any (e.g. commit_import)."""
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs as they are produced. Raises ValueError (before any output) for an invalid request.
+        Leaving the loop early (client disconnect, cancellation) aborts the request and frees its blocks."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self.open_stream(request_id)
+        try:
+            await self.call(
+                lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only)
+            )
+        except BaseException:
+            stream.finished = True
+            self._streams.pop(request_id, None)
+            raise
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; the request's stream (if any) ends with finish_reason "abort"."""
+
+        def _abort(engine: LLMEngine) -> None:
+            if engine.abort(request_id):
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
+
+        self._commands.put((_abort, Future()))
+        self._wake.set()
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine gauges and counters as of the last step (safe to call from any thread)."""
+        return dict(self._stats)
+
+    # -- the engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._run_commands()
+            if not engine.has_unfinished():
+                self._stats = engine.stats()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a broken step must not take the server down: fail what is in flight
+                log.exception("engine step failed")
+                outputs = self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            if engine.idle and not outputs:  # blocked (e.g. on blocks held for export): don't spin
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
+            self._stats = engine.stats()  # before the outputs: a caller that saw them sees these stats
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                fut.set_exception(e)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.engine.seqs):
+            self.engine.abort(rid)
+            outs.append(RequestOutput(rid, [], finished=True, finish_reason="error", error=message))
+        return outs

@@ -1,0 +1,386 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time (synchronous; AsyncEngine drives it).
+
+It wires the scheduler (what runs), the model runner (the forward) and the sampler, and owns request
+life cycles: validation, stop conditions, streaming detokenization, abort, and the disaggregation hooks
+(prefill-only requests that keep their KV for export; requests whose KV is imported from elsewhere).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pdcluster.worker.engine.block_manager import BlockManager
+from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.kv_cache import layer_kv_dtypes
+from pdcluster.worker.engine.model_runner import ModelRunner
+from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.sampler import sample
+from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.scheduler import Scheduler
+from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
+from pdcluster.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    model: str  # Hugging Face model folder
+    dtype: str = "auto"  # auto (fp32 on CPU, checkpoint dtype on CUDA) | float32 | bfloat16 | float16
+    device: str = "cpu"
+    block_size: int = 16  # 8 | 16 | 32
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | int4
+    # Layers whose KV cache stays in the model dtype while the others use kv_cache_dtype (int8/int4); the
+    # most quantization-sensitive layers (often the first ones) recover most of int4's quality loss. A
+    # no-op with kv_cache_dtype "auto" (every layer is full precision already); indices must still be valid.
+    full_precision_layers: tuple[int, ...] = ()
+    max_batch_size: int = 16  # decode sequences per step
+    max_batch_tokens: int = 2048  # prefill tokens per step (longer prompts are chunked)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
+    kv_cache_memory: int | None = None  # CPU: KV cache bytes (default: enough for the batch, <= 1 GiB)
+    num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests)
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV
+    preemption_mode: Literal["swap", "recompute", "auto"] = "auto"
+    watermark: float = 0.15  # fraction of blocks kept free when admitting new work
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch CPU threads
+    host_bandwidth: float = 8e9  # bytes/s assumed for swap, used by preemption_mode="auto"
+    debug_logits: bool = False  # put each sampled position's float32 logits in RequestOutput.extra["logits"]
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
+        if isinstance(self.full_precision_layers, str | bytes):  # "0,1" would iterate as characters
+            raise ValueError(
+                f"full_precision_layers must be a sequence of layer indices, got {self.full_precision_layers!r}"
+            )
+        for i in self.full_precision_layers:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"full_precision_layers: {i!r} is not a layer index (an int >= 0)")
+        if self.preemption_mode not in ("swap", "recompute", "auto"):
+            raise ValueError(f"preemption_mode must be swap, recompute or auto, got {self.preemption_mode!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")
+        if self.max_batch_size < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
+
+
+LayerHook = Callable[[int, list[str]], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_folder(config.model)
+        # The upper bound needs the model: check it before loading weights (fail fast, name the field).
+        layer_kv_dtypes(self.model_config.num_layers, config.kv_cache_dtype, config.full_precision_layers)
+        self.tokenizer = Tokenizer.from_folder(config.model)
+        self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model_config,
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            full_precision_layers=tuple(config.full_precision_layers),
+            num_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
+            max_batch_size=config.max_batch_size,
+            swap_space_bytes=int(config.swap_space * (1 << 30)),
+        )
+        num_blocks = self.runner.cache.num_blocks
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        host = self.runner.num_host_blocks
+        self.host_block_manager = BlockManager(host, config.block_size, False) if host else None
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.host_block_manager,
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
+            watermark=config.watermark,
+            preemption_mode=config.preemption_mode,
+            choose_mode=self._cheaper_preemption,
+        )
+        self.seqs: dict[str, Sequence] = {}  # every request that holds state here
+        self.layer_hook: LayerHook | None = None
+        self.idle = False
+        self._inflight: dict[str, int] = {}  # prefill seqs of the running step -> tokens written by its end
+        self._pending: list[RequestOutput] = []  # outputs produced between steps (imports)
+        self._detok: dict[str, _TextState] = {}
+        self._prefill_tps = 2000.0  # running estimate of prefill tokens/s, for "auto" preemption
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "steps": 0}
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the model length ({self.max_model_len})"
+            )
+        if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {total} tokens of KV cache; the whole cache holds fewer")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request; raises ValueError for invalid input. With ``prefill_only`` the request finishes
+        after its first token but keeps its KV blocks (for export_kv) until ``release``."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, prefill_only=prefill_only)
+        self.seqs[request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt_token_ids)  # once, even if preemption recomputes it
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if unknown (already finished)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept for export (no-op if unknown)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, seq.finish_reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        self.idle = batch is None  # work exists but none can run now (e.g. blocks held for export)
+        if batch is None:
+            return outputs
+        self.counters["steps"] += 1
+        hook = None
+        if batch.is_prefill and self.layer_hook is not None:
+            ids = [s.request_id for s in batch.seqs]
+            self._inflight = {
+                s.request_id: s.num_computed_tokens + n
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            }
+            user_hook = self.layer_hook
+            hook = lambda layer: user_hook(layer, ids)  # noqa: E731
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch, hook)
+        finally:
+            self._inflight = {}
+        if batch.is_prefill:
+            n_tokens = sum(batch.num_new_tokens)
+            self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
+            done = [
+                s
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                if self.scheduler.finish_prefill_chunk(s, n)
+            ]
+        else:
+            done = batch.seqs
+            for s in done:
+                s.num_computed_tokens += 1
+                self.block_manager.commit(s)
+        if not done:
+            return outputs
+        tokens = sample(logits, [s.params for s in done], [s.generator for s in done])
+        for i, (seq, token) in enumerate(zip(done, tokens, strict=True)):
+            out = self._append_token(seq, token)
+            if self.config.debug_logits:
+                out.extra["logits"] = logits[i].clone()
+            if batch.is_prefill and not seq.is_finished:
+                if seq.prefill_only:
+                    seq.status = SequenceStatus.PREFILLED  # holds its blocks until release()
+                    out.finished, out.extra["kv_held"] = True, True
+                else:
+                    self.scheduler.start_decoding(seq)
+            outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        p = seq.params
+        reason: Literal["stop", "length"] | None = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        text = ""
+        state = self._detok.get(seq.request_id)
+        if state is not None:
+            text, hit_stop = state.add(token, p.stop, final=reason is not None)
+            if hit_stop:
+                reason = "stop"
+        out = RequestOutput(
+            seq.request_id,
+            [token],
+            text,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+        )
+        if reason is not None:
+            self._finish(seq, reason)
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        self.seqs.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+
+    def _cheaper_preemption(self, seq: Sequence) -> Literal["swap", "recompute"]:
+        swap_s = 2 * len(seq.block_table) * self.runner.block_bytes / self.config.host_bandwidth
+        recompute_s = len(seq) / self._prefill_tps
+        return "swap" if swap_s < recompute_s else "recompute"
+
+    # -- convenience ------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch; the generated ids of each, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                result[out.request_id].extend(out.new_token_ids)
+        return [result[rid] for rid in ids]
+
+    def stats(self) -> dict[str, float | int]:
+        bm = self.block_manager
+        return {
+            "requests_waiting": len(self.scheduler.waiting),
+            "requests_running": len(self.scheduler.running),
+            "requests_swapped": len(self.scheduler.swapped),
+            "kv_cache_total_blocks": bm.num_blocks,
+            "kv_cache_used_blocks": bm.num_used_blocks,
+            "kv_cache_usage_ratio": bm.num_used_blocks / bm.num_blocks,
+            "preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prompt_tokens_total": self.counters["prompt_tokens"],
+            "generation_tokens_total": self.counters["generation_tokens"],
+            "requests_total": self.counters["requests"],
+        }
+
+    # -- disaggregation: KV export / import -------------------------------------------------------------
+
+    def export_kv(self, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[num_tokens, kv_heads, head_dim]`` (model dtype, dequantized) of a request's KV so far.
+
+        Inside ``layer_hook`` this covers the chunk being prefilled too."""
+        seq = self.seqs[request_id]
+        n = self._inflight.get(request_id, seq.num_computed_tokens)
+        table = torch.tensor(seq.block_table[: self.block_manager.blocks_for(n)], device=self.runner.device)
+        return self.runner.cache.read(layer, table, n)
+
+    def reserve_for_import(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> bool:
+        """Allocate blocks for a prompt whose KV will be imported. False (nothing changed) if they are not
+        free right now; raises ValueError for an invalid request."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
+        reserve = self.scheduler._reserve()
+        if not self.block_manager.allocate(seq, len(seq), reserve=reserve):
+            return False
+        seq.status = SequenceStatus.IMPORTING
+        self.seqs[request_id] = seq
+        return True
+
+    def import_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        seq = self.seqs[request_id]
+        if seq.status != SequenceStatus.IMPORTING:
+            raise ValueError(f"request {request_id!r} is not importing")
+        n = seq.num_prompt_tokens
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(f"expected KV for {n} tokens, got {k.shape[0]}/{v.shape[0]}")
+        dev, dtype = self.runner.device, self.runner.dtype
+        slots = self.runner.slots(seq, 0, n).to(dev)
+        self.runner.cache.write(layer, k.to(dev, dtype), v.to(dev, dtype), slots)
+
+    def commit_import(self, request_id: str, first_token_id: int) -> None:
+        """All layers are in: the request decodes from here as if it had prefilled itself. The first token
+        is reported in the next step's outputs."""
+        seq = self.seqs[request_id]
+        if seq.status != SequenceStatus.IMPORTING:
+            raise ValueError(f"request {request_id!r} is not importing")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(seq)
+        if self.tokenizer is not None:
+            self._detok[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, seq.token_ids))
+        self.counters["requests"] += 1
+        out = self._append_token(seq, first_token_id)
+        if not seq.is_finished:
+            self.scheduler.add_running(seq)
+        self._pending.append(out)
+
+    def cancel_import(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.status == SequenceStatus.IMPORTING:
+            self.block_manager.free_seq(seq)
+            self._finish(seq, "abort")
+
+
+class _TextState:
+    """Streaming text of one request, holding back what could still become a stop string."""
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok = detok
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, token: int, stops: list[str], final: bool) -> tuple[str, bool]:
+        self.text += self.detok.step([token])
+        for stop in stops:
+            idx = self.text.find(stop, self.emitted)
+            if stop and idx != -1:
+                self.text = self.text[:idx]
+                return self._emit(len(self.text)), True
+        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
+        return self._emit(max(self.emitted, len(self.text) - hold)), False
+
+    def _emit(self, upto: int) -> str:
+        piece = self.text[self.emitted : upto]
+        self.emitted = upto
+        return piece

@@ -1,0 +1,146 @@
+"""Load a Hugging Face Llama-family checkpoint (single or sharded safetensors) into our fused model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.model import LlamaForCausalLM
+from safetensors import safe_open
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+# HF name suffix -> (our parameter suffix, shard index within the fused tensor)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """ "auto" means the checkpoint's dtype on CUDA and float32 on CPU (half matmuls are slow there)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(cfg.torch_dtype, torch.float16)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (use float32, bfloat16 or float16)")
+    return DTYPES[name]
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{folder}: shard(s) named in the index are missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pth")):
+        raise ValueError(f"{folder}: only safetensors checkpoints are supported (found .bin/.pth weights)")
+    raise ValueError(
+        f"{folder}: no weights found (expected model.safetensors or model.safetensors.index.json)"
+    )
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, fh.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            if isinstance(e, ValueError) and str(f) in str(e):
+                raise
+            raise ValueError(f"{f}: cannot read safetensors file ({e})") from e
+
+
+def load_model(
+    cfg: ModelConfig,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_len: int | None = None,
+) -> LlamaForCausalLM:
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    folder = Path(cfg.path)
+    files = checkpoint_files(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    q, kv = cfg.q_size, cfg.kv_size
+    fused_offsets = {"self_attn.qkv_proj": [0, q, q + kv], "mlp.gate_up_proj": [0, cfg.intermediate_size]}
+    for hf_name, tensor in iter_tensors(files):
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        target, offset = name, None
+        for hf_part, (ours, shard) in _FUSED.items():
+            if f".{hf_part}." in f".{name}":
+                target = name.replace(hf_part, ours)
+                offset = fused_offsets[ours][shard]
+                break
+        if target not in params:
+            raise ValueError(f"{folder}: unexpected tensor {hf_name!r} (not a Llama-family checkpoint?)")
+        p = params[target]
+        dst = p.data if offset is None else p.data.narrow(0, offset, tensor.shape[0])
+        if dst.shape != tensor.shape:
+            raise ValueError(
+                f"{folder}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor.to(torch_dtype))
+        loaded.add(hf_name)
+    expected = _expected_names(cfg)
+    missing = sorted(expected - loaded)
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ValueError(f"{folder}: checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
+    model.init_rope(max_len or cfg.max_position_embeddings)
+    return model.eval()
+
+
+def _expected_names(cfg: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.add(p + f"self_attn.{part}.weight")
+        if cfg.attention_bias:
+            names.update(p + f"self_attn.{part}.bias" for part in ("q_proj", "k_proj", "v_proj"))
+        if cfg.o_proj_bias:
+            names.add(p + "self_attn.o_proj.bias")
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            names.add(p + f"mlp.{part}.weight")
+        names.update((p + "input_layernorm.weight", p + "post_attention_layernorm.weight"))
+    return names

@@ -1,0 +1,211 @@
+"""Continuous batching: which sequences run in the next step, and who makes room when blocks run out.
+
+A step is either a prefill step (chunks of waiting prompts, bounded by ``max_batch_tokens``; a prompt longer
+than what is left of the budget is cut, and continues next time) or a decode step (one token for each
+running sequence, at most ``max_batch_size``). After a prefill step, a decode step runs whenever anything
+is decoding, so a stream of long prompts slows decoding by at most half but never stops it.
+
+Order is strictly FCFS by arrival: a request that cannot get blocks blocks those behind it (no starvation
+of big requests), swapped-out requests come back before new ones are admitted, and the victim of a
+preemption is always the latest arrival. New work is only admitted while a watermark of free blocks
+remains, so decoding sequences can grow into that reserve instead of preempting each other at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdcluster.worker.engine.block_manager import BlockManager
+from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
+
+PreemptionMode = Literal["swap", "recompute", "auto"]
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+    # ("out", device ids, host ids) / ("in", host ids, device ids), to run in this order before the forward
+    copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        host_blocks: BlockManager | None,
+        *,
+        max_batch_size: int = 16,
+        max_batch_tokens: int = 2048,
+        watermark: float = 0.15,
+        preemption_mode: PreemptionMode = "auto",
+        choose_mode: Callable[[Sequence], Literal["swap", "recompute"]] | None = None,
+    ) -> None:
+        self.bm, self.host = block_manager, host_blocks
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.preemption_mode = preemption_mode
+        self.choose_mode = choose_mode
+        self.waiting: list[Sequence] = []  # sorted by arrival; the head may be part-way through prefill
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.swapped: list[Sequence] = []  # sorted by arrival
+        self.last_was_prefill = False
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already complete (imported) joins decoding, or waits for a batch slot."""
+        seq.status = (
+            SequenceStatus.SWAPPED if len(self.running) >= self.max_batch_size else SequenceStatus.RUNNING
+        )
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.swapped
+        bisect.insort(queue, seq, key=lambda s: s.arrival)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` from whatever queue holds it and free its blocks (abort or finish)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.bm.free_seq(seq)
+        if seq.host_block_table and self.host is not None:
+            self.host.free_blocks(seq.host_block_table)
+            seq.host_block_table = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _reserve(self) -> int:
+        # Admission keeps the watermark free, except when nothing runs: then the head must get its chance.
+        return self.watermark_blocks if self.running else 0
+
+    # -- scheduling -------------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        copies: list[tuple[str, list[int], list[int]]] = []
+        self._swap_in(copies)
+        prefill_turn = not (self.last_was_prefill and self.running)
+        if prefill_turn and not self.swapped and self.waiting:
+            batch = self._schedule_prefill()
+            if batch is not None:
+                batch.copies = copies
+                self.last_was_prefill = True
+                return batch
+        self.last_was_prefill = False
+        if not self.running:
+            return Batch([], [], False, copies) if copies else None
+        return self._schedule_decode(copies)
+
+    def _swap_in(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
+        while self.swapped and len(self.running) < self.max_batch_size:
+            seq = self.swapped[0]
+            # blocks for every computed token plus the one this step's decode will write
+            need = self.bm.blocks_for(len(seq)) - len(seq.block_table)  # imported ones already hold blocks
+            host_ids = seq.host_block_table
+            if self.bm.num_free_blocks - need < self._reserve():
+                if self.running or need > self.bm.num_free_blocks + self._partial_prefill_blocks():
+                    break
+                self._free_partial_prefills(keep=None)  # nothing runs: only they can stand in the way
+            dev_ids = self.bm.allocate_blocks(need)
+            assert dev_ids is not None
+            if host_ids:
+                copies.append(("in", list(host_ids), dev_ids[: len(host_ids)]))
+                assert self.host is not None
+                self.host.free_blocks(host_ids)
+            seq.block_table, seq.host_block_table = seq.block_table + dev_ids, []
+            self.swapped.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def _schedule_prefill(self) -> Batch | None:
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = self.max_batch_tokens
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) + len(seqs) >= self.max_batch_size:
+                break
+            prefix = self.bm.lookup_prefix(seq) if not seq.block_table else []
+            start = len(prefix) * self.bm.block_size if prefix else seq.num_computed_tokens
+            n = min(len(seq) - start, budget)
+            if not self.bm.allocate(seq, start + n, prefix, reserve=self._reserve()):
+                if seqs or self.running:
+                    break  # FCFS: nobody overtakes the head
+                self._free_partial_prefills(keep=seq)  # nothing runs, so only they can hold blocks
+                if not self.bm.allocate(seq, start + n, prefix):
+                    break
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return Batch(seqs, counts, True) if seqs else None
+
+    def _partial_prefill_blocks(self) -> int:
+        return sum(len(s.block_table) for s in self.waiting)
+
+    def _free_partial_prefills(self, keep: Sequence | None) -> None:
+        for other in self.waiting:
+            if other is not keep and other.block_table:
+                self.bm.free_seq(other)  # it restarts its prefill later (prefix cache permitting, cheaply)
+
+    def _schedule_decode(self, copies: list[tuple[str, list[int], list[int]]]) -> Batch:
+        scheduled: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            need = self.bm.blocks_for(len(seq)) - len(seq.block_table)
+            while need > self.bm.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim, copies)
+                if victim is seq:
+                    break
+            else:
+                if need:
+                    more = self.bm.allocate_blocks(need)
+                    assert more is not None
+                    seq.block_table.extend(more)
+                scheduled.append(seq)
+                i += 1
+        return Batch(scheduled, [1] * len(scheduled), False, copies)
+
+    def _preempt(self, seq: Sequence, copies: list[tuple[str, list[int], list[int]]]) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        mode = self.preemption_mode
+        if mode == "auto":
+            mode = self.choose_mode(seq) if self.choose_mode else "recompute"
+        host_ids = None
+        if mode == "swap" and self.host is not None:
+            host_ids = self.host.allocate_blocks(len(seq.block_table))
+        if host_ids is not None:
+            copies.append(("out", list(seq.block_table), host_ids))
+            computed = seq.num_computed_tokens
+            self.bm.free_seq(seq)
+            seq.num_computed_tokens = computed  # the KV survives in host memory
+            seq.host_block_table = host_ids
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.arrival)
+        else:  # recompute: drop the KV; the prompt and the tokens so far are prefilled again
+            self.bm.free_seq(seq)
+            self.add(seq)
+
+    # -- bookkeeping after the forward ------------------------------------------------------------------
+
+    def finish_prefill_chunk(self, seq: Sequence, n: int) -> bool:
+        """Account ``n`` computed tokens; True when the whole prompt is in (the sequence starts decoding)."""
+        seq.num_computed_tokens += n
+        self.bm.commit(seq)
+        if seq.num_computed_tokens < len(seq):
+            return False
+        self.waiting.remove(seq)
+        return True
+
+    def start_decoding(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)

@@ -1,0 +1,80 @@
+"""A request as the engine tracks it: its tokens, how many have KV in the cache, and where that KV lives."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+from pdcluster.worker.engine.outputs import FinishReason
+from pdcluster.worker.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, or being prefilled in chunks (then it already holds blocks)
+    RUNNING = auto()  # decoding
+    SWAPPED = auto()  # preempted, KV parked in host memory
+    PREFILLED = auto()  # prefill-only request done; blocks held until released (disaggregation)
+    IMPORTING = auto()  # blocks reserved, KV arriving from a prefill worker
+    FINISHED = auto()
+
+
+_arrival = itertools.count()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival = next(_arrival)  # FCFS order; survives preemption so the victim keeps its place
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.prefill_only = prefill_only
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the leading full blocks already published
+        self.host_block_table: list[int] = []  # while SWAPPED
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.num_emitted = 0  # output tokens already reported to the caller
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,198 @@
+"""`pdcluster up`: the embedded default — a router and N prefill + M decode workers as separate OS processes on
+loopback, supervised (a dying worker is restarted) and stopped cleanly on Ctrl-C/SIGTERM.
+
+With no --model a small demo Llama is built once into the cache directory. With --demo it starts the cluster,
+drives a short mixed workload through the router, prints TTFT/TPOT percentiles, throughput and the P:D
+decision of the operator's planner for what it measured, and shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdcluster.worker.local.supervisor import Supervisor
+
+log = logging.getLogger("pdcluster.up")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: a built-in demo model)")
+    a("--prefill", type=int, default=1, metavar="N", help="prefill workers (0: decode workers prefill everything)")
+    a("--decode", type=int, default=1, metavar="M", help="decode workers (>= 1)")
+    a("--port", type=int, default=8080, help="router port; workers take the ports after it")
+    a("--host", default="127.0.0.1")
+    a("--threads", type=int, default=1, help="torch threads per worker")
+    a("--block-size", type=int, choices=[8, 16, 32], default=16)
+    a("--kv-transfer-compression", choices=["none", "int8"], default="none")
+    a("--disaggregation-threshold", type=int, default=64, metavar="TOKENS")
+    a("--max-queue-depth", type=int, default=64)
+    a("--request-timeout", type=float, default=120.0)
+    a("--autoscale", action="store_true",
+      help="resize the pools from live router metrics with the operator's P:D planner (up to --max-workers each)")
+    a("--max-workers", type=int, default=3, help="per pool, with --autoscale")
+    a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
+    a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
+
+
+def cache_dir(arg: str | None) -> Path:
+    base = arg or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdcluster" if not arg else Path(arg)
+
+
+def ensure_demo_model(cache: Path) -> Path:
+    folder = cache / "demo-model"
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    print(f"building the demo model in {folder} (once) ...", flush=True)
+    from pdcluster.worker.local.demo_model import build_demo_model
+
+    # Built in a scratch folder and renamed: a half-written model is never mistaken for a finished one.
+    tmp = Path(tempfile.mkdtemp(prefix="demo-model.", dir=cache if cache.exists() else None))
+    cache.mkdir(parents=True, exist_ok=True)
+    build_demo_model(tmp, num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                     num_key_value_heads=4, max_position_embeddings=2048)
+    tmp.rename(folder)
+    return folder
+
+
+def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--role", role, "--port", str(port),
+            "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
+            "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning"]
+
+
+def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "pdcluster", "router", "--host", args.host, "--port", str(args.port),
+           "--disaggregation-threshold", str(args.disaggregation_threshold),
+           "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
+           "--health-interval", "0.5", "--log-level", "warning"]
+    if prefill:
+        cmd += ["--prefill", *prefill]
+    return cmd + ["--decode", *decode]
+
+
+def wait_ready(urls: list[str], timeout: float, sup: Supervisor) -> bool:
+    deadline = time.monotonic() + timeout
+    pending = set(urls)
+    while pending and time.monotonic() < deadline:
+        for u in list(pending):
+            try:
+                if httpx.get(f"{u}/health", timeout=1.0).status_code == 200:
+                    pending.discard(u)
+            except httpx.HTTPError:
+                pass
+        for e in sup.poll():
+            print(f"  {e}", flush=True)
+        time.sleep(0.2)
+    return not pending
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class _Stop(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.decode < 1 or args.prefill < 0:
+        print("pdcluster up: error: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    cache = cache_dir(args.cache_dir)
+    model = Path(args.model) if args.model else ensure_demo_model(cache)
+    if not (model / "config.json").is_file():
+        print(f"pdcluster up: error: --model {model} is not a Hugging Face model folder", file=sys.stderr)
+        return 2
+    run_dir = Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+    # One secret for this cluster's KV transfers and router -> worker /internal/* calls, passed by environment
+    # (not visible in `ps`) to the workers and the router alike. A usable $PDCLUSTER_KV_SECRET is kept, so the
+    # caller can reach the workers' /internal/* endpoints too; otherwise a fresh one per cluster.
+    given = os.environ.get("PDCLUSTER_KV_SECRET", "").strip()
+    env = {"PDCLUSTER_KV_SECRET": given if len(given.encode()) >= 16 else secrets.token_hex(32),
+           "PYTHONUNBUFFERED": "1"}
+    n_p = args.max_workers if args.autoscale else args.prefill
+    n_d = args.max_workers if args.autoscale else args.decode
+    base = f"http://{args.host}"
+    prefill_ports = [args.port + 1 + i for i in range(n_p)]
+    decode_ports = [args.port + 1 + n_p + i for i in range(n_d)]
+    busy = [p for p in [args.port, *prefill_ports, *decode_ports] if port_in_use(args.host, p)]
+    if busy:
+        print(f"pdcluster up: error: port(s) {', '.join(map(str, busy))} on {args.host} are in use; "
+              f"choose another --port (the router takes it, the workers the {n_p + n_d} after it)", file=sys.stderr)
+        return 2
+    sup = Supervisor(run_dir)
+
+    def on_signal(signum: int, _: Any) -> None:
+        raise _Stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i, port in enumerate(prefill_ports):
+            sup.add(f"prefill-{i}", worker_cmd(args, model, "prefill", port), env, start=i < args.prefill)
+        for i, port in enumerate(decode_ports):
+            sup.add(f"decode-{i}", worker_cmd(args, model, "decode", port), env, start=i < args.decode)
+        prefill_urls = [f"{base}:{p}" for p in prefill_ports]
+        decode_urls = [f"{base}:{p}" for p in decode_ports]
+        sup.add("router", router_cmd(args, prefill_urls, decode_urls), env)
+        router = f"{base}:{args.port}"
+        started = [u for u, p in zip(prefill_urls + decode_urls,
+                                     [*(f"prefill-{i}" for i in range(n_p)), *(f"decode-{i}" for i in range(n_d))],
+                                     strict=True) if sup.procs[p].enabled and sup.procs[p].popen is not None]
+        print(f"pdcluster up: model {model}\n  logs in {run_dir}", flush=True)
+        if not wait_ready([router, *started], timeout=180, sup=sup):
+            print("pdcluster up: error: the cluster did not become ready within 180 s; see the logs above",
+                  file=sys.stderr)
+            return 1
+        for name, p in sup.procs.items():
+            if p.popen is not None:
+                flags = [f"{f} {p.cmd[p.cmd.index(f) + 1]}" for f in ("--role", "--port") if f in p.cmd]
+                print(f"  {name:<10} pid {p.pid:<7} {'  '.join(flags)}", flush=True)
+        print(f"ready: OpenAI API at {router}/v1  (cluster view: {router}/cluster, metrics: {router}/metrics)",
+              flush=True)
+        if args.demo:
+            from pdcluster.worker.local.demo import demo
+
+            return demo(router, n_prefill=args.prefill, n_decode=args.decode)
+        scaler = None
+        if args.autoscale:
+            from pdcluster.worker.local.autoscale import Autoscaler
+
+            scaler = Autoscaler(router, sup, args.max_workers)
+        while True:
+            for e in sup.poll():
+                print(f"  {e}", flush=True)
+            if scaler is not None:
+                for e in scaler.tick():
+                    print(f"  {e}", flush=True)
+            time.sleep(0.5)
+    except _Stop as e:
+        print(f"\npdcluster up: {e}: shutting down", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sup.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("pdcluster up: all processes stopped", flush=True)

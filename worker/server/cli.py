@@ -1,0 +1,291 @@
+"""`pdcluster serve`: one inference worker (prefill, decode or both) behind the OpenAI API.
+
+Every mistake a user can make on the command line (a bad flag value, a model folder that is
+not a model, CUDA asked for on a CPU machine) ends as one `pdcluster serve: error: ...` line
+and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+log = logging.getLogger("pdcluster.serve")
+PROG = "pdcluster serve"
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """KV-transfer flags, parsed here and handed to the prefill->decode transfer path."""
+
+    port: int | None = None  # None: the transfer listener picks its default
+    compression: str = "none"  # none | int8
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
+    full_precision_layers: tuple[int, ...] = ()  # layers whose KV stays unquantized
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit code 2."""
+
+
+class StartupError(Exception):
+    """The environment failed us (I/O, device memory): one line, exit code 1."""
+
+
+def _error(self: argparse.ArgumentParser, message: str) -> NoReturn:
+    # argparse would print the whole usage block; one line that names the problem is clearer.
+    print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return v
+
+
+def _port(text: str) -> int:
+    v = _positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return v
+
+
+def _utilization(text: str) -> float:
+    v = _non_negative_float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return v
+
+
+def _bytes(text: str) -> int:
+    """BYTES, or with a K/M/G/Ki/Mi/Gi suffix (e.g. 512Mi)."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    t = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            try:
+                return _positive_int(str(int(float(t[: -len(suffix)]) * units[suffix])))
+            except ValueError:
+                break
+    try:
+        return _positive_int(t)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 2000000000 or 2Gi)") from None
+
+
+def _watermark(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 0.5:
+        raise argparse.ArgumentTypeError("must be in [0, 0.5]")
+    return value
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices") from None
+    if any(x < 0 for x in layers):
+        raise argparse.ArgumentTypeError("layer indices must be >= 0")
+    return layers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.error = _error.__get__(parser)  # type: ignore[method-assign]
+    a = parser.add_argument
+    a("--model", required=True, metavar="DIR", help="Hugging Face model folder (config.json, *.safetensors)")
+    a("--role", choices=["both", "prefill", "decode"], default="both", help="which phase this worker serves")
+    a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
+    a("--port", type=_port, default=8000)
+    a("--device", choices=["cpu", "cuda"], default="cpu")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+      help="auto (default): float32 on CPU, the checkpoint's dtype on CUDA")
+    a("--block-size", type=int, choices=[8, 16, 32], default=16, help="KV cache tokens per block")
+    a("--kv-cache-dtype", choices=["auto", "int8", "int4"], default="auto")
+    a("--max-batch-size", type=_positive_int, default=16, help="decode batch bound (useful range 8-32)")
+    a("--max-batch-tokens", type=_positive_int, default=2048, help="prefill token budget per step")
+    a("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV cache budget (CPU); e.g. 2Gi")
+    a("--gpu-memory-utilization", type=_utilization, default=0.9, help="fraction of GPU memory to use (CUDA)")
+    a("--swap-space", type=_non_negative_float, default=4.0, metavar="GiB", help="host memory for swapped-out KV")
+    a("--preemption", choices=["swap", "recompute", "auto"], default="auto")
+    a("--swap-watermark", type=_watermark, default=None, metavar="F",
+      help="fraction of KV blocks kept free before admitting new work (default 0.15; useful 0.10-0.20)")
+    a("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
+      help="longest prompt + output (default: the model's max_position_embeddings)")
+    a("--max-queue-depth", type=_positive_int, default=None, help="429 when this many requests wait")
+    a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
+    a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
+    a("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    t = parser.add_argument_group("KV transfer (prefill -> decode)")
+    t.add_argument("--kv-transfer-port", type=_port, default=None)
+    t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
+    t.add_argument("--kv-transfer-timeout", type=_non_negative_float, default=30.0, metavar="S")
+    t.add_argument("--kv-transfer-max-retries", type=int, default=3)
+    t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
+    t.add_argument("--full-precision-layers", type=_layers, default=(), metavar="I,J,..",
+                   help="layers whose KV cache stays in full precision under int8/int4")
+
+
+def transfer_options(args: argparse.Namespace) -> TransferOptions:
+    if args.kv_transfer_max_retries < 0:
+        raise UsageError("--kv-transfer-max-retries must be >= 0")
+    if args.kv_transfer_secret_file and not Path(args.kv_transfer_secret_file).is_file():
+        raise UsageError(f"--kv-transfer-secret-file {args.kv_transfer_secret_file!r} does not exist")
+    return TransferOptions(
+        port=args.kv_transfer_port,
+        compression=args.kv_transfer_compression,
+        timeout_s=args.kv_transfer_timeout,
+        max_retries=args.kv_transfer_max_retries,
+        secret_file=args.kv_transfer_secret_file,
+        full_precision_layers=tuple(args.full_precision_layers),
+    )
+
+
+def check_model_folder(path: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UsageError(f"--model {path!r} is not a directory")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--model {path!r} is not a Hugging Face model folder (no config.json)")
+    return folder
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Flag values under EngineConfig's field names (None = keep EngineConfig's default)."""
+    return {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_batch_size": args.max_batch_size,
+        "max_batch_tokens": args.max_batch_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "swap_space": args.swap_space,
+        "preemption_mode": args.preemption,
+        "watermark": args.swap_watermark,
+        "max_model_len": args.max_model_len,
+        "full_precision_layers": tuple(args.full_precision_layers) or None,
+        "num_threads": args.threads,
+    }
+
+
+def make_config(config_cls: Any, values: dict[str, Any]) -> Any:
+    # Skip None so EngineConfig's own defaults apply; drop names it does not (yet) declare.
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return config_cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def check_port_free(host: str, port: int) -> None:
+    # uvicorn would report a busy port only after the model has loaded; fail fast instead.
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} cannot be resolved ({e})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the engine's config/loader name what is wrong in a ValueError
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except StartupError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    folder = check_model_folder(args.model)
+    transfer = transfer_options(args)
+    check_port_free(args.host, args.port)
+    if args.full_precision_layers and args.kv_cache_dtype == "auto":
+        log.warning("--full-precision-layers has no effect with --kv-cache-dtype auto")
+
+    import torch  # deferred: `pdcluster serve --help` must stay fast
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA device is available")
+
+    import uvicorn
+
+    from pdcluster.worker.engine.async_engine import AsyncEngine
+    from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.server.app import build_app
+
+    config = make_config(EngineConfig, engine_config_kwargs(args))
+    log.info("loading %s", folder)
+    try:
+        engine = AsyncEngine.from_config(config)  # a ValueError names what is wrong with the folder
+    except (OSError, RuntimeError, MemoryError) as e:  # unreadable files, CUDA/OOM: not a usage error
+        raise StartupError(f"cannot load the model from {str(folder)!r}: {type(e).__name__}: {e}") from None
+    name = args.served_model_name or folder.resolve().name
+    # Prefill/decode KV transfer: the /internal/* routes and the transfer listener (docs/disaggregation.md).
+    # Without a shared secret there is no transfer listener (logged); an unusable one is a usage error.
+    from pdcluster.worker.server.internal_routes import Disaggregation
+
+    disagg = Disaggregation.from_options(engine, args.role, transfer, listen_host=args.host)
+
+    async def start() -> None:
+        engine.start()
+
+    async def stop() -> None:
+        await asyncio.to_thread(engine.shutdown)
+
+    app = build_app(
+        engine,
+        role=args.role,
+        served_model_name=name,
+        model_aliases=[args.model, str(folder.resolve()), folder.resolve().name],
+        max_queue_depth=args.max_queue_depth,
+        request_timeout=args.request_timeout,
+        routers=[disagg.router],
+        on_startup=[start, disagg.start],
+        on_shutdown=[disagg.stop, stop],
+    )
+    app.state.transfer_options = transfer
+    log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    return 0
+

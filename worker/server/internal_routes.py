@@ -1,0 +1,384 @@
+"""Worker-side endpoints of prefill/decode disaggregation (mounted by build_app via `routers=`).
+
+The router drives one disaggregated request like this:
+  1. POST /internal/tokenize on any worker: the OpenAI body -> prompt token ids + sampling params (the
+     router has no model files, so the worker owning the tokenizer does this and validates the request).
+  2. POST /internal/reserve on the decode worker: cache blocks for the prompt are allocated *before* any
+     KV moves (429 when there is no room: the router tries another decode worker or waits).
+  3. POST /internal/prefill on the prefill worker: a prefill-only request whose layer hook ships each
+     layer's KV to the decode worker's transfer port as soon as that layer is written. The response is
+     NDJSON: `first_token` as soon as prefill is done (the router streams it to the client at once), then
+     `transferred` when the decode side has acknowledged every layer (or `error`).
+  4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
+     remaining tokens as NDJSON. Short prompts (and resumes after a decode worker died) use
+     POST /internal/generate instead, which prefills on the decode worker itself.
+Every path that does not end normally releases the request's blocks on both sides (abort, cancel, or the
+reaper for reservations that never get their /internal/decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdcluster.worker.api import errors
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.server.lifecycle import WorkerServer
+from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.secret import ENV_VAR, check_internal_auth, load_secret
+from pdcluster.worker.transfer.transport import TransferError
+
+log = logging.getLogger(__name__)
+NDJSON = "application/x-ndjson"
+
+
+def params_from_dict(d: dict[str, Any]) -> SamplingParams:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    try:
+        p = SamplingParams(**{k: v for k, v in d.items() if k in names})
+        p.validate()
+    except (TypeError, ValueError) as e:
+        raise errors.bad_request(f"invalid params: {e}") from None
+    return p
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+class Disaggregation:
+    """Owns the KV connector of one worker and the /internal/* routes."""
+
+    def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
+                 timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
+                 transfer_port: int | None = None, node: str | None = None) -> None:
+        self.engine = engine  # AsyncEngine
+        self.role = role
+        self.timeout = timeout
+        self.listen_host, self.transfer_port = listen_host, transfer_port or 0
+        self.node = node if node is not None else os.environ.get("NODE_NAME")
+        self.secret = secret  # also authenticates router -> worker /internal/* calls (derived bearer token)
+        self.connector: TCPConnector | None = None
+        if secret is not None:
+            self.connector = TCPConnector(secret, importer=self._import, compression=compression,
+                                          timeout=timeout, max_retries=max_retries)
+        self._sending: dict[str, dict[int, int]] = {}  # prefill request -> layer -> tokens shipped
+        self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.router = self._routes()
+        mc = engine.engine.model_config
+        self.num_layers, self.kv_heads, self.head_dim = mc.num_layers, mc.num_kv_heads, mc.head_dim
+
+    @classmethod
+    def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
+        """From serve_cli's TransferOptions. Without a secret there is no transfer listener at all (frames are
+        never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
+        the router prefills on it directly. A given but unusable secret is an error."""
+        secret_file = getattr(options, "secret_file", None)
+        if secret_file or os.environ.get(ENV_VAR):
+            secret: bytes | None = load_secret(secret_file)  # SecretError (a ValueError) names what is wrong
+        else:
+            secret = None
+            if role in ("prefill", "decode"):
+                log.warning("no KV transfer secret (--kv-transfer-secret-file or $%s): this %s worker cannot "
+                            "send or receive KV; the router will prefill on decode workers instead", ENV_VAR, role)
+        return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
+                   timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
+                   listen_host=listen_host, transfer_port=getattr(options, "port", None))
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.connector is not None:
+            self.transfer_port = await self.connector.listen(self.listen_host, self.transfer_port)
+            log.info("kv transfer listening on %s:%d", self.listen_host, self.transfer_port)
+        self.engine.engine.layer_hook = self._layer_hook
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self.connector is not None:
+            await self.connector.close()
+
+    # ------------------------------------------------------------------ engine-thread hook
+    def _layer_hook(self, layer: int, request_ids: list[str]) -> None:
+        """Runs on the engine thread right after `layer`'s KV is written: export and hand off (non-blocking)."""
+        for rid in request_ids:
+            shipped = self._sending.get(rid)
+            if shipped is None or self.connector is None:
+                continue
+            k, v = self.engine.engine.export_kv(rid, layer)
+            start = shipped.get(layer, 0)
+            if k.shape[0] > start:  # chunked prefill: only the newly written token range
+                self.connector.save_kv_layer(rid, layer, k[start:], v[start:], token_start=start)
+                shipped[layer] = k.shape[0]
+
+    def _detach(self, coro: Any) -> None:
+        """Run cleanup as its own task: a streaming response cancelled by a client disconnect runs its
+        `finally` inside a cancelled scope, where any await would be cancelled again and the blocks leaked."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _import(self, rid: str, layer: int, k: Any, v: Any) -> None:
+        await self.engine.call(lambda e: e.import_kv_layer(rid, layer, k, v))
+
+    async def _cancel(self, rid: str) -> None:
+        if self.connector is not None:
+            self.connector.cancel_load(rid)
+        await self.engine.call(lambda e: e.cancel_import(rid))
+
+    async def _reap(self) -> None:
+        """Reservations whose /internal/decode never came (router died, prefill died before it could tell
+        anyone) are cancelled after twice the transfer timeout, so their blocks come back."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.connector is None:
+                continue
+            now = time.monotonic()
+            for rid, started in self.connector.pending_loads():
+                if now - started > 2 * self.timeout:
+                    log.warning("kv transfer %s: reservation expired, freeing its blocks", rid)
+                    with contextlib.suppress(Exception):
+                        await self._cancel(rid)
+
+    def load(self, worker: WorkerServer) -> dict[str, Any]:
+        s = self.engine.stats()
+        total = int(s.get("kv_cache_total_blocks", 0))
+        used = int(s.get("kv_cache_used_blocks", 0))
+        return {
+            "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining,
+            "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
+            "block_size": self.engine.engine.config.block_size,
+            "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
+            "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
+            "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
+        }
+
+    # ------------------------------------------------------------------ routes
+    def _routes(self) -> APIRouter:
+        me = self
+
+        async def authenticate(request: Request) -> None:
+            # Only the router may drive these endpoints: with a secret configured every call must carry
+            # `Authorization: Bearer <HMAC(secret, "pdcluster-internal-v1")>`; without one (local dev) none.
+            if not check_internal_auth(me.secret, request.headers.get("authorization")):
+                raise errors.APIError(401, "missing or invalid internal authentication token",
+                                      type="authentication_error", code="invalid_internal_token",
+                                      headers={"WWW-Authenticate": "Bearer"})
+
+        r = APIRouter(prefix="/internal", dependencies=[Depends(authenticate)])
+
+        def worker(request: Request) -> WorkerServer:
+            return request.app.state.worker  # type: ignore[no-any-return]
+
+        async def body(request: Request) -> dict[str, Any]:
+            try:
+                data = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise errors.bad_request("body is not JSON") from None
+            if not isinstance(data, dict):
+                raise errors.bad_request("body must be a JSON object")
+            return data
+
+        @r.get("/load")
+        async def load(request: Request) -> JSONResponse:
+            return JSONResponse(me.load(worker(request)))
+
+        @r.post("/tokenize")
+        async def tokenize(request: Request) -> JSONResponse:
+            w, data = worker(request), await body(request)
+            kind, raw = data.get("kind"), data.get("body")
+            if not isinstance(raw, dict):
+                raise errors.bad_request("request body must be a JSON object")
+            from pdcluster.worker.api.prompting import encode_prompt, render_chat
+
+            if kind == "chat":
+                chat = ChatCompletionRequest.model_validate(raw)
+                w.check_model(chat.model)
+                ids = render_chat(w.tokenizer, chat.template_messages(), chat.add_generation_prompt)
+                req: CompletionRequest | ChatCompletionRequest = chat
+                max_tokens = chat.requested_max_tokens()
+            else:
+                comp = CompletionRequest.model_validate(raw)
+                w.check_model(comp.model)
+                ids = encode_prompt(w.tokenizer, comp.prompt)
+                req, max_tokens = comp, comp.max_tokens
+            limit = w.check_prompt(ids, max_tokens)
+            try:
+                params = req.to_sampling_params(limit)
+            except ValueError as e:
+                raise errors.bad_request(str(e)) from None
+            return JSONResponse({"prompt_token_ids": ids, "params": dataclasses.asdict(params),
+                                 "model": w.served_model_name, "stream": req.stream,
+                                 "return_token_ids": req.return_token_ids})
+
+        @r.post("/reserve")
+        async def reserve(request: Request) -> JSONResponse:
+            w, data = worker(request), await body(request)
+            if me.connector is None:
+                raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
+            w.admit()
+            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
+            try:
+                ok = await me.engine.call(lambda e: e.reserve_for_import(rid, ids, params))
+            except ValueError as e:
+                raise errors.bad_request(str(e)) from None
+            if not ok:
+                w.metrics.rejected("queue_full")
+                raise errors.APIError(429, "no free KV cache blocks for this prompt", code="no_kv_blocks",
+                                      headers={"Retry-After": "1"})
+            me.connector.start_load_kv(LoadSpec(rid, me.num_layers, len(ids), me.kv_heads, me.head_dim))
+            return JSONResponse({"transfer_port": me.transfer_port, "node": me.node})
+
+        @r.post("/cancel")
+        async def cancel(request: Request) -> JSONResponse:
+            rid = str((await body(request))["request_id"])
+            await me._cancel(rid)
+            me.engine.abort(rid)
+            return JSONResponse({"cancelled": rid})
+
+        @r.post("/prefill")
+        async def prefill(request: Request) -> StreamingResponse:
+            w, data = worker(request), await body(request)
+            if me.connector is None:
+                raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
+            w.admit()
+            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
+            w.check_prompt(ids, params.max_tokens)  # a bad request is a 400 here, not a broken stream later
+            target = TransferTarget(str(data["target"]["host"]), int(data["target"]["port"]))
+            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target), media_type=NDJSON)
+
+        @r.post("/decode")
+        async def decode(request: Request) -> StreamingResponse:
+            w, data = worker(request), await body(request)
+            rid, first = str(data["request_id"]), int(data["first_token_id"])
+            if me.connector is None or rid not in dict(me.connector.pending_loads()):
+                raise errors.APIError(409, f"no reservation for {rid} (expired or cancelled)", code="no_reservation")
+            return StreamingResponse(me._decode_stream(w, rid, first), media_type=NDJSON)
+
+        @r.post("/generate")
+        async def generate(request: Request) -> StreamingResponse:
+            w, data = worker(request), await body(request)
+            w.admit()
+            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
+            w.check_prompt(ids, params.max_tokens)
+            return StreamingResponse(me._generate_stream(w, rid, ids, params), media_type=NDJSON)
+
+        return r
+
+    # ------------------------------------------------------------------ streams
+    async def _prefill_stream(self, w: WorkerServer, rid: str, ids: list[int], params: SamplingParams,
+                              target: TransferTarget) -> AsyncIterator[bytes]:
+        assert self.connector is not None
+        conn = self.connector
+        t0 = time.monotonic()
+        self._sending[rid] = {}
+        conn.start_save(rid, target, self.num_layers)
+        w.metrics.request_accepted(len(ids))
+        held, done = False, False
+        try:
+            first = None
+            try:
+                async with contextlib.aclosing(self.engine.generate(rid, ids, params, prefill_only=True)) as outs:
+                    async for out in outs:
+                        first = out
+                        if out.finished:
+                            break
+            except ValueError as e:  # the engine refused the request (raced a limit check_prompt passed)
+                yield _line({"event": "error", "stage": "prefill", "message": str(e)})
+                return
+            if first is None or not first.new_token_ids:
+                reason = (first.error if first else None) or "prefill produced no token"
+                yield _line({"event": "error", "stage": "prefill", "message": reason})
+                return
+            w.metrics.observe_ttft(time.monotonic() - t0)
+            w.metrics.tokens_generated(1)
+            held = bool(first.extra.get("kv_held"))
+            yield _line({"event": "first_token", "token_id": first.new_token_ids[0], "text": first.new_text,
+                         "finished": not held, "finish_reason": None if held else first.finish_reason,
+                         "prefill_seconds": time.monotonic() - t0})
+            if not held:
+                return  # the first token ended the request: nothing to transfer
+            t_first = time.monotonic()
+            try:
+                res = await conn.wait_for_save(rid)
+            except TransferError as e:
+                w.metrics.kv_transfer_failed()
+                yield _line({"event": "error", "stage": "transfer", "message": str(e)})
+                return
+            w.metrics.kv_transfer(res.bytes, res.seconds)
+            done = True
+            # tail = what layer-wise pipelining could not hide: transfer time left after prefill ended
+            yield _line({"event": "transferred", "seconds": res.seconds, "bytes": res.bytes,
+                         "tail_seconds": time.monotonic() - t_first})
+        finally:
+            self._sending.pop(rid, None)
+            if not done:
+                self._detach(conn.abort_save(rid))
+            self._detach(self.engine.call(lambda e: e.release(rid)))
+
+    async def _decode_stream(self, w: WorkerServer, rid: str, first: int) -> AsyncIterator[bytes]:
+        assert self.connector is not None
+        committed, finished = False, False
+        w.in_flight += 1
+        try:
+            try:
+                await self.connector.wait_for_load(rid, timeout=self.timeout)
+            except (TransferError, TimeoutError) as e:
+                w.metrics.kv_transfer_failed()
+                yield _line({"error": f"kv load failed: {e}", "finished": True, "finish_reason": "error"})
+                return
+            stream = self.engine.open_stream(rid)
+            try:
+                await self.engine.call(lambda e: e.commit_import(rid, first))
+            except BaseException:  # incl. cancellation: the commit may still have run on the engine thread
+                stream.close()  # aborts the request if it exists, so its blocks come back either way
+                raise
+            committed = True
+            w.metrics.kv_transfer(*self.connector.finish_load(rid))
+            skip_first, last = True, time.monotonic()
+            try:
+                async for out in stream:
+                    ids, text = out.new_token_ids, out.new_text
+                    if skip_first and ids:  # the router already sent the first token (from prefill)
+                        skip_first, ids, text = False, ids[1:], ""
+                    elif ids:
+                        now = time.monotonic()
+                        w.metrics.observe_tpot((now - last) / len(ids))
+                        w.metrics.tokens_generated(len(ids))
+                        last = now
+                    finished = out.finished
+                    if ids or text or finished:
+                        yield _line({"token_ids": ids, "text": text, "finished": finished,
+                                     "finish_reason": out.finish_reason, "error": out.error})
+                    if finished:
+                        return
+            finally:
+                stream.close()  # aborts the engine request if we leave early (router gone)
+        finally:
+            w.in_flight -= 1
+            if not committed:
+                self._detach(self._cancel(rid))
+
+    async def _generate_stream(self, w: WorkerServer, rid: str, ids: list[int],
+                               params: SamplingParams) -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(w.run(rid, ids, params)) as outs:
+                async for out in outs:
+                    if out.new_token_ids or out.new_text or out.finished:
+                        yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
+                                     "finish_reason": out.finish_reason, "error": out.error})
+        except errors.APIError as e:
+            yield _line({"error": e.message, "finished": True, "finish_reason": "error", "status": e.status})

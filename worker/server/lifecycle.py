@@ -1,0 +1,310 @@
+"""The request lifecycle of one worker, independent of HTTP routing.
+
+`WorkerServer` owns admission (ready / draining / queue depth), the per-request deadline,
+metrics, and the guarantee that a request which does not finish normally (client gone,
+timeout, error) is aborted in the engine so its KV blocks are freed. Routes in server.py, and
+later the prefill->decode transfer routes, call `admit()` then iterate `run()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdcluster.worker.api import errors
+from pdcluster.worker.api.metrics import WorkerMetrics, engine_gauges
+from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    """What the server needs from `AsyncEngine`."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+def find_attr(engine: Any, name: str) -> Any:
+    """`engine.name`, else the wrapped engine's (AsyncEngine keeps its LLMEngine in `.engine`)."""
+    value = getattr(engine, name, None)
+    if value is None:
+        value = getattr(getattr(engine, "engine", None), name, None)
+    return value
+
+
+@dataclass
+class ModelLimits:
+    vocab_size: int | None
+    max_model_len: int | None
+
+
+def probe_limits(engine: Any) -> ModelLimits:
+    """Find vocab size and context length on the engine without depending on its exact layout."""
+    candidates = [engine]
+    for attr in ("engine", "model_config", "config"):
+        obj = getattr(engine, attr, None)
+        if obj is not None:
+            candidates.append(obj)
+            for sub in ("model_config", "model"):
+                inner = getattr(obj, sub, None)
+                if inner is not None:
+                    candidates.append(inner)
+
+    def first(*names: str) -> int | None:
+        for obj in candidates:
+            for n in names:
+                v = getattr(obj, n, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+        return None
+
+    return ModelLimits(
+        vocab_size=first("vocab_size"),
+        max_model_len=first("max_model_len", "max_seq_len", "max_position_embeddings"),
+    )
+
+
+class WorkerServer:
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        role: str,
+        served_model_name: str,
+        metrics: WorkerMetrics,
+        max_queue_depth: int | None = None,
+        request_timeout: float | None = None,
+        tokenizer: Any = None,
+        limits: ModelLimits | None = None,
+        model_aliases: Sequence[str] = (),
+        validate: Callable[[list[int], SamplingParams], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.role = role
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *model_aliases}
+        self.metrics = metrics
+        self.max_queue_depth = max_queue_depth if max_queue_depth and max_queue_depth > 0 else None
+        self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
+        self.tokenizer = tokenizer if tokenizer is not None else find_attr(engine, "tokenizer")
+        self.limits = limits or probe_limits(engine)
+        # The engine's own request check (e.g. "needs more KV than the whole cache"), run before a
+        # stream starts so such requests get a 400 instead of an error event after a 200.
+        self.validate = validate if validate is not None else find_attr(engine, "validate_request")
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0  # admitted and not yet done
+        self.pending = 0  # admitted, no token produced yet (queued or prefilling)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._background: set[asyncio.Future[Any]] = set()  # detached aborts, kept alive until done
+        metrics.bind_stats(self.engine_stats)
+
+    # ------------------------------------------------------------------ state
+    def engine_stats(self) -> Mapping[str, Any]:
+        return self.engine.stats()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        status = "draining" if self.draining else ("ok" if self.ready else "starting")
+        body = {"status": status, "role": self.role, "model": self.served_model_name, "in_flight": self.in_flight}
+        return (200 if status == "ok" else 503), body
+
+    async def drain(self, wait: bool = False, timeout: float | None = None) -> bool:
+        """Refuse new work from now on; optionally wait until in-flight requests are done."""
+        self.draining = True
+        if not wait:
+            return self.in_flight == 0
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.model_names:
+            raise errors.APIError(
+                404, f"model {name!r} is not served here (serving {self.served_model_name!r})",
+                code="model_not_found", param="model",
+            )
+
+    # ------------------------------------------------------------------ admission
+    def admit(self) -> None:
+        """Raise the right 503/429 before any work is queued; counts the rejection."""
+        if self.draining:
+            self.metrics.rejected("draining")
+            raise errors.unavailable("worker is draining and accepts no new requests", code="draining")
+        if not self.ready:
+            self.metrics.rejected("not_ready")
+            raise errors.unavailable("worker is not ready yet")
+        if self.max_queue_depth is not None and self._waiting() >= self.max_queue_depth:
+            self.metrics.rejected("queue_full")
+            raise errors.queue_full()
+
+    def _waiting(self) -> int:
+        # Our own count sees requests the engine has not picked up yet; the engine's count also
+        # sees requests preempted back into its queue. The larger one is the truth.
+        engine_waiting = 0
+        try:
+            engine_waiting = int(engine_gauges(self.engine.stats())["waiting"])
+        except Exception:
+            log.exception("engine.stats() failed during admission")
+        return max(self.pending, engine_waiting)
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """Validate token ids and length; return the max_tokens to use."""
+        if not prompt_ids:
+            raise errors.bad_request("prompt must not be empty", param="prompt")
+        vocab = self.limits.vocab_size
+        if vocab is not None:
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise errors.bad_request(
+                    f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_token_id"
+                )
+        limit = self.limits.max_model_len
+        n = len(prompt_ids)
+        if limit is None:
+            return max_tokens if max_tokens is not None else 16
+        if max_tokens is None:
+            max_tokens = limit - n
+            if max_tokens < 1:
+                raise errors.bad_request(
+                    f"prompt has {n} tokens, leaving no room in the model's maximum length of {limit}",
+                    param="prompt", code="context_length_exceeded",
+                )
+        if n + max_tokens > limit:
+            raise errors.bad_request(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model's maximum length of {limit}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own validation, as a 400 (our checks above cover the common cases first)."""
+        try:
+            params.validate()
+            if self.validate is not None:
+                self.validate(prompt_ids, params)
+        except ValueError as e:
+            raise errors.bad_request(str(e)) from None
+
+    # ------------------------------------------------------------------ running
+    def run(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the engine's outputs, with deadline, metrics, and abort on any early exit.
+
+        The request counts as in flight (and queued) from this call on, not from the first
+        iteration, so an admit() right after sees it: the queue bound holds under bursts. A stream
+        that is never iterated (e.g. the client left before the response started) is released
+        when it is garbage-collected. Callers should iterate inside `contextlib.aclosing` so an
+        early exit runs the cleanup at once.
+        """
+        self.metrics.request_accepted(len(prompt_ids))
+        self.in_flight += 1
+        self.pending += 1
+        self._idle.clear()
+        started = [False]
+        stream = self._run(started, request_id, prompt_ids, params, arrival or time.monotonic())
+        weakref.finalize(stream, self._release_unstarted, started)
+        return stream
+
+    def _release_unstarted(self, started: list[bool]) -> None:
+        if not started[0]:
+            started[0] = True
+            self._done(pending=True)
+
+    def _done(self, pending: bool) -> None:
+        if pending:
+            self.pending -= 1
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def _run(
+        self, started: list[bool], request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if started[0]:  # already released by the finalizer: cannot happen while we are referenced
+            return
+        started[0] = True
+        loop = asyncio.get_running_loop()
+        deadline = None if self.request_timeout is None else loop.time() + self.request_timeout - (
+            time.monotonic() - arrival
+        )
+        waiting_first, finished = True, False
+        last = arrival
+        stream: AsyncIterator[RequestOutput] | None = None
+        try:
+            stream = self.engine.generate(request_id, prompt_ids, params)
+            while not finished:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        out = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except ValueError as e:
+                    if not waiting_first:
+                        raise
+                    # the engine refused the request before producing anything: the client's fault
+                    raise errors.bad_request(str(e)) from None
+                except TimeoutError:
+                    self.metrics.rejected("timeout")
+                    raise errors.timeout(self.request_timeout or 0.0) from None
+                now = time.monotonic()
+                n = len(out.new_token_ids)
+                if n:
+                    if waiting_first:
+                        waiting_first = False
+                        self.pending -= 1
+                        self.metrics.observe_ttft(now - arrival)
+                    else:
+                        self.metrics.observe_tpot((now - last) / n)
+                    last = now
+                    self.metrics.tokens_generated(n)
+                finished = out.finished
+                yield out
+        finally:
+            self._done(pending=waiting_first)
+            if not finished:
+                self.abort_soon(request_id)
+            aclose = getattr(stream, "aclose", None) if stream is not None else None
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # the engine's own cleanup failing must not mask our error
+                    log.exception("closing the engine stream of %s failed", request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort without awaiting: this runs in `finally` blocks of responses cancelled by a client
+        disconnect, where Starlette's cancelled scope would cancel any await (and leak the blocks)."""
+        try:
+            res = self.engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort(%s) failed", request_id)
+            return
+        if inspect.isawaitable(res):
+            task = asyncio.ensure_future(res)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            res = self.engine.abort(request_id)
+            if inspect.isawaitable(res):
+                await res
+        except Exception:
+            log.exception("engine.abort(%s) failed", request_id)
