@@ -1,6 +1,7 @@
 """pdcluster.kernels: paged decode attention and KV cache quantization (Triton kernels + torch paths).
 
-Contract: ../shared DESIGN.md "Kernels". Importing this package never imports triton.
+Contract: the "Kernels" section of docs/architecture.md. Importing this package never imports triton.
+Benchmarks and the AOT compile check live in `pdcluster.bench` (never imported from here).
 """
 
 from pdcluster.kernels.cache import KV_DTYPES, allocate_kv_cache, kv_bits, kv_bytes_per_token

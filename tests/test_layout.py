@@ -1,0 +1,104 @@
+"""The layout's import rules (docs/architecture.md, "Map"), checked on the source so a drift fails here.
+
+Each folder's docstring says what must not live or be imported there; these are the rules a reader
+relies on when they open one folder without the others.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = {  # folder -> import name
+    "operator": "pdcluster.operator",
+    "worker": "pdcluster.worker",
+    "kernels": "pdcluster.kernels",
+    "bench": "pdcluster.bench",
+    "src/pdcluster": "pdcluster",
+}
+
+# (importer prefix, forbidden import prefixes)
+RULES: list[tuple[str, tuple[str, ...]]] = [
+    ("pdcluster.operator", ("torch", "triton", "pdcluster.worker.engine.", "pdcluster.worker.server",
+                            "pdcluster.worker.router", "pdcluster.worker.transfer", "pdcluster.kernels",
+                            "pdcluster.bench")),
+    ("pdcluster.worker", ("pdcluster.bench",)),
+    ("pdcluster.kernels", ("pdcluster.bench", "pdcluster.worker", "pdcluster.operator")),
+    ("pdcluster.worker.engine", ("pdcluster.worker.api", "pdcluster.worker.server", "pdcluster.worker.router",
+                                 "pdcluster.worker.transfer", "pdcluster.worker.local", "fastapi", "uvicorn",
+                                 "httpx", "pdcluster.operator")),
+    ("pdcluster.worker.api", ("torch", "pdcluster.worker.server", "pdcluster.worker.router",
+                              "pdcluster.worker.local")),
+    ("pdcluster.worker.router", ("torch", "pdcluster.worker.engine", "pdcluster.worker.server",
+                                 "pdcluster.worker.local", "pdcluster.kernels")),
+    ("pdcluster.worker.server", ("pdcluster.worker.router", "pdcluster.worker.local")),
+    ("pdcluster.worker.transfer", ("pdcluster.worker.server", "pdcluster.worker.router",
+                                   "pdcluster.worker.api", "pdcluster.worker.local")),
+]
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    out = []
+    for folder, name in PACKAGES.items():
+        base = ROOT / folder
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out.append((".".join([name, *parts]), path))
+    return out
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str, int]]:
+    """(line, imported module, relative level) for every import, including ones inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module or "", node.level))
+            found += [(node.lineno, f"{node.module}.{a.name}", node.level) for a in node.names]
+    return found
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("module,path", MODULES, ids=[m for m, _ in MODULES])
+def test_imports_follow_the_layout(module: str, path: pathlib.Path) -> None:
+    bad = []
+    for line, imported, level in _imports(path):
+        if level:
+            bad.append(f"{path.name}:{line} relative import (the tree uses absolute pdcluster.* imports)")
+            continue
+        for importer, forbidden in RULES:
+            if module == importer or module.startswith(importer + "."):
+                hit = [f for f in forbidden if imported == f.rstrip(".") or imported.startswith(f.rstrip(".") + ".")]
+                if hit:
+                    bad.append(f"{path.name}:{line} imports {imported} (forbidden in {importer})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_sys_path_edits_in_shipped_code() -> None:
+    offenders = [str(p.relative_to(ROOT)) for _, p in MODULES if "sys.path" in p.read_text()]
+    assert not offenders, offenders
+
+
+def test_every_folder_says_what_lives_there() -> None:
+    missing = []
+    for _, path in MODULES:
+        if path.name == "__init__.py" and ast.get_docstring(ast.parse(path.read_text())) is None:
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, missing
+
+
+def test_no_file_over_400_lines_without_a_reason() -> None:
+    # A reason is a module docstring line starting with "Long because".
+    long = []
+    for _, path in MODULES:
+        text = path.read_text()
+        if text.count("\n") > 400 and "Long because" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert not long, long
