@@ -21,8 +21,8 @@ test: setup-test
 	$(PYTEST) -q -p no:cacheprovider tests
 
 lint: setup
-	$(VENV)/bin/ruff check src operator worker kernels tests e2e
-	$(VENV)/bin/mypy src operator worker kernels
+	$(VENV)/bin/ruff check src operator worker kernels bench tests e2e
+	$(VENV)/bin/mypy src operator worker kernels bench
 
 # Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
 bench: setup
