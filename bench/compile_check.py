@@ -16,11 +16,7 @@ import argparse
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any
-
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: keep kernels/ module names off sys.path
 
 
 def _compile(fn: Any, types: dict[str, str], constexprs: dict[str, Any], arch: int) -> Any:

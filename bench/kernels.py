@@ -21,13 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Run as a script, sys.path[0] is kernels/ whose module names (cache, dispatch, ...) must not shadow others.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
-import torch  # noqa: E402
-from pdcluster.kernels import kv_bytes_per_token, paged_decode_attention  # noqa: E402
-from pdcluster.bench.kernel_cases import (  # noqa: E402
+import torch
+from pdcluster.bench.kernel_cases import (
     GPU_SIZES,
     SMOKE_SIZES,
     Case,
@@ -37,6 +32,7 @@ from pdcluster.bench.kernel_cases import (  # noqa: E402
     make_timer,
     random_case,
 )
+from pdcluster.kernels import kv_bytes_per_token, paged_decode_attention
 
 KV_LABEL = {"auto": "fp16", "int8": "int8", "int4": "int4"}
 CPU_LABEL = {"auto": "fp32", "int8": "int8", "int4": "int4"}  # --cpu-figures uses fp32 caches

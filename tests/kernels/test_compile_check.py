@@ -1,17 +1,14 @@
 """Every Triton kernel variant compiles for sm_90 (no GPU needed): the interpreter-run tests cannot catch
-GPU compile errors. Runs bench/compile_check.py in a subprocess because the test process has the
-interpreter switched on."""
+GPU compile errors. Runs `python -m pdcluster.bench.compile_check` in a subprocess because the test process
+has the interpreter switched on."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "compile_check.py"
 
 
 @pytest.mark.slow
@@ -19,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "kernels" / "compile_check.py"
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--arch", "90"], env=env, capture_output=True, text=True,
-                          timeout=280)
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.bench.compile_check", "--arch", "90"], env=env,
+                          capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "all kernels compile" in proc.stdout
