@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kv-budget": ("pdcluster.operator.kv_budget_cli", "KV-cache memory for a model and workload"),
     "bench": ("pdcluster.bench.cli", "load generator: TTFT/TPOT grid sweeps and heat maps"),
     "profile": ("pdcluster.bench.profile", "measure a worker's prefill and decode capacity"),
+    "simulate": ("pdcluster.bench.sim.cli", "replay a trace through a simulated P/D cluster and the autoscaler"),
 }
 
 

@@ -1,0 +1,150 @@
+"""`pdcluster simulate --trace FILE --out DIR [--policy NAME ...] [--slo-ttft S] [--slo-tpot S] [--speedup X]
+[--prefill-capacity T] [--decode-capacity T]`.
+
+Writes DIR/summary.json ({"trace": {...}, "policies": {name: {...}}, plus the goal check and the setup})
+and DIR/replicas.png (P and D over time against the load), DIR/tradeoff.png (SLO attainment vs
+instance-hours). Bad input: one error line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from pdcluster.bench import trace as tr
+from pdcluster.bench.sim import policies as pol
+from pdcluster.bench.sim.cluster import RunResult, simulate
+from pdcluster.bench.sim.model import SLO, ServiceModel, capacities_from_profile
+from pdcluster.bench.sim.report import (attainment, goal_check, plot_replicas, plot_tradeoff, policy_summary,
+                                        trace_summary)
+from pdcluster.bench.sim.search import generous_sizes, static_best
+
+PROG = "pdcluster simulate"
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _error(self: argparse.ArgumentParser, message: str) -> NoReturn:
+    # One line, not argparse's usage dump: scripts built on this contract parse stderr.
+    print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.error = _error.__get__(p)  # type: ignore[method-assign]
+    p.add_argument("--trace", required=True, type=Path, help="Azure CSV or Mooncake JSONL trace")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--policy", action="extend", nargs="+", default=None, metavar="NAME",
+                   help=f"policies to compare (default: all of {', '.join(pol.NAMES)}; also static-P:D)")
+    p.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="TTFT SLO, seconds (default 5)")
+    p.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="TPOT SLO, seconds (default 0.1)")
+    p.add_argument("--slo-target", type=float, default=SLO.target,
+                   help="share of requests that must meet both SLOs (default 0.99)")
+    p.add_argument("--speedup", type=float, default=1.0, help="replay the trace X times faster")
+    p.add_argument("--prefill-capacity", type=float, default=None,
+                   help="prompt tokens/s per prefill instance (default 10000, or --profile's)")
+    p.add_argument("--decode-capacity", type=float, default=None,
+                   help="output tokens/s per decode instance at full batch (default 2000, or --profile's)")
+    p.add_argument("--profile", type=Path, default=None, help="capacities from `pdcluster profile --json` output")
+    p.add_argument("--decode-batch", type=int, default=None, help="decode batch limit (default 32)")
+    p.add_argument("--pod-start", type=float, default=ServiceModel.pod_start_s, help="pod start delay, s")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+
+
+def _model(args: argparse.Namespace) -> ServiceModel:
+    cp, cd, batch = None, None, None
+    if args.profile is not None:
+        cp, cd, batch = capacities_from_profile(args.profile)
+    cp = args.prefill_capacity or cp or ServiceModel.prefill_tps
+    cd = args.decode_capacity or cd or ServiceModel.decode_tps
+    batch = args.decode_batch or batch or ServiceModel.decode_batch
+    for flag, v in (("--prefill-capacity", args.prefill_capacity), ("--decode-capacity", args.decode_capacity)):
+        if v is not None and not v > 0:
+            raise UsageError(f"{flag} must be > 0 (got {v})")
+    return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
+                        pod_start_s=args.pod_start)
+
+
+def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str]) -> tuple[dict, dict[str, RunResult]]:
+    runs: dict[str, RunResult] = {}
+    cache: dict[tuple[int, int], RunResult] = {}
+
+    def static(p: int, d: int) -> RunResult:
+        if (p, d) not in cache:
+            cache[(p, d)] = simulate(trace, model, pol.Static(p, d))
+        return cache[(p, d)]
+
+    for name in names:
+        if name == "static-best":
+            p_hi, d_hi = generous_sizes(trace, model.prefill_tps, model.decode_tps, model.decode_batch)
+            p, d, _ = static_best(lambda p, d: attainment(static(p, d), slo), slo.target, p_hi, d_hi)
+            runs[name] = static(p, d)
+        elif name.startswith("static-"):
+            s = pol.make(name, model.prefill_tps, model.decode_tps)
+            runs[name] = static(s.prefill, s.decode)
+        else:
+            runs[name] = simulate(trace, model, pol.make(name, model.prefill_tps, model.decode_tps, trace=trace))
+    summaries = {n: policy_summary(r, slo) for n, r in runs.items()}
+    if "static-best" in runs:
+        best = runs["static-best"]
+        summaries["static-best"]["size"] = f"{best.timeline[0][1]}:{best.timeline[0][2]}"
+        summaries["static-best"]["static_runs_searched"] = len(cache)
+    return summaries, runs
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        names = list(dict.fromkeys(args.policy or pol.NAMES))
+        for n in names:
+            if n != "static-best":
+                pol.make(n, 1.0, 1.0)  # validates the name
+        if not args.speedup > 0:
+            raise UsageError(f"--speedup must be > 0 (got {args.speedup})")
+        slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_target)
+        model = _model(args)
+        trace = tr.scale_time(tr.read_trace(args.trace), args.speedup)
+        if len(trace.requests) < 2 or trace.duration_s <= 0:
+            raise UsageError(f"{args.trace}: the trace needs at least two requests over a positive span")
+        args.out.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    summaries, runs = run_all(trace, model, slo, names)
+    elapsed = time.perf_counter() - t0
+    doc = {
+        "trace": trace_summary(trace),
+        "policies": summaries,
+        "goal": goal_check(summaries, slo.target),
+        "setup": {"source": str(args.trace), "speedup": args.speedup, "slo_ttft_s": slo.ttft_s,
+                  "slo_tpot_s": slo.tpot_s, "slo_target": slo.target, "prefill_capacity": model.prefill_tps,
+                  "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
+                  "pod_start_s": model.pod_start_s, "max_queue_depth": model.max_queue_depth,
+                  "simulation_seconds": round(elapsed, 2)},
+    }
+    (args.out / "summary.json").write_text(json.dumps(doc, indent=1))
+    title = f"{Path(args.trace).name} (x{args.speedup:g}; SLO TTFT {slo.ttft_s:g}s TPOT {slo.tpot_s:g}s)"
+    if not args.no_plots:
+        plot_replicas(trace, runs, args.out / "replicas.png", title)
+        plot_tradeoff(summaries, args.out / "tradeoff.png", title, slo.target)
+    print(format_table(summaries))
+    print(f"simulated {len(trace.requests)} requests over {trace.duration_s / 60:.1f} min, "
+          f"{len(names)} policies in {elapsed:.1f}s; wrote {args.out}/summary.json")
+    return 0
+
+
+def format_table(policies: dict[str, dict]) -> str:
+    lines = [f"{'policy':<14} {'SLO ok':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} {'D-h':>6} "
+             f"{'events':>6} {'maxP':>5} {'maxD':>5}"]
+    for n, p in policies.items():
+        lines.append(f"{n:<14} {100 * p['slo_attainment']:>6.2f}% {p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
+                     f"{p['instance_hours']:>7.2f} {p['prefill_instance_hours']:>6.2f} "
+                     f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['max_prefill']:>5} "
+                     f"{p['max_decode']:>5}")
+    return "\n".join(lines)

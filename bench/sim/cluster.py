@@ -1,0 +1,292 @@
+"""The discrete-event P/D cluster: router queue -> prefill pool -> KV transfer -> decode pool.
+
+- Router: admits a request while fewer than `max_queue_depth` requests wait for their first token (the
+  router's own bound), else rejects it (a 429: counted, never lost, and an SLO miss).
+- Prefill: one FCFS queue in front of the pool (the router sends to the least-loaded worker, which a
+  shared queue approximates); an instance serves one prompt at a time at `prefill_tps`.
+- KV transfer: `transfer_s(prompt tokens)` after prefill, then the request waits for a decode slot.
+- Decode: continuous batching up to `decode_batch`; the first token streams when the request joins a
+  batch (so a decode shortage shows in TTFT, as it does behind the real router), the rest at the
+  batch-size-dependent step time. Decode progress is a fluid model (a per-instance virtual clock), so
+  the cost is O(log n) per request event rather than per token.
+- Scaling: every `interval_s` the policy sees what Prometheus would show (see `observe.py`) and sets
+  the pool sizes. New pods are ready `pod_start_s` later; removed pods that had not started yet are
+  cancelled, started ones drain (no new work, finish what they hold) and then stop.
+- Cost: every instance is billed from creation to stop, over [0, last arrival].
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from pdcluster.bench.sim.model import ServiceModel
+from pdcluster.bench.sim.observe import Counters, PolicyInput, Sampler
+from pdcluster.bench.trace import Trace
+
+ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
+
+
+class Instance:
+    __slots__ = ("role", "created", "ready", "draining", "ended", "busy", "n", "v", "last", "fin", "ver")
+
+    def __init__(self, role: str, created: float) -> None:
+        self.role, self.created = role, created
+        self.ready = self.draining = False
+        self.ended: float | None = None
+        self.busy: int | None = None  # prefill: the request being prefilled
+        self.n, self.v, self.last, self.ver = 0, 0.0, created, 0  # decode: batch, virtual tokens, clock
+        self.fin: list[tuple[float, int]] = []  # decode: (virtual finish, request)
+
+    @property
+    def serving(self) -> bool:
+        return self.ready and not self.draining and self.ended is None
+
+
+@dataclass
+class Pool:
+    role: str
+    instances: list[Instance] = field(default_factory=list)
+    desired: int = 0
+
+    def alive(self) -> list[Instance]:
+        return [i for i in self.instances if i.ended is None]
+
+    def ready_count(self) -> int:
+        return sum(i.serving for i in self.instances)
+
+    def reporting(self) -> int:
+        """Instances exposing metrics (started, not yet stopped, draining included)."""
+        return sum(i.ready and i.ended is None for i in self.instances)
+
+
+@dataclass
+class RunResult:
+    arrival: list[float]
+    first_token: list[float | None]
+    done: list[float | None]
+    rejected: list[bool]
+    output_tokens: list[int]
+    input_tokens: list[int]
+    horizon_s: float
+    prefill_instance_hours: float
+    decode_instance_hours: float
+    scale_events: int
+    max_prefill: int
+    max_decode: int
+    timeline: list[tuple[float, int, int, int, int, float]]  # t, P desired, D desired, P ready, D ready, λ
+    generated_tokens: float
+    prefilled_tokens: int
+
+
+class Cluster:
+    def __init__(self, trace: Trace, model: ServiceModel, policy, *, interval_s: float = 30.0,
+                 window_s: float = 120.0) -> None:
+        self.reqs = trace.requests
+        self.m, self.policy = model, policy
+        self.interval_s, self.window_s = interval_s, window_s
+        self.horizon = trace.duration_s
+        n = len(self.reqs)
+        self.first: list[float | None] = [None] * n
+        self.done: list[float | None] = [None] * n
+        self.rejected = [False] * n
+        self.out = [max(1, r.output_tokens) for r in self.reqs]
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.pools = {"prefill": Pool("prefill"), "decode": Pool("decode")}
+        self.pqueue: list[int] = []  # FIFO as list + head index: cheaper than deque slicing here
+        self.phead = 0
+        self.dqueue: list[int] = []
+        self.dhead = 0
+        self.pending_first = 0
+        self.c = Counters()
+        self.sampler = Sampler(window_s)
+        self.scale_events = 0
+        self.timeline: list[tuple[float, int, int, int, int, float]] = []
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def push(self, t: float, kind: int, a: object = None, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def set_size(self, role: str, desired: int, now: float) -> None:
+        pool = self.pools[role]
+        pool.desired = desired
+        active = [i for i in pool.alive() if not i.draining]
+        for _ in range(desired - len(active)):
+            inst = Instance(role, now)
+            pool.instances.append(inst)
+            self.push(now + self.m.pod_start_s, POD_READY, inst)
+        surplus = len(active) - desired
+        if surplus <= 0:
+            return
+        # Cancel pods that never started first (newest first), then drain the least-loaded ones.
+        victims = sorted(active, key=lambda i: (i.ready, (i.busy is not None) + i.n, -i.created))[:surplus]
+        for inst in victims:
+            inst.draining = True
+            if not inst.ready or (inst.busy is None and inst.n == 0):
+                inst.ended = now
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def prefill_dispatch(self, now: float) -> None:
+        if self.phead >= len(self.pqueue):
+            return
+        for inst in self.pools["prefill"].instances:
+            if self.phead >= len(self.pqueue):
+                break
+            if inst.serving and inst.busy is None:
+                rid = self.pqueue[self.phead]
+                self.phead += 1
+                inst.busy = rid
+                self.c.prefill_tokens += self.reqs[rid].input_tokens
+                self.push(now + self.reqs[rid].input_tokens / self.m.prefill_tps, PREFILL_DONE, inst, rid)
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def advance(self, d: Instance, now: float) -> None:
+        if d.n and now > d.last:
+            dv = (now - d.last) / self.m.step_s(d.n)
+            d.v += dv
+            self.c.generated += dv * d.n
+        d.last = now
+
+    def reschedule(self, d: Instance, now: float) -> None:
+        d.ver += 1
+        if d.fin:
+            self.push(now + max(0.0, d.fin[0][0] - d.v) * self.m.step_s(d.n), DECODE_DONE, d, d.ver)
+
+    def decode_dispatch(self, now: float) -> None:
+        while self.dhead < len(self.dqueue):
+            free = [i for i in self.pools["decode"].instances if i.serving and i.n < self.m.decode_batch]
+            if not free:
+                return
+            d = min(free, key=lambda i: i.n)
+            rid = self.dqueue[self.dhead]
+            self.dhead += 1
+            self.first[rid] = now
+            self.pending_first -= 1
+            self.c.generated += 1  # the first token
+            if self.out[rid] == 1:
+                self.done[rid] = now
+                continue
+            self.advance(d, now)
+            heapq.heappush(d.fin, (d.v + self.out[rid] - 1, rid))
+            d.n += 1
+            self.reschedule(d, now)
+
+    def decode_done(self, d: Instance, ver: int, now: float) -> None:
+        if ver != d.ver or d.ended is not None:
+            return
+        self.advance(d, now)
+        while d.fin and d.fin[0][0] <= d.v + 1e-9:
+            _, rid = heapq.heappop(d.fin)
+            self.done[rid] = now
+            d.n -= 1
+        if d.n == 0:
+            d.v = 0.0  # keep the virtual clock small (float precision over long runs)
+        if d.draining and d.n == 0:
+            d.ended = now
+        self.decode_dispatch(now)
+        self.reschedule(d, now)
+
+    # ---- autoscaling ------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for d in self.pools["decode"].instances:
+            if d.ended is None:
+                self.advance(d, now)
+        self.sampler.record_counters(now, self.c)
+        p, d = self.pools["prefill"], self.pools["decode"]
+        inp = PolicyInput(
+            now=now,
+            observation=self.sampler.observation(now, p.reporting(), d.reporting()),
+            prefill_current=p.desired, prefill_ready=p.ready_count(),
+            decode_current=d.desired, decode_ready=d.ready_count(),
+            prefill_utilisation=self.sampler.utilisation(now, "prefill", p.reporting(), self.m.prefill_tps),
+            decode_utilisation=self.sampler.utilisation(now, "decode", d.reporting(), self.m.decode_tps),
+        )
+        want = self.policy.decide(inp)
+        for role, n in zip(("prefill", "decode"), want, strict=True):
+            if n != self.pools[role].desired:
+                self.scale_events += 1
+                self.set_size(role, n, now)
+        self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(),
+                              inp.observation.request_rate or 0.0 if inp.observation else 0.0))
+        if now + self.interval_s <= self.horizon:
+            self.push(now + self.interval_s, TICK)
+
+    # ---- main loop --------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        p0, d0 = self.policy.initial()
+        for role, n in (("prefill", p0), ("decode", d0)):
+            self.pools[role].desired = n
+            for _ in range(n):
+                inst = Instance(role, 0.0)
+                inst.ready = True
+                self.pools[role].instances.append(inst)
+        self.timeline.append((0.0, p0, d0, p0, d0, 0.0))
+        for rid, r in enumerate(self.reqs):
+            self.push(r.t, ARRIVAL, None, rid)
+        self.sampler.record_counters(0.0, self.c)
+        self.push(0.0, SAMPLE)
+        if self.interval_s <= self.horizon:
+            self.push(self.interval_s, TICK)
+        self.loop()
+        return self.result()
+
+    def loop(self) -> None:
+        ev = self.events
+        while ev:
+            now, _, kind, a, b = heapq.heappop(ev)
+            if kind == ARRIVAL:
+                if self.pending_first >= self.m.max_queue_depth:
+                    self.rejected[b] = True
+                    continue
+                self.pending_first += 1
+                self.c.admitted += 1
+                self.c.prompt_tokens += self.reqs[b].input_tokens
+                self.pqueue.append(b)
+                self.prefill_dispatch(now)
+            elif kind == PREFILL_DONE:
+                inst = a
+                inst.busy = None  # type: ignore[attr-defined]
+                self.push(now + self.m.transfer_s(self.reqs[b].input_tokens), TRANSFER_DONE, None, b)
+                if inst.draining:  # type: ignore[attr-defined]
+                    inst.ended = now  # type: ignore[attr-defined]
+                self.prefill_dispatch(now)
+            elif kind == TRANSFER_DONE:
+                self.dqueue.append(b)
+                self.decode_dispatch(now)
+            elif kind == DECODE_DONE:
+                self.decode_done(a, b, now)  # type: ignore[arg-type]
+            elif kind == POD_READY:
+                inst = a
+                if inst.ended is None:  # type: ignore[attr-defined]
+                    inst.ready = True  # type: ignore[attr-defined]
+                    inst.last = now  # type: ignore[attr-defined]
+                    self.prefill_dispatch(now)
+                    self.decode_dispatch(now)
+            elif kind == TICK:
+                self.tick(now)
+            elif kind == SAMPLE:
+                self.sampler.record_queues(now, len(self.pqueue) - self.phead, len(self.dqueue) - self.dhead)
+                if now + self.sampler.step_s <= self.horizon:
+                    self.push(now + self.sampler.step_s, SAMPLE)
+
+    def result(self) -> RunResult:
+        h = self.horizon
+
+        def hours(role: str) -> float:
+            return sum(max(0.0, min(i.ended if i.ended is not None else h, h) - min(i.created, h))
+                       for i in self.pools[role].instances) / 3600.0
+
+        return RunResult(
+            arrival=[r.t for r in self.reqs], first_token=self.first, done=self.done, rejected=self.rejected,
+            output_tokens=self.out, input_tokens=[r.input_tokens for r in self.reqs], horizon_s=h,
+            prefill_instance_hours=hours("prefill"), decode_instance_hours=hours("decode"),
+            scale_events=self.scale_events,
+            max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
+            timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
+        )
+
+
+def simulate(trace: Trace, model: ServiceModel, policy, **kw) -> RunResult:
+    return Cluster(trace, model, policy, **kw).run()

@@ -1,0 +1,140 @@
+"""Scaling policies compared by the simulator.
+
+- `pdcluster`: the operator's own core, `pdcluster.operator.autoscaler.decide`, with its State carried
+  from tick to tick (stabilization windows, step limits, rollout waits, learned capacities) and the
+  spec's capacities (what `pdcluster profile` writes into spec.autoscaling.capacity).
+- `no-headroom`: the same core at headroom 1.0.
+- `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
+  `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
+  a 300 s scale-down stabilization (the highest recommendation in the window) and the same step limits.
+- `static-P:D`: fixed sizes, never scaled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdcluster.bench.sim.observe import PolicyInput
+from pdcluster.operator.autoscaler import Policy as CorePolicy
+from pdcluster.operator.autoscaler import PoolView, State, decide
+from pdcluster.bench.trace import Trace
+from pdcluster.operator.planner import Bounds, plan
+
+NAMES = ("pdcluster", "no-headroom", "independent", "static-1:1", "static-best")
+
+
+@dataclass
+class Static:
+    prefill: int
+    decode: int
+
+    @property
+    def name(self) -> str:
+        return f"static-{self.prefill}:{self.decode}"
+
+    def initial(self) -> tuple[int, int]:
+        return self.prefill, self.decode
+
+    def decide(self, inp: PolicyInput) -> tuple[int, int]:
+        return self.prefill, self.decode
+
+
+@dataclass
+class Core:
+    """The operator's decide() in the loop; `core` is exactly what Policy.from_spec would build."""
+
+    core: CorePolicy
+    name: str = "pdcluster"
+    start: tuple[int, int] | None = None  # sizes at t=0 (None: the minimums)
+    state: State = field(default_factory=State)
+    decisions: list[str] = field(default_factory=list)
+
+    def initial(self) -> tuple[int, int]:
+        return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
+
+    def decide(self, inp: PolicyInput) -> tuple[int, int]:
+        d = decide(self.core, self.state, inp.observation,
+                   PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
+                   PoolView(inp.decode_current, inp.decode_ready, since=0.0), inp.now)
+        self.state = d.state
+        self.decisions.append(d.reason)
+        return d.prefill.desired, d.decode.desired
+
+
+@dataclass
+class Independent:
+    """HPA-style: each pool from its own utilisation, blind to the other pool and to queues."""
+
+    bounds: Bounds
+    target: float = 1 / 1.5
+    tolerance: float = 0.1
+    stabilization_s: float = 300.0
+    max_up_step: int = 4
+    max_down_step: int = 1
+    name: str = "independent"
+    start: tuple[int, int] | None = None
+    history: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+
+    def initial(self) -> tuple[int, int]:
+        return self.start or (self.bounds.min_prefill, self.bounds.min_decode)
+
+    def _pool(self, role: str, now: float, current: int, ready: int, util: float | None) -> int:
+        lo = self.bounds.min_prefill if role == "prefill" else self.bounds.min_decode
+        hi = self.bounds.max_prefill if role == "prefill" else self.bounds.max_decode
+        if util is None or ready < current:  # no metrics, or pods still starting: hold, like HPA
+            return current
+        ratio = util * ready / (current * self.target) if current else 0.0
+        rec = current if abs(ratio - 1.0) <= self.tolerance else math.ceil(current * ratio - 1e-9)
+        rec = max(lo, rec if hi is None else min(hi, rec))
+        hist = [(t, r) for t, r in self.history[role] if now - t < self.stabilization_s] + [(now, rec)]
+        self.history[role] = hist
+        if rec > current:
+            return min(rec, current + self.max_up_step)
+        stable = max(r for _, r in hist)  # scale down only to the highest recommendation in the window
+        return max(stable, current - self.max_down_step) if stable < current else current
+
+    def decide(self, inp: PolicyInput) -> tuple[int, int]:
+        return (self._pool("prefill", inp.now, inp.prefill_current, inp.prefill_ready, inp.prefill_utilisation),
+                self._pool("decode", inp.now, inp.decode_current, inp.decode_ready, inp.decode_utilisation))
+
+
+def core_policy(prefill_tps: float, decode_tps: float, headroom: float = 1.5,
+                bounds: Bounds | None = None) -> CorePolicy:
+    """The autoscaler policy a PDCluster with default autoscaling and profiled capacities gets."""
+    return CorePolicy(headroom=headroom, bounds=bounds or Bounds(), prefill_capacity=prefill_tps,
+                      decode_capacity=decode_tps)
+
+
+def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: float,
+               window_s: float = 120.0) -> tuple[int, int]:
+    """The formula's sizes for the trace's first window: a cluster that was already running before the
+    trace began (a trace cut from a longer day does not start from an idle, minimum-sized cluster)."""
+    first = [r for r in trace.requests if r.t < window_s] or list(trace.requests[:1])
+    n = len(first)
+    p = plan(input_len=max(1e-9, sum(r.input_tokens for r in first) / n),
+             output_len=max(1e-9, sum(r.output_tokens for r in first) / n),
+             prefill_capacity=prefill_tps, decode_capacity=decode_tps, request_rate=n / window_s,
+             headroom=headroom)
+    return p.prefill_replicas or 1, p.decode_replicas or 1
+
+
+def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
+         trace: Trace | None = None):
+    """A policy by name; with `trace`, autoscaled policies start warm (see `warm_start`)."""
+    bounds = bounds or Bounds()
+
+    def start(h: float) -> tuple[int, int] | None:
+        return warm_start(trace, prefill_tps, decode_tps, h) if trace is not None else None
+
+    if name == "pdcluster":
+        return Core(core_policy(prefill_tps, decode_tps, 1.5, bounds), "pdcluster", start(1.5))
+    if name == "no-headroom":
+        return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds), "no-headroom", start(1.0))
+    if name == "independent":
+        return Independent(bounds, start=start(1.5))
+    if name.startswith("static-") and ":" in name:
+        p, _, d = name[len("static-"):].partition(":")
+        if p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1:
+            return Static(int(p), int(d))
+    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(NAMES)}, or static-P:D)")
