@@ -80,3 +80,10 @@ def test_health_transitions_drop_after_two_and_readmit_on_one() -> None:
     h, f = health_transition(h, f, ok=False)
     assert (h, f) == (False, 2)
     assert health_transition(False, 5, ok=True) == (True, 0)
+
+
+def test_rank_decode_exclusion_is_a_preference_when_nothing_else_is_healthy() -> None:
+    # one decode worker that failed this request, then came back (restarted): it is the only choice
+    ws = [WorkerView("a", "decode"), WorkerView("b", "decode", healthy=False)]
+    assert [v.url for v in rank_decode(ws, exclude={"a"})] == ["a"]
+    assert rank_decode([WorkerView("a", "decode", healthy=False)], exclude=set()) == []

@@ -44,3 +44,12 @@ def test_cli_requires_a_decode_pool(capsys) -> None:  # type: ignore[no-untyped-
     app = cli.build(args)
     state = app.state.router
     assert state.max_queue_depth == 4 and state.flow.threshold == 32
+
+
+def test_cli_decode_wait_reaches_the_flow_and_is_checked(capsys) -> None:  # type: ignore[no-untyped-def]
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.build(p.parse_args(["--decode", "http://a:1", "--decode-wait", "7.5"])).state.router.flow.decode_wait == 7.5
+    assert cli.build(p.parse_args(["--decode", "http://a:1"])).state.router.flow.decode_wait == 30.0
+    assert cli.run(p.parse_args(["--decode", "http://a:1", "--decode-wait", "-1"])) == 2
+    assert "--decode-wait" in capsys.readouterr().err

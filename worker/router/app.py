@@ -65,9 +65,9 @@ class _StageCollector(Collector):
 
 class RouterState:
     def __init__(self, pool: Pool, *, max_queue_depth: int | None, threshold: int, request_timeout: float | None,
-                 max_retries: int, cluster: str | None = None) -> None:
+                 max_retries: int, cluster: str | None = None, decode_wait: float = 30.0) -> None:
         self.pool = pool
-        self.flow = Flow(pool, threshold=threshold, max_retries=max_retries)
+        self.flow = Flow(pool, threshold=threshold, max_retries=max_retries, decode_wait=decode_wait)
         self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
         self.metrics = WorkerMetrics("router", cluster=cluster)
         self.metrics.bind_stats(self._stats)

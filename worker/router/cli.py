@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prompts shorter than this prefill on the decode worker itself (0: always disaggregate)")
     a("--request-timeout", type=float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
     a("--max-retries", type=int, default=2, help="re-runs of a request on another worker pair after failures")
+    a("--decode-wait", type=float, default=30.0, metavar="S",
+      help="how long a request waits for any healthy decode worker (e.g. the only one restarting) before it "
+           "ends with a 503 / error event; keep it well under --request-timeout")
     a("--health-interval", type=float, default=1.0, metavar="S")
     a("--internal-secret-file", default=None, metavar="PATH",
       help="shared secret (the workers' --kv-transfer-secret-file; else $PDCLUSTER_KV_SECRET) that authenticates "
@@ -43,7 +46,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                 secret=optional_secret(getattr(args, "internal_secret_file", None)))
     state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
                         request_timeout=args.request_timeout or None, max_retries=args.max_retries,
-                        cluster=args.cluster_name)
+                        cluster=args.cluster_name, decode_wait=args.decode_wait)
     return build_router_app(state)
 
 
@@ -52,9 +55,10 @@ def run(args: argparse.Namespace) -> int:
     if not (args.decode or args.decode_service):
         print("pdcluster router: error: at least one --decode URL or --decode-service is required", file=sys.stderr)
         return 2
-    if args.max_retries < 0 or args.max_queue_depth < 0 or args.disaggregation_threshold < 0:
-        print("pdcluster router: error: --max-retries, --max-queue-depth and --disaggregation-threshold "
-              "must be >= 0", file=sys.stderr)
+    if args.max_retries < 0 or args.max_queue_depth < 0 or args.disaggregation_threshold < 0 or not (
+            args.decode_wait >= 0):
+        print("pdcluster router: error: --max-retries, --max-queue-depth, --disaggregation-threshold and "
+              "--decode-wait must be >= 0", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -1,14 +1,16 @@
 """One request's journey through the cluster: pick a pair, reserve, prefill + transfer, decode; retry on
-another pair when a worker fails, and resume on another decode worker (re-prefilling prompt + the tokens
-already sent) when the decode worker dies mid-stream, so the client sees one unbroken stream."""
+another pair when a worker fails, and resume on a healthy decode worker (re-prefilling prompt + the tokens
+already sent) when the decode worker dies mid-stream, so the client sees one unbroken stream. With no
+healthy decode worker at all (the only one died and is restarting), the request waits at most
+`decode_wait` seconds for one to come back, then ends with a clear error instead of stalling."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,10 @@ class WorkerFailed(Exception):
 
 class NoCapacity(Exception):
     """Every candidate refused for lack of room (429s, no KV blocks): wait and try again."""
+
+
+class NoHealthyDecode(NoCapacity):
+    """No decode worker is healthy right now (died, restarting, draining): wait, but only `decode_wait`."""
 
 
 class NoTransferPath(Exception):
@@ -94,10 +100,17 @@ class StageCursor:
             self.stages.counts[stage] += 1
 
 
-async def _lines(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def _lines(resp: httpx.Response, role: str, url: str) -> AsyncIterator[dict[str, Any]]:
+    """A worker's NDJSON events; a line that is not a JSON object means that worker is broken."""
     async for line in resp.aiter_lines():
         if line.strip():
-            yield json.loads(line)
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                raise WorkerFailed(role, url, f"garbled reply line {line[:80]!r}") from None
+            if not isinstance(ev, dict):
+                raise WorkerFailed(role, url, f"reply line is not an object: {line[:80]!r}")
+            yield ev
 
 
 async def _error_of(resp: httpx.Response) -> UpstreamError:
@@ -109,9 +122,19 @@ async def _error_of(resp: httpx.Response) -> UpstreamError:
     return UpstreamError(resp.status_code, body)
 
 
+def no_decode_error(waited: float) -> UpstreamError:
+    return UpstreamError(503, {"error": {
+        "message": f"no healthy decode worker for {waited:.1f} s (died or draining and not back); retry later",
+        "type": "server_error", "code": "no_decode_worker"}})
+
+
 class Flow:
-    def __init__(self, pool: Pool, *, threshold: int = 0, max_retries: int = 2, connect_timeout: float = 2.0) -> None:
+    def __init__(self, pool: Pool, *, threshold: int = 0, max_retries: int = 2, connect_timeout: float = 2.0,
+                 decode_wait: float = 30.0) -> None:
         self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+        # How long a request may wait for any decode worker to be healthy (e.g. the only one restarting):
+        # well under the request timeout, so a dead pool gives a clear error, not a silent stall.
+        self.decode_wait = decode_wait
         # the pool's auth header (derived from the shared secret) goes on every /internal/* call
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
                                         headers=getattr(pool, "headers", {}))
@@ -147,8 +170,9 @@ class Flow:
         prompt, params = tok.prompt_token_ids, tok.params
         sent: list[int] = []
         failures = 0
-        excluded: set[str] = set()
+        excluded: set[str] = set()  # workers that failed this request: avoided while others are healthy
         attempt = 0
+        no_decode_since: float | None = None
         while True:
             attempt += 1
             arid = f"{rid}-{attempt}"
@@ -167,12 +191,17 @@ class Flow:
                     stream = self._direct(arid, prompt, params, excluded)
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for c in chunks:
+                        no_decode_since = None
                         sent.extend(c.token_ids)
                         yield c
                         if c.finished:
                             return
                 raise WorkerFailed("decode", "?", "stream ended without a final chunk")
-            except WorkerFailed as e:
+            except (WorkerFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                # A worker broke this attempt (died, errored, or answered something malformed): count it
+                # and try again; never let a worker's bad reply become the client's 500.
+                if not isinstance(e, WorkerFailed):
+                    e = WorkerFailed("worker", "?", f"malformed reply: {type(e).__name__}: {e}")
                 failures += 1
                 self.retries += 1
                 excluded.add(e.url)
@@ -182,8 +211,15 @@ class Flow:
                         "message": f"request failed on {failures} worker pairs; last error: {e}",
                         "type": "upstream_error", "code": "workers_failed"}}) from e
                 self.resumes += bool(sent)  # the next attempt continues a stream the client already sees
-                if len(excluded) >= len(self.pool.workers):
-                    excluded.clear()  # everyone failed once: let the health state decide again
+            except NoHealthyDecode:
+                # The decode pool is empty for now (its only worker died and is restarting, or all drain):
+                # resume the moment one is healthy again, but give up after `decode_wait`.
+                now = time.monotonic()
+                no_decode_since = now if no_decode_since is None else no_decode_since
+                if now - no_decode_since >= self.decode_wait:
+                    raise no_decode_error(now - no_decode_since) from None
+                with self.stages.enter("queued"):
+                    await self.pool.wait_changed(min(0.05, self.decode_wait))
             except NoCapacity:
                 # Not a failure: wait for capacity (a finished request or a re-admitted worker); the
                 # caller's deadline bounds the wait.
@@ -194,6 +230,8 @@ class Flow:
     async def _reserve(self, arid: str, prompt: list[int], params: dict[str, Any], prefer_node: str | None,
                        excluded: set[str]) -> tuple[Worker, int]:
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded)
+        if not ranked:
+            raise NoHealthyDecode("no healthy decode worker")
         no_transfer = 0
         for view in ranked:
             w = self.pool.get("decode", view.url)
@@ -249,7 +287,8 @@ class Flow:
             async for c in self._direct(arid, prompt, params, excluded):
                 yield c
             return
-        decoding = False
+        completed = False  # the decode worker's stream reached its final chunk
+        transferred = False
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)
         p.in_flight += 1
@@ -268,14 +307,15 @@ class Flow:
                         if resp.status_code < 500:
                             raise err
                         raise WorkerFailed("prefill", p.url, f"HTTP {resp.status_code}")
-                    async for ev in _lines(resp):
+                    async for ev in _lines(resp, "prefill", p.url):
                         if ev.get("event") == "first_token":
                             first = ev
                             p.outstanding_prompt_tokens -= len(prompt)
                             stage.move("transfer")
-                            yield Chunk([ev["token_id"]], ev.get("text", ""), bool(ev.get("finished")),
+                            completed = bool(ev.get("finished"))  # the request ended at its first token
+                            yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
                                         ev.get("finish_reason"))
-                            if ev.get("finished"):
+                            if completed:
                                 return
                         elif ev.get("event") == "transferred":
                             transferred = True
@@ -291,11 +331,12 @@ class Flow:
             except httpx.TransportError as e:
                 self.pool.mark_failed("prefill", p.url, str(e))
                 raise WorkerFailed("prefill", p.url, str(e)) from e
-            assert first is not None
+            if first is None:
+                raise WorkerFailed("prefill", p.url, "prefill stream ended without a first token")
             stage.move("decode")
-            decoding = True
             async for c in self._decode_stream(d, "/internal/decode",
-                                               {"request_id": arid, "first_token_id": first["token_id"]}):
+                                               {"request_id": arid, "first_token_id": int(first["token_id"])}):
+                completed = completed or c.finished  # before the yield: the consumer stops at the last one
                 yield c
         finally:
             stage.move(None)
@@ -303,7 +344,10 @@ class Flow:
                 p.outstanding_prompt_tokens -= len(prompt)
             p.in_flight -= 1
             d.in_flight -= 1
-            if not decoding:  # the reservation was never consumed: give the blocks back now
+            if not completed:
+                # Failed, or the client left: release the reservation (or abort the decode) now. The decode
+                # worker may never have started its /internal/decode stream (a request cancelled in flight),
+                # and then nothing on its side would free the blocks before the reaper.
                 self._detach(self._cancel(d, arid))
 
     # ------------------------------------------------------------------ one attempt, decode worker only
@@ -311,7 +355,7 @@ class Flow:
                       excluded: set[str]) -> AsyncIterator[Chunk]:
         ranked = rank_decode(self.pool.views("decode"), exclude=excluded)
         if not ranked:
-            raise NoCapacity("no healthy decode worker")
+            raise NoHealthyDecode("no healthy decode worker")
         body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
         for view in ranked:
             w = self.pool.get("decode", view.url)
@@ -339,7 +383,7 @@ class Flow:
                     if resp.status_code < 500:
                         raise err
                     raise WorkerFailed("decode", w.url, f"HTTP {resp.status_code}")
-                async for ev in _lines(resp):
+                async for ev in _lines(resp, "decode", w.url):
                     if ev.get("finish_reason") == "error" or (ev.get("error") and ev.get("finished")):
                         raise WorkerFailed("decode", w.url, str(ev.get("error")))
                     if ev.get("finish_reason") == "abort":
@@ -352,7 +396,3 @@ class Flow:
             self.pool.mark_failed("decode", w.url, str(e))
             raise WorkerFailed("decode", w.url, str(e)) from e
         raise WorkerFailed("decode", w.url, "stream ended without a final chunk")
-
-
-def params_dict(params: Any) -> dict[str, Any]:
-    return dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params)  # type: ignore[arg-type]

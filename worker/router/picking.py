@@ -64,8 +64,13 @@ def pick_decode(
 
 def rank_decode(workers: Sequence[WorkerView], *, prefer_node: str | None = None,
                 exclude: Collection[str] = ()) -> list[WorkerView]:
-    """All usable decode workers, best first (the router walks this list when reservations are refused)."""
-    ok = [w for w in workers if w.healthy and w.url not in exclude]
+    """All usable decode workers, best first (the router walks this list when reservations are refused).
+
+    `exclude` (workers that already failed this request) is a preference, not a ban: when every healthy
+    decode worker is excluded — one decode worker, restarted after it died — they are ranked anyway, so a
+    request resumes on whatever is healthy instead of waiting for a worker that does not exist."""
+    healthy = [w for w in workers if w.healthy]
+    ok = [w for w in healthy if w.url not in exclude] or healthy
     return sorted(ok, key=lambda w: decode_score(w, prefer_node))
 
 
