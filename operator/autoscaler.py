@@ -286,7 +286,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
                     if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
                         reason = STABILIZING
                     else:
-                        lo = policy.bounds.min_prefill if r == "prefill" else policy.bounds.min_decode
+                        lo, _ = policy.bounds.of(r)
                         # the highest load seen in the window, with the margin, must still fit
                         floor_ = target if budget_limited else max(
                             target, replicas_for((ps.max_need or 0.0) * (1 + DOWN_TOLERANCE)))
@@ -298,12 +298,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
                             reason = NO_HEADROOM
                             desired = current
         # Bounds changed in the spec always apply, even while holding.
-        lo = policy.bounds.min_prefill if r == "prefill" else policy.bounds.min_decode
-        hi = policy.bounds.max_prefill if r == "prefill" else policy.bounds.max_decode
-        if desired < lo:
-            desired = lo
-        if hi is not None and desired > hi:
-            desired = hi
+        desired = policy.bounds.clamp(r, desired)
         pool_states[r] = ps
         out[r] = PoolDecision(current, rec[r], desired, reason, capacity[r], source[r], stalled)
 
@@ -319,51 +314,3 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         state=new_state,
         metrics_available=metrics_ok,
     )
-
-
-# ---- state <-> status (status.autoscaler) ----------------------------------------------------------
-
-def state_from_status(autoscaler_status: dict[str, Any] | None, parse_time: Any) -> State:
-    """Rebuild State from status.autoscaler; `parse_time` maps an RFC 3339 string to epoch seconds."""
-    st = autoscaler_status or {}
-    learned = st.get("learnedCapacity") or {}
-    stab = st.get("stabilization") or {}
-    last = st.get("lastScaleTime") or {}
-
-    def t(v: Any) -> float | None:
-        try:
-            return parse_time(v) if v else None
-        except (TypeError, ValueError):
-            return None
-
-    def pool(role: str, cap_key: str) -> PoolState:
-        s = stab.get(role) or {}
-        cap = learned.get(cap_key)
-        return PoolState(
-            below_since=t(s.get("belowSince")),
-            max_need=float(s["maxNeed"]) if isinstance(s.get("maxNeed"), int | float) else None,
-            last_change=t(last.get(role)),
-            learned_capacity=float(cap) if isinstance(cap, int | float) and cap > 0 else None,
-        )
-
-    return State(prefill=pool("prefill", "prefillTokensPerSecond"),
-                 decode=pool("decode", "decodeTokensPerSecond"))
-
-
-def state_to_status(state: State, fmt_time: Any) -> dict[str, Any]:
-    def pool(ps: PoolState) -> dict[str, Any] | None:
-        if ps.below_since is None:
-            return None
-        return {"belowSince": fmt_time(ps.below_since), "maxNeed": ps.max_need}
-
-    return {
-        "learnedCapacity": {
-            "prefillTokensPerSecond": state.prefill.learned_capacity,
-            "decodeTokensPerSecond": state.decode.learned_capacity,
-        },
-        "stabilization": {"prefill": pool(state.prefill), "decode": pool(state.decode)},
-        "lastScaleTime": {
-            "prefill": fmt_time(state.prefill.last_change) if state.prefill.last_change else None,
-            "decode": fmt_time(state.decode.last_change) if state.decode.last_change else None,
-        },
-    }

@@ -28,12 +28,11 @@ from typing import Any, cast
 
 import httpx
 import kopf
-from pdcluster.operator import models, opmetrics
+from pdcluster.operator import models, naming, opmetrics
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration
 
 GROUP, VERSION, PLURAL = models.API_GROUP, models.API_VERSION, models.PLURAL
-CHILD_LABELS = {"app.kubernetes.io/name": "pdcluster", "app.kubernetes.io/managed-by": "pdcluster-operator"}
 KICK_DEBOUNCE_SECONDS = 0.5
 LEGACY_FINALIZER = "pdcluster.dev/finalizer"
 
@@ -266,8 +265,8 @@ def _owner_of(body: Any) -> str | None:
     return None
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
-@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=naming.CHILD_LABELS)
+@kopf.on.event("", "v1", "services", labels=naming.CHILD_LABELS)
 async def child_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
     owner = _owner_of(body)
     if owner and namespace:

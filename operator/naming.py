@@ -49,21 +49,23 @@ def network_policy_name(owner: Owner) -> str:
     return f"{owner.name}-workers"
 
 
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+NAME_LABEL = "app.kubernetes.io/name"
+ROLE_LABEL = "pdcluster.dev/role"
+# Every child of every PDCluster carries these: the operator watches its children by them.
+CHILD_LABELS = {NAME_LABEL: "pdcluster", "app.kubernetes.io/managed-by": "pdcluster-operator"}
+
+
 def instance_labels(owner: Owner) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/name": "pdcluster",
-        "app.kubernetes.io/managed-by": "pdcluster-operator",
-    }
+    return {INSTANCE_LABEL: owner.name, **CHILD_LABELS}
 
 
 def selector_labels(owner: Owner, role: str) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": owner.name, "app.kubernetes.io/name": "pdcluster",
-            "pdcluster.dev/role": role}
+    return {INSTANCE_LABEL: owner.name, NAME_LABEL: CHILD_LABELS[NAME_LABEL], ROLE_LABEL: role}
 
 
 def role_labels(owner: Owner, role: str) -> dict[str, str]:
-    return {**instance_labels(owner), "pdcluster.dev/role": role, "app.kubernetes.io/component": role}
+    return {**instance_labels(owner), ROLE_LABEL: role, "app.kubernetes.io/component": role}
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:

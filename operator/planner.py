@@ -44,6 +44,17 @@ class Bounds:
         if self.max_total is not None and self.max_total < self.min_prefill + self.min_decode:
             raise PlanError("max-total-replicas must be >= min-prefill + min-decode")
 
+    def of(self, role: str) -> tuple[int, int | None]:
+        """(min, max) of one pool, `role` being "prefill" or "decode"."""
+        if role == "prefill":
+            return self.min_prefill, self.max_prefill
+        if role == "decode":
+            return self.min_decode, self.max_decode
+        raise ValueError(f"no replica bounds for role {role!r}")
+
+    def clamp(self, role: str, replicas: int) -> int:
+        return clamp_replicas(replicas, *self.of(role))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -84,21 +95,22 @@ def replicas_for(load: float) -> int:
     return max(0, math.ceil(load - _EPS))
 
 
+def clamp_replicas(replicas: int, lo: int, hi: int | None) -> int:
+    """The one per-pool replica clamp (planner, autoscaler and reconciler all use it): [lo, hi], hi=None
+    meaning unbounded. The schema guarantees lo <= hi; should both ever cross, the minimum wins."""
+    if hi is not None and replicas > hi:
+        replicas = hi
+    return max(lo, replicas)
+
+
 def clamp_pair(p: int, d: int, bounds: Bounds) -> tuple[int, int, list[str]]:
     """Clamp to per-pool bounds, then fit into the total budget keeping the D/P ratio."""
     limited: list[str] = []
-    if p < bounds.min_prefill:
-        p = bounds.min_prefill
-        limited.append("min-prefill")
-    if d < bounds.min_decode:
-        d = bounds.min_decode
-        limited.append("min-decode")
-    if bounds.max_prefill is not None and p > bounds.max_prefill:
-        p = bounds.max_prefill
-        limited.append("max-prefill")
-    if bounds.max_decode is not None and d > bounds.max_decode:
-        d = bounds.max_decode
-        limited.append("max-decode")
+    raw = {"prefill": p, "decode": d}
+    clamped = {r: bounds.clamp(r, n) for r, n in raw.items()}
+    limited += [f"min-{r}" for r in raw if clamped[r] > raw[r]]
+    limited += [f"max-{r}" for r in raw if clamped[r] < raw[r]]
+    p, d = clamped["prefill"], clamped["decode"]
     budget = bounds.max_total
     if budget is not None and p + d > budget:
         limited.append("max-total-replicas")

@@ -8,7 +8,11 @@ from typing import Any
 
 from pdcluster.operator.models import KV_TRANSFER_PORT, WORKER_PORT
 from pdcluster.operator.naming import (
+    CHILD_LABELS,
+    INSTANCE_LABEL,
+    NAME_LABEL,
     OPERATOR_POD_LABELS,
+    ROLE_LABEL,
     WORKER_ROLES,
     Owner,
     child_name,
@@ -39,9 +43,9 @@ def render_network_policy(owner: Owner) -> dict[str, Any]:
         "metadata": meta(owner, network_policy_name(owner), instance_labels(owner)),
         "spec": {
             "podSelector": {"matchExpressions": [
-                {"key": "app.kubernetes.io/instance", "operator": "In", "values": [owner.name]},
-                {"key": "app.kubernetes.io/name", "operator": "In", "values": ["pdcluster"]},
-                {"key": "pdcluster.dev/role", "operator": "In", "values": list(WORKER_ROLES)},
+                {"key": INSTANCE_LABEL, "operator": "In", "values": [owner.name]},
+                {"key": NAME_LABEL, "operator": "In", "values": [CHILD_LABELS[NAME_LABEL]]},
+                {"key": ROLE_LABEL, "operator": "In", "values": list(WORKER_ROLES)},
             ]},
             "policyTypes": ["Ingress"],
             "ingress": [

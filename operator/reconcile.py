@@ -26,15 +26,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import drain, naming, opmetrics, render
+from pdcluster.operator import drain, naming, opmetrics, render, scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
-from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
-from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
+from pdcluster.operator.models import KIND, parse_spec, short_error
+from pdcluster.operator.promsource import PrometheusSource
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -42,17 +42,12 @@ log = logging.getLogger(__name__)
 RESYNC_SECONDS = 60.0
 
 
-class MetricsSource(Protocol):
-    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None
-                ) -> asc.Observation: ...
-
-
 EmitFn = Callable[[dict[str, Any], str, str, str], None]
 
 _sources: dict[str, PrometheusSource] = {}
 
 
-def default_source(url: str) -> MetricsSource:
+def default_source(url: str) -> scaling.MetricsSource:
     if url not in _sources:
         _sources[url] = PrometheusSource(url)
     return _sources[url]
@@ -67,7 +62,7 @@ class Context:
     kube: Kube
     emit: EmitFn = _log_emit
     now: Callable[[], float] = time.time
-    source_for: Callable[[str], MetricsSource] = default_source
+    source_for: Callable[[str], scaling.MetricsSource] = default_source
     http: httpx.AsyncClient | None = None
     resync_seconds: float = RESYNC_SECONDS
 
@@ -165,38 +160,6 @@ def _creation_time(obj: dict[str, Any] | None) -> float | None:
         return None
 
 
-def _clamp(v: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, v))
-
-
-async def _observe(ctx: Context, owner: naming.Owner, spec: PDClusterSpec, ready: dict[str, int]
-                   ) -> tuple[asc.Observation | None, str, str]:
-    url = spec.autoscaling.prometheusUrl or ""
-    try:
-        source = ctx.source_for(url)
-        obs = await asyncio.to_thread(source.observe, owner.name, spec.autoscaling.windowSeconds, ready)
-        return obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={owner.name}"
-    except MetricsUnavailable as e:
-        opmetrics.ERRORS.labels("metrics").inc()
-        return None, e.reason, e.message
-    except Exception as e:  # a broken source must never break reconciling the workload
-        opmetrics.ERRORS.labels("metrics").inc()
-        return None, "PrometheusUnreachable", f"{type(e).__name__}: {e}"
-
-
-def _decision_record(d: asc.Decision, now: str) -> dict[str, Any]:
-    def pool(p: asc.PoolDecision) -> dict[str, Any]:
-        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
-                "capacitySource": p.capacity_source}
-
-    return {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
-            "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
-
-
-def _fmt(x: float | None, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:.4g}{unit}"
-
-
 async def reconcile(ctx: Context, body: dict[str, Any], trigger: str = "resync") -> Outcome:
     meta = body.get("metadata") or {}
     if is_deleting(body):
@@ -249,90 +212,22 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     deps = {r: await ctx.kube.get("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, r))
             for r in render.ROLES}
     current = {r: (st.deployment_replicas(deps[r])[0] if deps[r] else None) for r in render.WORKER_ROLES}
-    ready = {r: st.deployment_replicas(deps[r])[2] for r in render.WORKER_ROLES}
-    pools = {"prefill": spec.prefill, "decode": spec.decode}
+    pools = scaling.Pools(
+        current=current,
+        ready={r: st.deployment_replicas(deps[r])[2] for r in render.WORKER_ROLES},
+        created={r: _creation_time(deps[r]) for r in render.WORKER_ROLES},
+    )
 
     # 4. Desired replicas (the operator is their single writer).
-    auto = spec.autoscaling
-    autoscaler_status: dict[str, Any] = dict(old_status.get("autoscaler") or {})
-    extra_conditions: list[dict[str, Any]] = []
-    decision: asc.Decision | None = None
-    if not auto.enabled:
-        desired = {r: pools[r].initial_replicas for r in render.WORKER_ROLES}
-        extra_conditions += [
-            st.condition("MetricsAvailable", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
-            st.condition("ScalingLimited", False, "AutoscalingDisabled", "replicas come from the spec"),
-        ]
-        autoscaler_status = {}
-        next_delay = ctx.resync_seconds
-    else:
-        base = {}
-        for r in render.WORKER_ROLES:
-            prev = (old_status.get(r) or {}).get("desiredReplicas")
-            start = prev if isinstance(prev, int) and prev > 0 else (current[r] or pools[r].initial_replicas)
-            base[r] = _clamp(start, pools[r].minReplicas, pools[r].maxReplicas)
-        last_eval_s = autoscaler_status.get("lastEvaluationTime")
-        try:
-            last_eval = st.parse_time(last_eval_s) if last_eval_s else None
-        except ValueError:
-            last_eval = None
-        due = last_eval is None or now - last_eval >= auto.intervalSeconds - 0.5
-        desired = dict(base)
-        if due:
-            obs, m_reason, m_message = await _observe(ctx, owner, spec, ready)
-            state = asc.state_from_status(autoscaler_status, st.parse_time)
-            # A pool with no recorded change waits for its Deployment's first rollout, counted from the
-            # Deployment's creation (now, if it is being created in this pass).
-            views = {r: asc.PoolView(base[r], ready[r], _creation_time(deps[r]) or now)
-                     for r in render.WORKER_ROLES}
-            decision = asc.decide(asc.Policy.from_spec(spec), state, obs, views["prefill"], views["decode"], now)
-            desired = {r: decision.pool(r).desired for r in render.WORKER_ROLES}
-            if obs is None:
-                metrics_cond = st.condition("MetricsAvailable", False, m_reason, m_message)
-            elif not decision.metrics_available:
-                metrics_cond = st.condition("MetricsAvailable", False, "SeriesMissing",
-                                            "token series missing while requests are flowing")
-            else:
-                metrics_cond = st.condition("MetricsAvailable", True, m_reason, m_message)
-            _emit_on_change(ctx, body, "MetricsAvailable", "False", metrics_cond, "Warning", "MetricsUnavailable")
-            limits = decision.limited_by
-            if limits:
-                reason = ("RolloutStalled" if "rollout-stalled" in limits else
-                          "TotalReplicaBudget" if "max-total-replicas" in limits else "AtMaxReplicas")
-                scaling_cond = st.condition("ScalingLimited", True, reason, "limited by: " + ", ".join(limits))
-            else:
-                scaling_cond = st.condition("ScalingLimited", False, "WithinBounds",
-                                            "the recommendation fits the bounds")
-            _emit_on_change(ctx, body, "ScalingLimited", "True", scaling_cond, "Warning", "ScalingLimited")
-            extra_conditions += [metrics_cond, scaling_cond]
-            autoscaler_status = {
-                **asc.state_to_status(decision.state, st.fmt_time),
-                "lastEvaluationTime": now_s,
-                "reason": decision.reason,
-                "lastDecision": _decision_record(decision, now_s),
-            }
-            opmetrics.DECISIONS.labels(owner.namespace, owner.name, decision.reason).inc()
-            for r in render.WORKER_ROLES:
-                cap = decision.state.pool(r).learned_capacity
-                if cap:
-                    opmetrics.LEARNED_CAPACITY.labels(owner.namespace, owner.name, r).set(cap)
-            if decision.changed:
-                i = decision.inputs
-                ctx.emit(body, "Normal", "Scaled",
-                         f"prefill {base['prefill']}->{desired['prefill']}, decode {base['decode']}->"
-                         f"{desired['decode']} ({decision.reason}: rate {_fmt(i['requestRate'], ' req/s')}, "
-                         f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
-                         f"C_p {_fmt(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
-                         f"C_d {_fmt(i['decodeCapacity'])} ({i['decodeCapacitySource']}), "
-                         f"headroom {i['headroom']})")
-            next_delay = min(ctx.resync_seconds, float(auto.intervalSeconds))
-        else:
-            assert last_eval is not None
-            next_delay = min(ctx.resync_seconds, max(1.0, auto.intervalSeconds - (now - last_eval)))
-    for r in render.WORKER_ROLES:
-        desired[r] = _clamp(desired[r], pools[r].minReplicas, pools[r].maxReplicas)
-        opmetrics.DESIRED.labels(owner.namespace, owner.name, r).set(desired[r])
-    opmetrics.DESIRED.labels(owner.namespace, owner.name, "router").set(spec.router.replicas)
+    scale = await scaling.step(spec, old_status, pools, now, cluster=owner.name, source_for=ctx.source_for,
+                               resync_seconds=ctx.resync_seconds)
+    for c in scale.conditions:
+        bad_status, reason = scaling.WARN_WHEN[c["type"]]
+        _emit_on_change(ctx, body, c["type"], bad_status, c, "Warning", reason)
+    if scale.scaled_message:
+        ctx.emit(body, "Normal", "Scaled", scale.scaled_message)
+    scaling.record_metrics(owner, spec, scale)
+    desired = scale.desired
 
     # 5. Graceful scale-down: drain the victims before lowering the count.
     for r in render.WORKER_ROLES:
@@ -355,7 +250,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 7. Status.
     after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
-    conditions = st.workload_conditions(after) + extra_conditions
+    conditions = st.workload_conditions(after) + scale.conditions
     for c in conditions:
         if c["type"] == "Degraded":
             _emit_on_change(ctx, body, "Degraded", "True", c, "Warning", c["reason"])
@@ -367,7 +262,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         "router": st.pool_status(after["router"], spec.router.replicas),
         "ratio": st.ratio(desired["prefill"], desired["decode"]),
         "endpoint": naming.endpoint(owner),
-        "autoscaler": autoscaler_status or None,
+        "autoscaler": scale.autoscaler_status or None,
     }
     await _patch_status(ctx, body, new_status)
     opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
@@ -375,7 +270,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         ctx.emit(body, "Normal", "Reconciled",
                  f"applied generation {generation}: prefill {desired['prefill']}, decode {desired['decode']}, "
                  f"router {spec.router.replicas} replicas")
-    return Outcome(next_delay, new_status, decision)
+    return Outcome(scale.next_delay, new_status, scale.decision)
 
 
 async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str) -> None:

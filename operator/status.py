@@ -1,9 +1,12 @@
-"""Pure status computation: conditions (with stable lastTransitionTime), per-pool replicas, ratio."""
+"""Pure status shaping: conditions (with stable lastTransitionTime), per-pool replicas, ratio, and
+`status.autoscaler` (the autoscaler's State and last Decision as the PDCluster records them)."""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any
+
+from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited")
 
@@ -13,6 +16,9 @@ def fmt_time(epoch: float) -> str:
 
 
 def parse_time(value: str) -> float:
+    """RFC 3339 -> epoch seconds; ValueError for anything else (status can be hand-edited to any JSON)."""
+    if not isinstance(value, str):
+        raise ValueError(f"not a timestamp: {value!r}")
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
@@ -123,3 +129,70 @@ def workload_conditions(deployments: dict[str, dict[str, Any] | None]) -> list[d
     else:
         out.append(condition("Degraded", False, "Reconciled", "all children applied"))
     return out
+
+
+# ---- status.autoscaler <-> the autoscaler's State ----------------------------------------------------
+# The state lives in the PDCluster's status so that a restarted operator neither forgets learned
+# capacities nor restarts a stabilization window.
+
+def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
+    """Rebuild the autoscaler's State from status.autoscaler; unreadable fields count as absent."""
+    sts = autoscaler_status or {}
+    learned = sts.get("learnedCapacity") or {}
+    stab = sts.get("stabilization") or {}
+    last = sts.get("lastScaleTime") or {}
+
+    def t(v: Any) -> float | None:
+        try:
+            return parse_time(v) if v else None
+        except (TypeError, ValueError):
+            return None
+
+    def pool(role: str, cap_key: str) -> PoolState:
+        s = stab.get(role) or {}
+        cap = learned.get(cap_key)
+        return PoolState(
+            below_since=t(s.get("belowSince")),
+            max_need=float(s["maxNeed"]) if isinstance(s.get("maxNeed"), int | float) else None,
+            last_change=t(last.get(role)),
+            learned_capacity=float(cap) if isinstance(cap, int | float) and cap > 0 else None,
+        )
+
+    return State(prefill=pool("prefill", "prefillTokensPerSecond"),
+                 decode=pool("decode", "decodeTokensPerSecond"))
+
+
+def autoscaler_state_status(state: State) -> dict[str, Any]:
+    """The State as status.autoscaler fields (learnedCapacity, stabilization, lastScaleTime)."""
+    def pool(ps: PoolState) -> dict[str, Any] | None:
+        if ps.below_since is None:
+            return None
+        return {"belowSince": fmt_time(ps.below_since), "maxNeed": ps.max_need}
+
+    return {
+        "learnedCapacity": {
+            "prefillTokensPerSecond": state.prefill.learned_capacity,
+            "decodeTokensPerSecond": state.decode.learned_capacity,
+        },
+        "stabilization": {"prefill": pool(state.prefill), "decode": pool(state.decode)},
+        "lastScaleTime": {
+            "prefill": fmt_time(state.prefill.last_change) if state.prefill.last_change else None,
+            "decode": fmt_time(state.decode.last_change) if state.decode.last_change else None,
+        },
+    }
+
+
+def decision_record(d: Decision, now: str) -> dict[str, Any]:
+    """status.autoscaler.lastDecision: what was decided and from which inputs."""
+    def pool(p: PoolDecision) -> dict[str, Any]:
+        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
+                "capacitySource": p.capacity_source}
+
+    return {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
+            "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+
+
+def autoscaler_status(d: Decision, now: str) -> dict[str, Any]:
+    """The whole status.autoscaler after an evaluation at `now` (RFC 3339)."""
+    return {**autoscaler_state_status(d.state), "lastEvaluationTime": now, "reason": d.reason,
+            "lastDecision": decision_record(d, now)}

@@ -8,7 +8,7 @@ import random
 import pytest
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator.planner import Bounds
-from pdcluster.operator.status import fmt_time, parse_time
+from pdcluster.operator import status as st
 
 CP, CD = 10000.0, 2000.0
 
@@ -134,8 +134,8 @@ def test_state_survives_a_restart_via_status() -> None:
             prefill_saturated=True, decode_saturated=True)
     dec = step(pol, asc.State(), o, 2, 2, 1_700_000_000)
     dec = step(pol, dec.state, obs(10), 13, 16, 1_700_000_030)
-    status = asc.state_to_status(dec.state, fmt_time)
-    restored = asc.state_from_status(status, parse_time)
+    status = st.autoscaler_state_status(dec.state)
+    restored = st.autoscaler_state(status)
     assert restored.prefill.learned_capacity == dec.state.prefill.learned_capacity
     assert restored.prefill.below_since == dec.state.prefill.below_since
     assert restored.decode.max_need == dec.state.decode.max_need

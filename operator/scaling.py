@@ -1,0 +1,206 @@
+"""The scaling step of a reconcile pass: how many prefill and decode replicas a PDCluster should run now.
+
+The operator is the single writer of the worker Deployments' replicas. With autoscaling off they come from
+the spec. With it on, the autoscaler core (`autoscaler.decide`) is asked every `intervalSeconds`, from
+its state kept in `status.autoscaler`; between evaluations the last desired counts hold. Either way the
+pool bounds of the spec apply last (`planner.clamp_replicas`, the one clamp).
+
+Everything here is pure except `observe` (asks Prometheus, off the event loop) and `record_metrics`
+(the operator's own Prometheus gauges); the reconciler emits the Events this step asks for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdcluster.operator import autoscaler as asc
+from pdcluster.operator import naming, opmetrics
+from pdcluster.operator import status as st
+from pdcluster.operator.models import PDClusterSpec
+from pdcluster.operator.promsource import MetricsUnavailable
+
+ROLES = naming.WORKER_ROLES
+# condition type -> (the status that deserves a Warning Event, the Event's reason)
+WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimited": ("True", "ScalingLimited")}
+
+
+class MetricsSource(Protocol):
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None
+                ) -> asc.Observation: ...
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The worker pools as the cluster shows them now."""
+
+    current: dict[str, int | None]  # Deployment spec.replicas; None while the Deployment does not exist
+    ready: dict[str, int]
+    created: dict[str, float | None]  # Deployment creation time (epoch seconds), None if unknown/absent
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One metrics query's outcome: the observation (None = unavailable) and why, for MetricsAvailable."""
+
+    obs: asc.Observation | None
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Step:
+    desired: dict[str, int]
+    next_delay: float
+    conditions: list[dict[str, Any]] = field(default_factory=list)  # MetricsAvailable, ScalingLimited
+    autoscaler_status: dict[str, Any] = field(default_factory=dict)  # {} = no status.autoscaler
+    decision: asc.Decision | None = None  # set when the autoscaler was evaluated in this pass
+    scaled_message: str | None = None  # a Normal/Scaled Event to emit: the decision changed replicas
+
+
+def clamp_all(spec: PDClusterSpec, replicas: Mapping[str, int]) -> dict[str, int]:
+    bounds = asc.Policy.from_spec(spec).bounds
+    return {r: bounds.clamp(r, replicas[r]) for r in ROLES}
+
+
+def base_replicas(spec: PDClusterSpec, old_status: Mapping[str, Any], current: Mapping[str, int | None]
+                  ) -> dict[str, int]:
+    """Where the autoscaler starts from: the last desired count it recorded, else what runs, else the spec."""
+    pools = {"prefill": spec.prefill, "decode": spec.decode}
+    base = {}
+    for r in ROLES:
+        prev = (old_status.get(r) or {}).get("desiredReplicas")
+        start = prev if isinstance(prev, int) and prev > 0 else (current[r] or pools[r].initial_replicas)
+        base[r] = start
+    return clamp_all(spec, base)
+
+
+def last_evaluation(autoscaler_status: Mapping[str, Any]) -> float | None:
+    try:
+        return st.parse_time(autoscaler_status["lastEvaluationTime"]) \
+            if autoscaler_status.get("lastEvaluationTime") else None
+    except ValueError:
+        return None
+
+
+def is_due(last_eval: float | None, interval_seconds: float, now: float) -> bool:
+    # Half a second of slack: a resync scheduled for exactly the interval must not miss it by jitter.
+    return last_eval is None or now - last_eval >= interval_seconds - 0.5
+
+
+def disabled(spec: PDClusterSpec, resync_seconds: float) -> Step:
+    return Step(
+        desired=clamp_all(spec, {"prefill": spec.prefill.initial_replicas, "decode": spec.decode.initial_replicas}),
+        next_delay=resync_seconds,
+        conditions=[
+            st.condition("MetricsAvailable", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
+            st.condition("ScalingLimited", False, "AutoscalingDisabled", "replicas come from the spec"),
+        ],
+    )
+
+
+def hold(base: dict[str, int], autoscaler_status: Mapping[str, Any], last_eval: float, interval_seconds: float,
+         now: float, resync_seconds: float) -> Step:
+    """Not due yet: keep the last desired counts and wake up when the interval is over."""
+    return Step(desired=dict(base), autoscaler_status=dict(autoscaler_status),
+                next_delay=min(resync_seconds, max(1.0, interval_seconds - (now - last_eval))))
+
+
+def metrics_condition(observed: Observed, decision: asc.Decision) -> dict[str, Any]:
+    if observed.obs is None:
+        return st.condition("MetricsAvailable", False, observed.reason, observed.message)
+    if not decision.metrics_available:
+        return st.condition("MetricsAvailable", False, "SeriesMissing",
+                            "token series missing while requests are flowing")
+    return st.condition("MetricsAvailable", True, observed.reason, observed.message)
+
+
+def scaling_condition(decision: asc.Decision) -> dict[str, Any]:
+    limits = decision.limited_by
+    if not limits:
+        return st.condition("ScalingLimited", False, "WithinBounds", "the recommendation fits the bounds")
+    reason = ("RolloutStalled" if "rollout-stalled" in limits else
+              "TotalReplicaBudget" if "max-total-replicas" in limits else "AtMaxReplicas")
+    return st.condition("ScalingLimited", True, reason, "limited by: " + ", ".join(limits))
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:.4g}{unit}"
+
+
+def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Mapping[str, int]) -> str:
+    i = decision.inputs
+    return (f"prefill {base['prefill']}->{desired['prefill']}, decode {base['decode']}->{desired['decode']} "
+            f"({decision.reason}: rate {_fmt(i['requestRate'], ' req/s')}, "
+            f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
+            f"C_p {_fmt(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
+            f"C_d {_fmt(i['decodeCapacity'])} ({i['decodeCapacitySource']}), "
+            f"headroom {i['headroom']})")
+
+
+def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
+             observed: Observed, now: float) -> Step:
+    """One autoscaler evaluation: state from status, decide, and the status/conditions that record it."""
+    state = st.autoscaler_state(autoscaler_status)
+    # A pool with no recorded change waits for its Deployment's first rollout, counted from the
+    # Deployment's creation (now, if it is being created in this pass).
+    views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}
+    decision = asc.decide(asc.Policy.from_spec(spec), state, observed.obs, views["prefill"], views["decode"], now)
+    desired = {r: decision.pool(r).desired for r in ROLES}  # within the bounds: decide clamps last
+    return Step(
+        desired=desired,
+        next_delay=float(spec.autoscaling.intervalSeconds),
+        conditions=[metrics_condition(observed, decision), scaling_condition(decision)],
+        autoscaler_status=st.autoscaler_status(decision, st.fmt_time(now)),
+        decision=decision,
+        scaled_message=scaled_message(decision, base, desired) if decision.changed else None,
+    )
+
+
+async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec: PDClusterSpec,
+                  ready: dict[str, int]) -> Observed:
+    """Ask the metrics source (blocking HTTP, so in a thread); never raises."""
+    url = spec.autoscaling.prometheusUrl or ""
+    try:
+        source = source_for(url)
+        obs = await asyncio.to_thread(source.observe, cluster, spec.autoscaling.windowSeconds, ready)
+        return Observed(obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={cluster}")
+    except MetricsUnavailable as e:
+        opmetrics.ERRORS.labels("metrics").inc()
+        return Observed(None, e.reason, e.message)
+    except Exception as e:  # a broken source must never break reconciling the workload
+        opmetrics.ERRORS.labels("metrics").inc()
+        return Observed(None, "PrometheusUnreachable", f"{type(e).__name__}: {e}")
+
+
+async def step(spec: PDClusterSpec, old_status: Mapping[str, Any], pools: Pools, now: float, *,
+               cluster: str, source_for: Callable[[str], MetricsSource], resync_seconds: float) -> Step:
+    """The scaling step: spec replicas, a held count, or a fresh autoscaler evaluation."""
+    auto = spec.autoscaling
+    if not auto.enabled:
+        return disabled(spec, resync_seconds)
+    autoscaler_status = dict(old_status.get("autoscaler") or {})
+    base = base_replicas(spec, old_status, pools.current)
+    last_eval = last_evaluation(autoscaler_status)
+    if not is_due(last_eval, auto.intervalSeconds, now):
+        assert last_eval is not None
+        return hold(base, autoscaler_status, last_eval, auto.intervalSeconds, now, resync_seconds)
+    observed = await observe(source_for, cluster, spec, pools.ready)
+    out = evaluate(spec, base, pools, autoscaler_status, observed, now)
+    return Step(out.desired, min(resync_seconds, out.next_delay), out.conditions, out.autoscaler_status,
+                out.decision, out.scaled_message)
+
+
+def record_metrics(owner: naming.Owner, spec: PDClusterSpec, s: Step) -> None:
+    """The operator's own gauges/counters for this step (pdcluster_operator_* in opmetrics)."""
+    if s.decision is not None:
+        opmetrics.DECISIONS.labels(owner.namespace, owner.name, s.decision.reason).inc()
+        for r in ROLES:
+            cap = s.decision.state.pool(r).learned_capacity
+            if cap:
+                opmetrics.LEARNED_CAPACITY.labels(owner.namespace, owner.name, r).set(cap)
+    for r in ROLES:
+        opmetrics.DESIRED.labels(owner.namespace, owner.name, r).set(s.desired[r])
+    opmetrics.DESIRED.labels(owner.namespace, owner.name, "router").set(spec.router.replicas)
