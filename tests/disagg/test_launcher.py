@@ -3,13 +3,18 @@ processes, SIGKILLs and restarts, is exercised end to end in test_faults.py.)"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from pdcluster.worker.local.supervisor import Supervisor, backoff
+import pytest
+
+from pdcluster.worker.local import launcher
+from pdcluster.worker.local.supervisor import CrashLoop, Supervisor, backoff
+from pdcluster.worker.router import cli as router_cli
 
 
 def test_backoff_grows_and_caps() -> None:
@@ -31,3 +36,84 @@ def test_supervisor_restarts_a_dead_child_and_stops_all(tmp_path: Path) -> None:
     assert any("exited" in e for e in events) and any("restarted" in e for e in events)
     sup.stop(timeout=5)
     assert not p.alive
+
+
+def _exit_with(code: int, message: str) -> list[str]:
+    return [sys.executable, "-c", f"import sys; print({message!r}, file=sys.stderr); sys.exit({code})"]
+
+
+def _poll_until_raises(sup: Supervisor, seconds: float) -> CrashLoop:
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            sup.poll()
+            time.sleep(0.05)
+    except CrashLoop as e:
+        return e
+    finally:
+        sup.stop(timeout=5)
+    raise AssertionError(f"the supervisor kept restarting for {seconds} s")
+
+
+def test_a_usage_error_stops_the_supervisor_with_the_childs_message(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    p = sup.add("decode-0", _exit_with(2, "pdcluster serve: error: argument --threads: '0' must be >= 1"))
+    e = _poll_until_raises(sup, 10)
+    assert e.name == "decode-0" and e.code == 2 and p.restarts == 0  # not restarted even once
+    assert "argument --threads: '0' must be >= 1" in str(e)
+
+
+def test_a_child_failing_at_start_is_restarted_a_bounded_number_of_times(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, max_restarts=2)  # backoff 1 s then 2 s: gives up after about 3 s
+    p = sup.add("prefill-0", _exit_with(1, "RuntimeError: no model here"))
+    e = _poll_until_raises(sup, 20)
+    assert e.code == 1 and p.restarts == 2
+    assert "failed 3 times in a row" in str(e) and "RuntimeError: no model here" in str(e)
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdcluster up")
+    launcher.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--port", "99999"], "argument --port: '99999' is not a TCP port (1-65535)"),
+    (["--port", "0"], "argument --port: '0' is not a TCP port"),
+    (["--threads", "0"], "argument --threads: '0' must be >= 1"),
+    (["--decode", "0"], "argument --decode: '0' must be >= 1"),
+    (["--prefill", "-1"], "argument --prefill: '-1' must be >= 0"),
+    (["--max-workers", "0"], "argument --max-workers: '0' must be >= 1"),
+])
+def test_up_refuses_bad_numbers_at_parse_time(argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _up_args(*argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_up_refuses_worker_ports_past_65535_before_building_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _up_args("--port", "65534", "--prefill", "1", "--decode", "2", "--cache-dir", str(tmp_path))
+    assert launcher.run(args) == 2
+    assert "--port 65534 leaves no room for the 3 worker ports" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # the demo model was not built
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://a:1", "http://:8000", "http://a", "http://a:99999",
+                                 "http://a:port", "http://a:1/?x=1"])
+def test_router_refuses_a_worker_url_that_is_not_one(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser(prog="pdcluster router")
+    router_cli.add_arguments(p)
+    for flag in ("--prefill", "--decode"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args([flag, url])
+        assert e.value.code == 2 and f"argument {flag}: {url!r} is not a worker URL" in capsys.readouterr().err
+
+
+def test_router_accepts_worker_urls_and_ports() -> None:
+    p = argparse.ArgumentParser(prog="pdcluster router")
+    router_cli.add_arguments(p)
+    args = p.parse_args(["--decode", "http://127.0.0.1:8001/", "https://d.svc:443", "--port", "9000"])
+    assert args.decode == ["http://127.0.0.1:8001", "https://d.svc:443"] and args.port == 9000
+    with pytest.raises(SystemExit):
+        p.parse_args(["--decode", "http://a:1", "--port", "70000"])

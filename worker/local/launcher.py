@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from pdcluster.worker.local.supervisor import Supervisor
+from pdcluster.worker.api import cli_args as types
+from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
 
 log = logging.getLogger("pdcluster.up")
 
@@ -30,19 +31,27 @@ log = logging.getLogger("pdcluster.up")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: a built-in demo model)")
-    a("--prefill", type=int, default=1, metavar="N", help="prefill workers (0: decode workers prefill everything)")
-    a("--decode", type=int, default=1, metavar="M", help="decode workers (>= 1)")
-    a("--port", type=int, default=8080, help="router port; workers take the ports after it")
+    a("--prefill", type=types.non_negative_int, default=1, metavar="N",
+      help="prefill workers (0: decode workers prefill everything)")
+    a("--decode", type=types.positive_int, default=1, metavar="M", help="decode workers (>= 1)")
+    a("--port", type=types.port, default=8080, help="router port; workers take the ports after it")
     a("--host", default="127.0.0.1")
-    a("--threads", type=int, default=1, help="torch threads per worker")
+    a("--threads", type=types.positive_int, default=1, help="torch threads per worker")
     a("--block-size", type=int, choices=[8, 16, 32], default=16)
     a("--kv-transfer-compression", choices=["none", "int8"], default="none")
-    a("--disaggregation-threshold", type=int, default=64, metavar="TOKENS")
-    a("--max-queue-depth", type=int, default=64)
-    a("--request-timeout", type=float, default=120.0)
+    a("--disaggregation-threshold", type=types.non_negative_int, default=64, metavar="TOKENS")
+    a("--max-queue-depth", type=types.non_negative_int, default=64)
+    a("--request-timeout", type=types.non_negative_float, default=120.0, metavar="S", help="504 after S seconds (0: none)")
     a("--autoscale", action="store_true",
-      help="resize the pools from live router metrics with the operator's P:D planner (up to --max-workers each)")
-    a("--max-workers", type=int, default=3, help="per pool, with --autoscale")
+      help="resize the pools from live metrics with the operator's autoscaler (up to --max-workers each)")
+    a("--max-workers", type=types.positive_int, default=3, help="per pool, with --autoscale")
+    a("--prefill-capacity", type=types.positive_float, default=None, metavar="TOK/S",
+      help="with --autoscale: prompt tokens/s one prefill worker sustains (`pdcluster profile`); default: learned")
+    a("--decode-capacity", type=types.positive_float, default=None, metavar="TOK/S",
+      help="with --autoscale: output tokens/s one decode worker sustains; default: learned")
+    a("--autoscale-interval", type=types.positive_float, default=15.0, metavar="S", help="seconds between decisions")
+    a("--scale-down-stabilization", type=types.non_negative_float, default=300.0, metavar="S",
+      help="with --autoscale: a pool shrinks only after it was oversized this long (the CRD's default)")
     a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
     a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
 
@@ -110,14 +119,27 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What argparse cannot check flag by flag: the flags together (before anything is built or started)."""
+    n_p = args.max_workers if args.autoscale else args.prefill
+    n_d = args.max_workers if args.autoscale else args.decode
+    if args.port + n_p + n_d > 65535:
+        return (f"--port {args.port} leaves no room for the {n_p + n_d} worker ports after it "
+                f"(the last would be {args.port + n_p + n_d} > 65535)")
+    if args.autoscale and (args.prefill > args.max_workers or args.decode > args.max_workers):
+        return f"--prefill and --decode must be <= --max-workers ({args.max_workers}) with --autoscale"
+    return None
+
+
 class _Stop(Exception):
     pass
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.decode < 1 or args.prefill < 0:
-        print("pdcluster up: error: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    problem = check_args(args)
+    if problem:
+        print(f"pdcluster up: error: {problem}", file=sys.stderr)
         return 2
     cache = cache_dir(args.cache_dir)
     model = Path(args.model) if args.model else ensure_demo_model(cache)
@@ -189,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     except _Stop as e:
         print(f"\npdcluster up: {e}: shutting down", flush=True)
         return 0
+    except CrashLoop as e:
+        print(f"pdcluster up: error: {e}\npdcluster up: stopping (restarting would not help)", file=sys.stderr,
+              flush=True)
+        return 2 if e.code == USAGE_ERROR else 1
     except KeyboardInterrupt:
         return 0
     finally:

@@ -1,5 +1,9 @@
 """Child processes for `pdcluster up`: start, watch, restart with backoff (like a Deployment would), and
-stop cleanly. Children die with the launcher even if it is SIGKILLed (Linux PR_SET_PDEATHSIG)."""
+stop cleanly. Children die with the launcher even if it is SIGKILLed (Linux PR_SET_PDEATHSIG).
+
+Restarting cannot fix everything: a child that exits with a usage error (code 2: a bad flag) or keeps
+failing soon after it starts (`max_restarts` times in a row, each within a minute) raises `CrashLoop` with
+the tail of its log, so `up` stops with the child's own message instead of restarting it forever."""
 
 from __future__ import annotations
 
@@ -19,6 +23,27 @@ log = logging.getLogger(__name__)
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+USAGE_ERROR = 2  # argparse's and our CLIs' exit code for a bad command line
+HEALTHY_AFTER = 60.0  # seconds of uptime after which a child counts as having started fine
+
+
+class CrashLoop(Exception):
+    """A child that restarting will not fix; the message ends with the tail of its log."""
+
+    def __init__(self, name: str, code: int, message: str) -> None:
+        super().__init__(message)
+        self.name, self.code = name, code
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last non-empty lines of a log (where a child's own error message is)."""
+    try:
+        text = path.read_bytes()[-8192:].decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join([line.rstrip() for line in text.splitlines() if line.strip()][-lines:])
 
 
 def backoff(restarts: int) -> float:
@@ -47,11 +72,12 @@ class Proc:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, *, restart: bool = True) -> None:
+    def __init__(self, log_dir: Path, *, restart: bool = True, max_restarts: int = 5) -> None:
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.restart = restart
+        self.max_restarts = max_restarts  # quick failures in a row before giving up (CrashLoop)
         self.stopping = False
 
     def add(self, name: str, cmd: list[str], env: dict[str, str] | None = None, start: bool = True) -> Proc:
@@ -78,7 +104,8 @@ class Supervisor:
         log.info("started %s (pid %d)", p.name, p.popen.pid)
 
     def poll(self) -> list[str]:
-        """Notice exits and restart due processes; returns human-readable events."""
+        """Notice exits and restart due processes; returns human-readable events. Raises CrashLoop for a
+        child that restarting will not fix."""
         events: list[str] = []
         now = time.monotonic()
         for p in self.procs.values():
@@ -86,10 +113,11 @@ class Supervisor:
                 continue
             code = p.popen.poll()
             if code is None:
-                if p.restart_at is None and now - p.started_at > 60:
-                    p.restarts = 0  # a minute of good health resets the backoff
+                if p.restart_at is None and now - p.started_at > HEALTHY_AFTER:
+                    p.restarts = 0  # a minute of good health resets the backoff and the crash-loop count
                 continue
             if p.restart_at is None:
+                self._give_up_if_hopeless(p, code)
                 p.restarts += 1
                 p.restart_at = now + backoff(p.restarts)
                 events.append(f"{p.name} exited with code {code}; restarting in {backoff(p.restarts):.0f} s "
@@ -98,6 +126,15 @@ class Supervisor:
                 self._spawn(p)
                 events.append(f"{p.name} restarted (pid {p.pid})")
         return events
+
+    def _give_up_if_hopeless(self, p: Proc, code: int) -> None:
+        tail = log_tail(self.log_path(p.name))
+        said = f"; its last words:\n{tail}" if tail else f" (log: {self.log_path(p.name)})"
+        if code == USAGE_ERROR:  # the same command line fails the same way every time
+            raise CrashLoop(p.name, code, f"{p.name} exited with a usage error (code {code}){said}")
+        if p.restarts >= self.max_restarts:  # every try so far died within HEALTHY_AFTER of starting
+            raise CrashLoop(p.name, code, f"{p.name} failed {p.restarts + 1} times in a row, each within "
+                                          f"{HEALTHY_AFTER:.0f} s of starting (last exit code {code}){said}")
 
     def disable(self, name: str, timeout: float = 10.0) -> None:
         """Scale down: stop one process and do not restart it."""

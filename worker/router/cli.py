@@ -6,18 +6,22 @@ import argparse
 import logging
 import sys
 
+from pdcluster.worker.api.cli_args import port, worker_url
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs (http://host:port)")
-    a("--decode", nargs="*", default=[], metavar="URL", help="decode worker URLs (a `both` worker goes here too)")
+    a("--prefill", nargs="*", type=worker_url, default=[], metavar="URL",
+      help="prefill worker URLs (http://host:port)")
+    a("--decode", nargs="*", type=worker_url, default=[], metavar="URL",
+      help="decode worker URLs (a `both` worker goes here too)")
     a("--prefill-service", action="append", default=[], metavar="NAME[:PORT]",
       help="Kubernetes (headless) Service of the prefill pool (NAME[:PORT] or http://NAME:PORT), re-resolved "
            "via DNS every probe interval")
     a("--decode-service", action="append", default=[], metavar="NAME[:PORT]",
       help="Kubernetes (headless) Service of the decode pool")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
-    a("--port", type=int, default=8080)
+    a("--port", type=port, default=8080)
     a("--max-queue-depth", type=int, default=256,
       help="requests waiting for their first token beyond which the router answers 429 (0: unbounded)")
     a("--disaggregation-threshold", type=int, default=256, metavar="TOKENS",
@@ -36,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdcluster.worker.transfer.secret import optional_secret
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
+    from pdcluster.worker.transfer.secret import optional_secret
 
     pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
                 prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),

@@ -1,0 +1,76 @@
+"""argparse value types shared by the command lines that start servers (`pdcluster router`, `pdcluster up`):
+a bad port, count or worker URL is refused at parse time with one `error: argument --x: ...` line and exit
+code 2, instead of surfacing later as a traceback (a port of 99999 reaching `socket.bind`) or a process that
+starts and then cannot do anything (a router whose only decode worker is "notaurl")."""
+
+from __future__ import annotations
+
+import argparse
+from urllib.parse import urlsplit
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def port(text: str) -> int:
+    v = _int(text)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return v
+
+
+def worker_url(text: str) -> str:
+    """http(s)://host:port[/path], the port explicit: workers listen on their own ports, never on 80/443 by
+    accident of an omitted number. Returned without a trailing slash (paths are appended to it)."""
+    try:
+        parts = urlsplit(text)
+        p = parts.port
+    except ValueError as e:  # urlsplit raises on a port that is not a number or out of range
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or p is None or p == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL: expected http://HOST:PORT")
+    if parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL: it has no ?query or #fragment")
+    return text.rstrip("/")
