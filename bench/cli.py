@@ -19,14 +19,15 @@ from collections import Counter
 from pathlib import Path
 
 from pdcluster.bench import heatmap
-from pdcluster.bench import loadgen
+from pdcluster.bench import loadgen, replay
 from pdcluster.bench.stats import CELL_FIELDS, RequestResult, parse_int_list, summarize_cell
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="router or worker base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--prompt-lens", required=True, help="comma-separated prompt lengths in tokens")
-    p.add_argument("--output-lens", required=True, help="comma-separated output lengths in tokens")
+    p.add_argument("--prompt-lens", default=None, help="comma-separated prompt lengths in tokens")
+    p.add_argument("--output-lens", default=None, help="comma-separated output lengths in tokens")
+    replay.add_arguments(p)  # --trace FILE [--speedup X]: replay a trace instead of a grid
     p.add_argument("--requests", type=int, default=16, help="requests per cell (default 16)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight (default 4)")
@@ -166,7 +167,11 @@ async def sweep(args, url: str, prompt_lens: list[int], output_lens: list[int], 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return replay.run(args)
     try:
+        if not args.prompt_lens or not args.output_lens:
+            raise ValueError("--prompt-lens and --output-lens are required (or --trace FILE)")
         url = loadgen.completions_url(args.url)
         prompt_lens = parse_int_list(args.prompt_lens)
         output_lens = parse_int_list(args.output_lens)
