@@ -29,6 +29,12 @@ bench: setup
 	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
 	$(PY) -m pdcluster.bench.disagg_transfer
 
+# Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).
+TRACES ?= ../shared/traces
+bench-sim: setup
+	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
+	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --out docs/benchmarks/sim/mooncake_conversation
+
 bench-kernels: setup
 	$(PY) -m pdcluster.bench.kernels
 
