@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = build_app(engine, role=args.role, served_model_name=args.served_model_name or "pdcluster",
                     max_queue_depth=args.max_queue_depth, request_timeout=args.request_timeout,
-                    routers=[disagg.router], on_startup=[start, disagg.start], on_shutdown=[disagg.stop, stop])
+                    routers=[disagg.router], on_startup=[start, disagg.start], on_shutdown=[disagg.stop, stop],
+                    internal_secret=disagg.secret)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

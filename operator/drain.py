@@ -3,7 +3,9 @@
 Before a pool shrinks from N to N-k the operator picks k victims, marks each with
 `controller.kubernetes.io/pod-deletion-cost` (lower = deleted first by the ReplicaSet controller) and
 `pdcluster.dev/draining`, and POSTs `/drain` to it (the worker stops taking new work and finishes
-in-flight requests and transfers; its readiness drops so Services stop routing to it). Only then is the
+in-flight requests and transfers; its readiness drops so Services stop routing to it). The call carries
+the bearer token derived from the cluster's KV secret, as /internal/* calls do: a worker refuses an
+unauthenticated drain, and `/undrain` reverses one. Only then is the
 Deployment's replica count lowered. Pods already marked are chosen first, so a scale-down interrupted by
 an error picks the same pods next time.
 """
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 from pdcluster.operator import opmetrics
 from pdcluster.operator.models import WORKER_PORT
+from pdcluster.worker.transfer.secret import internal_headers  # stdlib only: no torch in the operator
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,8 @@ def pick_victims(pods: list[dict[str, Any]], count: int) -> list[dict[str, Any]]
     return sorted(live, key=key)[: max(0, count)]
 
 
-async def drain_pod(pod: dict[str, Any], http: httpx.AsyncClient, port: int = WORKER_PORT) -> bool:
+async def drain_pod(pod: dict[str, Any], http: httpx.AsyncClient, port: int = WORKER_PORT,
+                    secret: bytes | None = None) -> bool:
     ip = (pod.get("status") or {}).get("podIP")
     name = (pod.get("metadata") or {}).get("name")
     if not ip:
@@ -57,7 +61,8 @@ async def drain_pod(pod: dict[str, Any], http: httpx.AsyncClient, port: int = WO
         return False
     host = f"[{ip}]" if ":" in ip else ip
     try:
-        resp = await http.post(f"http://{host}:{port}/drain", timeout=httpx.Timeout(5.0, connect=2.0))
+        resp = await http.post(f"http://{host}:{port}/drain", timeout=httpx.Timeout(5.0, connect=2.0),
+                               headers=internal_headers(secret))
         ok = resp.status_code < 400
         opmetrics.DRAINS.labels("ok" if ok else f"http_{resp.status_code}").inc()
         if not ok:

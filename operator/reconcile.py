@@ -233,7 +233,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     for r in render.WORKER_ROLES:
         cur = current[r]
         if cur is not None and desired[r] < cur:
-            await _drain_victims(ctx, owner, r, cur - desired[r], now_s)
+            await _drain_victims(ctx, owner, r, cur - desired[r], now_s, key)
 
     # 6. Apply every child.
     applied: dict[tuple[str, str], dict[str, Any]] = {}
@@ -273,7 +273,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     return Outcome(scale.next_delay, new_status, scale.decision)
 
 
-async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str) -> None:
+async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str,
+                         key: bytes | None = None) -> None:
     pods = await ctx.kube.list("v1", "Pod", owner.namespace, naming.selector_labels(owner, role))
     victims = drain.pick_victims(pods, count)
     http = ctx.http or httpx.AsyncClient(trust_env=False)
@@ -284,7 +285,8 @@ async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: in
                 drain.DELETION_COST: drain.VICTIM_COST, drain.DRAINING: now_s}}})
             log.info("draining %s/%s before scaling %s down", owner.namespace, name, role)
         # Ask all victims at once: an unreachable pod costs one short timeout, not one per pod.
-        await asyncio.gather(*(drain.drain_pod(pod, http) for pod in victims))
+        # the workers refuse /drain without the bearer token derived from the KV secret
+        await asyncio.gather(*(drain.drain_pod(pod, http, secret=key) for pod in victims))
     finally:
         if ctx.http is None:
             await http.aclose()

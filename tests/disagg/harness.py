@@ -34,7 +34,7 @@ def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: 
         engine.shutdown()
 
     app = build_app(engine, role=role, served_model_name="tiny", routers=[d.router], on_startup=[d.start],
-                    on_shutdown=[d.stop, shutdown], request_timeout=60)
+                    on_shutdown=[d.stop, shutdown], request_timeout=60, internal_secret=secret)
     app.state.disagg = d
     return app, engine
 

@@ -84,10 +84,20 @@ class RouterState:
         recent = [t for t in self._done if now - t < 10.0]
         return len(recent) / 10.0
 
+    def ready(self) -> bool:
+        """Every request needs a decode worker (prefill workers only help): without one, not ready."""
+        return any(w.healthy for w in self.pool.pool("decode"))
+
     def admit(self) -> None:
         if not self.pool.any_healthy():
             self.metrics.rejected("not_ready")
             raise errors.unavailable("no healthy workers behind the router", code="no_workers")
+        if not self.ready():
+            # Answer at once (503 + Retry-After) instead of queueing behind a pool that may stay empty
+            # (all decode workers down, restarting or drained).
+            self.metrics.rejected("not_ready")
+            raise errors.unavailable("no healthy decode worker behind the router (down, restarting or draining)",
+                                     code="no_decode_worker")
         if not admit(self.waiting, self.max_queue_depth):
             self.metrics.rejected("queue_full")
             raise errors.queue_full(retry_after_seconds(self.waiting, self.completion_rate()))
@@ -241,11 +251,19 @@ def build_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        """Readiness: 503 while no decode worker is healthy (the router could only refuse requests)."""
         st = _state(request)
-        ok = st.pool.any_healthy()
-        body = {"status": "ok" if ok else "no_workers", "role": "router",
-                "healthy_workers": sum(w.healthy for w in st.pool.workers.values())}
+        ok = st.ready()
+        status = "ok" if ok else ("no_decode_workers" if st.pool.any_healthy() else "no_workers")
+        body = {"status": status, "role": "router",
+                "healthy_workers": sum(w.healthy for w in st.pool.workers.values()),
+                "healthy_decode_workers": sum(w.healthy for w in st.pool.pool("decode"))}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        """Liveness: the router process answers (an empty decode pool is not a reason to restart it)."""
+        return JSONResponse({"status": "ok", "role": "router"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server of one worker.
 
 `build_app(engine, ...)` returns a FastAPI app with /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics and /drain. The request lifecycle (admission, deadline, abort on
+/v1/models, /health, /metrics, /drain and /undrain. The request lifecycle (admission, deadline, abort on
 disconnect, metrics) lives in serving.WorkerServer, reachable from any route as
 `request.app.state.worker`, so extra routers passed in `routers=` (e.g. the prefill->decode
 KV transfer endpoints) reuse it instead of re-implementing it.
@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -42,6 +42,7 @@ from pdcluster.worker.api.protocol import (
     new_id,
 )
 from pdcluster.worker.server.lifecycle import EngineLike, ModelLimits, WorkerServer
+from pdcluster.worker.transfer.secret import check_internal_auth
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def build_app(
     routers: Sequence[APIRouter] = (),
     on_startup: Sequence[Callable[[], Awaitable[None]]] = (),
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    internal_secret: bytes | None = None,
 ) -> FastAPI:
     """The worker app. `tokenizer` defaults to the engine's (None = token-id prompts only).
 
@@ -73,6 +75,9 @@ def build_app(
 
     `on_startup` hooks run before /health turns ready (e.g. engine warm-up); `on_shutdown`
     hooks run after the server stops taking connections.
+
+    `internal_secret` (the KV secret) guards /drain and /undrain with the same derived bearer token as
+    /internal/*: anyone who can reach the port must not be able to take a worker out of rotation.
     """
     metrics = metrics or WorkerMetrics(role, cluster=cluster)
     worker = WorkerServer(
@@ -101,6 +106,7 @@ def build_app(
 
     app = FastAPI(title="pdcluster worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
+    app.state.internal_secret = internal_secret
 
     def count_invalid(status: int) -> None:
         if status == 400:
@@ -325,6 +331,13 @@ def _stream(outputs: AsyncGenerator[RequestOutput, None], events: AsyncIterator[
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+async def _operator_auth(request: Request) -> None:
+    """/drain and /undrain take the /internal/* bearer token (derived from the KV secret; none in local dev)."""
+    if not check_internal_auth(request.app.state.internal_secret, request.headers.get("authorization")):
+        raise errors.APIError(401, "missing or invalid internal authentication token", type="authentication_error",
+                              code="invalid_internal_token", headers={"WWW-Authenticate": "Bearer"})
+
+
 def _ops_routes() -> APIRouter:
     r = APIRouter()
 
@@ -337,11 +350,18 @@ def _ops_routes() -> APIRouter:
     async def metrics(request: Request) -> Response:
         return Response(_worker(request).metrics.render(), media_type=CONTENT_TYPE)
 
-    @r.post("/drain")
+    @r.post("/drain", dependencies=[Depends(_operator_auth)])
     async def drain(request: Request, wait: bool = False, timeout: float | None = None) -> JSONResponse:
         """Stop taking new work; with ?wait=true return only when in-flight requests are done."""
         w = _worker(request)
         idle = await w.drain(wait=wait, timeout=timeout)
         return JSONResponse({"status": "draining", "in_flight": w.in_flight, "idle": idle})
+
+    @r.post("/undrain", dependencies=[Depends(_operator_auth)])
+    async def undrain(request: Request) -> JSONResponse:
+        """Take new work again (a drain whose scale-down was called off, or one sent by mistake)."""
+        w = _worker(request)
+        w.draining = False
+        return JSONResponse({"status": "ok" if w.ready else "starting", "in_flight": w.in_flight})
 
     return r

@@ -283,6 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         routers=[disagg.router],
         on_startup=[start, disagg.start],
         on_shutdown=[disagg.stop, stop],
+        internal_secret=disagg.secret,  # /drain and /undrain take the same token as /internal/*
     )
     app.state.transfer_options = transfer
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
