@@ -19,8 +19,14 @@ from pdcluster.bench import trace as tr
 from pdcluster.bench.sim import policies as pol
 from pdcluster.bench.sim.cluster import RunResult, simulate
 from pdcluster.bench.sim.model import SLO, ServiceModel, capacities_from_profile
-from pdcluster.bench.sim.report import (attainment, goal_check, plot_replicas, plot_tradeoff, policy_summary,
-                                        trace_summary)
+from pdcluster.bench.sim.report import (
+    attainment,
+    goal_check,
+    plot_replicas,
+    plot_tradeoff,
+    policy_summary,
+    trace_summary,
+)
 from pdcluster.bench.sim.search import generous_sizes, static_best
 
 PROG = "pdcluster simulate"

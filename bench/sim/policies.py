@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 
 from pdcluster.bench.sim.observe import PolicyInput
+from pdcluster.bench.trace import Trace
 from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler import PoolView, State, decide
-from pdcluster.bench.trace import Trace
 from pdcluster.operator.planner import Bounds, plan
 
 NAMES = ("pdcluster", "no-headroom", "independent", "static-1:1", "static-best")
