@@ -1,4 +1,5 @@
-"""`pdcluster up --autoscale`: the planner-driven resize decision, with the router's metrics faked."""
+"""`pdcluster up --autoscale`: the operator's autoscaler core (`decide`) fed from the local /metrics, with the
+router's and the workers' metrics faked (no processes)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,25 @@ from typing import Any
 
 import httpx
 import pytest
-from pdcluster.worker.local import autoscale as launch_autoscale
-from pdcluster.worker.local.autoscale import Autoscaler, counters
-from pdcluster.worker.local.demo import plan_pd
+
+from pdcluster.operator import autoscaler as operator_autoscaler
+from pdcluster.operator import planner
+from pdcluster.operator.autoscaler import Observation, Policy
+from pdcluster.operator.planner import Bounds
+from pdcluster.worker.local import autoscale, demo
+from pdcluster.worker.local.autoscale import Autoscaler, Scrape, counters, observation
+
+ROUTER = "http://router"
+
+
+def test_demo_prints_the_operator_planners_pd(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = demo.pd_lines(2048, 512, 10_000, 2_000, 10.0, (1, 1))  # DESIGN.md's example: 1 : 1.25
+    assert "4 prefill : 4 decode" in lines[-1] and "ratio 1.25" in lines[-1]  # ceil(1.5*10*0.2048), ceil(3.84)
+    seen = []
+    monkeypatch.setattr(demo, "plan", lambda **kw: seen.append(kw) or planner.plan(**kw))
+    demo.pd_lines(100, 10, 1_000, 100, 1.0, (1, 1))
+    assert seen == [{"input_len": 100, "output_len": 10, "prefill_capacity": 1_000, "decode_capacity": 100,
+                     "request_rate": 1.0, "headroom": 1.5}]
 
 
 def test_counters_sum_series_across_labels() -> None:
@@ -18,10 +35,37 @@ def test_counters_sum_series_across_labels() -> None:
     assert counters(text) == {"pdcluster_requests_total": 5.0, "foo": 1.0}
 
 
-def test_plan_pd_uses_the_operator_planner() -> None:
-    pd = plan_pd(2048, 512, 10_000, 2_000, 10.0)  # DESIGN.md's example: 1 : 1.25
-    assert pd["source"] == "operator" and abs(pd["ratio"] - 1.25) < 1e-9
-    assert (pd["prefill"], pd["decode"]) == (4, 4)  # ceil(1.5*10*0.2048)=4, ceil(1.5*10*0.256)=4
+def _router(n: float, prompt: float, gen: float) -> dict[str, float]:
+    return {"pdcluster_requests_total": n, "pdcluster_prompt_tokens_total": prompt,
+            "pdcluster_generation_tokens_total": gen}
+
+
+def test_observation_has_the_operators_definitions() -> None:
+    first = Scrape(0.0, _router(100, 10_000, 2_000), {
+        "prefill-0": ("prefill", {"pdcluster_prompt_tokens_total": 6_000}),
+        "decode-0": ("decode", {"pdcluster_generation_tokens_total": 1_000}),
+        "decode-1": ("decode", {"pdcluster_generation_tokens_total": 1_000}),
+    })
+    last = Scrape(10.0, _router(200, 30_000, 4_000), {
+        "prefill-0": ("prefill", {"pdcluster_prompt_tokens_total": 26_000}),
+        "decode-0": ("decode", {"pdcluster_generation_tokens_total": 2_000}),
+        "decode-1": ("decode", {"pdcluster_generation_tokens_total": 50}),  # restarted: counts from 0
+    })
+    obs = observation(first, last, {"prefill": [2, 1, 3], "decode": [1, 0, 4]})
+    assert obs == Observation(
+        request_rate=10.0, mean_input_tokens=200.0, mean_output_tokens=20.0,
+        prefill_tokens_per_instance=2_000.0,  # 20 000 prompt tokens in 10 s on one instance
+        decode_tokens_per_instance=(1_000 + 50) / 10 / 2,
+        prefill_saturated=True,  # the queue never emptied
+        decode_saturated=False,  # it emptied once
+    )
+
+
+def test_no_router_no_observation_and_no_traffic_no_lengths() -> None:
+    assert observation(Scrape(0, None), Scrape(10, _router(1, 1, 1)), {}) is None
+    idle = observation(Scrape(0, _router(5, 50, 5)), Scrape(10, _router(5, 50, 5)), {})
+    assert idle is not None and idle.request_rate == 0 and idle.mean_input_tokens is None
+    assert idle.prefill_tokens_per_instance is None  # no prefill worker answered
 
 
 @dataclass
@@ -44,35 +88,112 @@ class FakeSup:
         self.log.append(f"-{name}")
 
 
-def metrics(n: float, prompt: float, gen: float, ttft_sum: float, tpot_sum: float, tpot_n: float) -> str:
-    return "\n".join([
-        f"pdcluster_requests_total {n}", f"pdcluster_prompt_tokens_total {prompt}",
-        f"pdcluster_generation_tokens_total {gen}", f"pdcluster_time_to_first_token_seconds_sum {ttft_sum}",
-        f"pdcluster_time_to_first_token_seconds_count {n}", f"pdcluster_time_per_output_token_seconds_sum {tpot_sum}",
-        f"pdcluster_time_per_output_token_seconds_count {tpot_n}"])
+class FakeCluster:
+    """Counters that grow by `rate` requests/s of `in_len`/`out_len` tokens, served by the running workers;
+    `waiting` requests queued on each decode worker. Answers httpx.get for the router and the workers."""
+
+    def __init__(self, sup: FakeSup, workers: dict[str, tuple[str, str]]) -> None:
+        self.sup, self.workers = sup, workers
+        self.t, self.rate, self.in_len, self.out_len, self.waiting = 0.0, 0.0, 100.0, 50.0, 0.0
+        self.totals = {"requests": 0.0, "prompt": 0.0, "gen": 0.0}
+        self.per_worker: dict[str, float] = {n: 0.0 for n in workers}
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+        n = self.rate * dt
+        self.totals = {"requests": self.totals["requests"] + n, "prompt": self.totals["prompt"] + n * self.in_len,
+                       "gen": self.totals["gen"] + n * self.out_len}
+        for role, tokens in (("prefill", n * self.in_len), ("decode", n * self.out_len)):
+            live = [w for w, (r, _) in self.workers.items() if r == role and self.sup.procs[w].enabled]
+            for w in live:
+                self.per_worker[w] += tokens / len(live)
+
+    def get(self, url: str, timeout: float = 0) -> httpx.Response:
+        base = url.removesuffix("/metrics")
+        if base == ROUTER:
+            t = self.totals
+            text = (f'pdcluster_requests_total{{role="router"}} {t["requests"]}\n'
+                    f'pdcluster_prompt_tokens_total{{role="router"}} {t["prompt"]}\n'
+                    f'pdcluster_generation_tokens_total{{role="router"}} {t["gen"]}\n')
+            return httpx.Response(200, text=text)
+        name = next(n for n, (_, u) in self.workers.items() if u == base)
+        role = self.workers[name][0]
+        counter = "pdcluster_prompt_tokens_total" if role == "prefill" else "pdcluster_generation_tokens_total"
+        waiting = self.waiting if role == "decode" else 0.0
+        return httpx.Response(200, text=f'{counter}{{role="{role}"}} {self.per_worker[name]}\n'
+                                        f'pdcluster_requests_waiting{{role="{role}"}} {waiting}\n')
 
 
-def test_autoscaler_scales_up_at_once_and_down_after_three_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
-    sup = FakeSup({"prefill-0": FakeProc(True, object()), "prefill-1": FakeProc(True),
-                   "decode-0": FakeProc(True, object()), "decode-1": FakeProc(True), "decode-2": FakeProc(True)})
-    snaps = iter([metrics(0, 0, 0, 0, 0, 0),
-                  # heavy: 600 requests of 1000 in / 100 out tokens, slow TTFT -> needs more of both pools
-                  metrics(600, 600_000, 60_000, 600 * 0.5, 60_000 * 0.05, 60_000)]
-                 + [metrics(600 + k, 600_000 + 10 * k, 60_000 + k, 300 + 0.001 * k, 3000 + 0.001 * k, 60_000 + k)
-                    for k in range(1, 5)])
-    monkeypatch.setattr(launch_autoscale.httpx, "get", lambda *a, **k: httpx.Response(200, text=next(snaps)))
-    clock = [0.0]
-    monkeypatch.setattr(launch_autoscale.time, "monotonic", lambda: clock[0])
-    scaler = Autoscaler("http://router", sup, max_workers=3, interval=15)  # type: ignore[arg-type]
-    for _ in range(2):
-        clock[0] += 15
-        scaler.tick()
-    assert "+prefill-1" in sup.log and "+decode-1" in sup.log
-    grown = len(sup.log)
-    for _ in range(2):  # light traffic: two ticks are not enough to shrink
-        clock[0] += 15
-        scaler.tick()
-    assert len(sup.log) == grown
-    clock[0] += 15
-    scaler.tick()
-    assert any(e.startswith("-") for e in sup.log[grown:])
+WORKERS = {f"{r}-{i}": (r, f"http://{r}-{i}") for r in ("prefill", "decode") for i in range(3)}
+
+
+def _setup(monkeypatch: pytest.MonkeyPatch, policy: Policy) -> tuple[FakeSup, FakeCluster, Autoscaler, list[Any]]:
+    sup = FakeSup({n: FakeProc(True, object() if n.endswith("-0") else None) for n in WORKERS})
+    cluster = FakeCluster(sup, WORKERS)
+    monkeypatch.setattr(autoscale.httpx, "get", cluster.get)
+    monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
+    calls: list[Any] = []
+
+    def spy(*args: Any) -> Any:  # the real operator core; the calls are recorded
+        d = operator_autoscaler.decide(*args)
+        calls.append((args, d))
+        return d
+
+    monkeypatch.setattr(autoscale, "decide", spy)
+    return sup, cluster, Autoscaler(ROUTER, sup, WORKERS, policy, interval=15), calls
+
+
+def _run(cluster: FakeCluster, scaler: Autoscaler, seconds: float) -> list[str]:
+    events: list[str] = []
+    for _ in range(int(seconds / 1.5)):
+        cluster.advance(1.5)
+        events += scaler.tick()
+    return events
+
+
+def test_up_autoscale_applies_the_operators_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    # decode capacity 1000 output tok/s per worker (as `pdcluster profile` would give), 40 req/s x 50 out:
+    # D = ceil(1.5 * 40 * 50 / 1000) = 3; prefill capacity learned from a saturated window.
+    policy = Policy(bounds=Bounds(1, 3, 1, 3), decode_capacity=1000.0)
+    sup, cluster, scaler, calls = _setup(monkeypatch, policy)
+    cluster.rate = 40.0
+    events = _run(cluster, scaler, 16.5)
+    assert len(calls) == 1
+    (pol, state, obs, pv, dv, _now), d = calls[0]
+    assert pol is policy and state == operator_autoscaler.State()
+    assert obs.request_rate == pytest.approx(40.0) and obs.mean_output_tokens == pytest.approx(50.0)
+    assert (pv.current, dv.current, dv.ready) == (1, 1, 1)
+    assert d.decode.desired == 3 and d.prefill.reason == "CapacityUnknown"  # never saturated, no capacity
+    assert sup.log == ["+decode-1", "+decode-2"]
+    assert any("decode 1->3 (ScaleUp" in e for e in events)
+    assert scaler.state == d.state  # the state is carried to the next decision, as the operator does
+
+
+def test_an_unknown_capacity_holds_the_pool_like_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Heavy traffic but no capacity configured and no saturated window: the operator holds (CapacityUnknown);
+    # the old local rules scaled from client-side TTFT/TPOT instead.
+    sup, cluster, scaler, calls = _setup(monkeypatch, Policy(bounds=Bounds(1, 3, 1, 3)))
+    cluster.rate = 200.0
+    events = _run(cluster, scaler, 31.5)
+    assert len(calls) == 2 and all(d.reason == "CapacityUnknown" for _, d in calls)
+    assert sup.log == [] and sum("CapacityUnknown" in e for e in events) == 1  # said once, not every tick
+    # a decode queue that never empties for a whole window teaches the decode capacity: then it scales
+    cluster.waiting = 5.0
+    _run(cluster, scaler, 15)
+    assert calls[-1][1].decode.capacity_source == "unknown"  # the window began with an empty queue
+    _run(cluster, scaler, 15)
+    assert calls[-1][1].decode.capacity_source == "learned" and "+decode-1" in sup.log
+
+
+def test_scale_down_waits_for_the_stabilization_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = Policy(bounds=Bounds(1, 3, 1, 3), stabilization_seconds=60, decode_capacity=1000.0,
+                    prefill_capacity=10_000.0)
+    sup, cluster, scaler, calls = _setup(monkeypatch, policy)
+    cluster.rate = 40.0
+    _run(cluster, scaler, 16.5)
+    assert sup.log == ["+decode-1", "+decode-2"]
+    cluster.rate = 1.0  # D = ceil(1.5 * 1 * 50 / 1000) = 1
+    _run(cluster, scaler, 45)
+    assert [d.reason for _, d in calls[1:]] == ["Stabilizing"] * 3 and sup.log[2:] == []
+    _run(cluster, scaler, 30)
+    assert calls[-1][1].reason == "ScaleDown" and sup.log[2:] == ["-decode-2"]  # one step at a time

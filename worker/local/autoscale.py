@@ -1,82 +1,192 @@
-"""`pdcluster up --autoscale`: resize the local pools from the router's own counters with the operator's
-planner — the same decision the Kubernetes autoscaler makes from Prometheus, on a laptop."""
+"""`pdcluster up --autoscale`: resize the local pools with the operator's own autoscaler core.
+
+The decision is `pdcluster.operator.autoscaler.decide`, called with the same inputs the operator gives it;
+only the source of the observation differs. In Kubernetes, Prometheus answers PromQL over a window
+(`operator/promsource.py`); here the router's and the workers' `/metrics` are scraped directly and the same
+quantities are computed from counter deltas between the first and the last scrape of the window:
+
+- λ = requests/s at the router; I, O = the router's prompt/output tokens per request;
+- per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
+  by how many of them answered;
+- saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window.
+
+The autoscaler state (learned capacities, stabilization windows) lives in this process, as the operator
+keeps it in the PDCluster's status. Disabled workers are the "replicas" that can be added; the ones started
+last are stopped first.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 
-from pdcluster.worker.local.demo import plan_pd
-from pdcluster.worker.local.supervisor import Supervisor
+from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
+
+POOLS = ("prefill", "decode")
+# Which counter measures a pool's work (as in promsource): prompt tokens for prefill, output tokens for decode.
+POOL_COUNTER = {"prefill": "pdcluster_prompt_tokens_total", "decode": "pdcluster_generation_tokens_total"}
 
 
 def counters(text: str) -> dict[str, float]:
+    """Prometheus text -> {series name: value summed over its label sets}."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
         name, value = line.rsplit(" ", 1)
-        out[name.split("{", 1)[0]] = out.get(name.split("{", 1)[0], 0.0) + float(value)
+        key = name.split("{", 1)[0]
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
     return out
 
 
+@dataclass(frozen=True)
+class Scrape:
+    t: float
+    router: dict[str, float] | None  # None: the router did not answer
+    workers: dict[str, tuple[str, dict[str, float]]] = field(default_factory=dict)  # name -> (role, series)
+
+    def waiting(self, role: str) -> float | None:
+        """Summed queue of the pool's workers that answered; None when none did."""
+        vals = [s.get("pdcluster_requests_waiting", 0.0) for r, s in self.workers.values() if r == role]
+        return sum(vals) if vals else None
+
+
+def _increase(before: dict[str, float] | None, after: dict[str, float], key: str) -> float:
+    """Counter increase; a counter that went down was reset (a restarted process) and counts from 0."""
+    b, a = (before or {}).get(key, 0.0), after.get(key, 0.0)
+    return a - b if a >= b else a
+
+
+def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) -> Observation | None:
+    """The operator's Observation from two scrapes and the queue samples between them (pure).
+    None when the router was not reachable at either end (the operator's "metrics unavailable")."""
+    dt = last.t - first.t
+    if first.router is None or last.router is None or dt <= 0:
+        return None
+    rate = _increase(first.router, last.router, "pdcluster_requests_total") / dt
+    prompt = _increase(first.router, last.router, "pdcluster_prompt_tokens_total") / dt
+    gen = _increase(first.router, last.router, "pdcluster_generation_tokens_total") / dt
+
+    def per_instance(role: str) -> float | None:
+        now = {n: s for n, (r, s) in last.workers.items() if r == role}
+        if not now:
+            return None
+        before = {n: s for n, (_, s) in first.workers.items()}
+        return sum(_increase(before.get(n), s, POOL_COUNTER[role]) for n, s in now.items()) / dt / len(now)
+
+    return Observation(
+        request_rate=rate,
+        mean_input_tokens=prompt / rate if rate > 0 else None,
+        mean_output_tokens=gen / rate if rate > 0 else None,
+        prefill_tokens_per_instance=per_instance("prefill"),
+        decode_tokens_per_instance=per_instance("decode"),
+        prefill_saturated=bool(waiting.get("prefill")) and min(waiting["prefill"]) > 0,
+        decode_saturated=bool(waiting.get("decode")) and min(waiting["decode"]) > 0,
+    )
+
+
+def describe(d: Decision, before: dict[str, int]) -> str:
+    """One line in the words of the operator's `Scaled` event."""
+    i = d.inputs
+
+    def f(v: float | None, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.3g}{unit}"
+
+    return (f"prefill {before['prefill']}->{d.prefill.desired}, decode {before['decode']}->{d.decode.desired} "
+            f"({d.reason}: rate {f(i['requestRate'], ' req/s')}, I {f(i['meanInputTokens'])}, "
+            f"O {f(i['meanOutputTokens'])}, C_p {f(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
+            f"C_d {f(i['decodeCapacity'])} ({i['decodeCapacitySource']}), headroom {i['headroom']})")
+
+
+class Procs(Protocol):  # what the autoscaler needs of the Supervisor
+    procs: dict[str, Any]  # name -> Proc (.enabled, .popen)
+
+    def enable(self, name: str) -> None: ...
+
+    def disable(self, name: str) -> None: ...
+
+
 class Autoscaler:
-    """Every `interval` s: rate and mean lengths from the router's counters; capacities learned from the
-    workers' own TTFT/TPOT sums (tokens per busy second); scale up at once, down after 3 agreeing ticks."""
+    """Scrapes every `interval / 10` s (the queue samples), decides every `interval` s with `decide`, and
+    starts or stops workers to match. `workers`: process name -> (role, base URL)."""
 
-    def __init__(self, router: str, sup: Supervisor, max_workers: int, interval: float = 15.0) -> None:
-        self.router, self.sup, self.max_workers, self.interval = router, sup, max_workers, interval
-        self.last: tuple[float, dict[str, float]] | None = None
-        self.next_at = time.monotonic() + interval
-        self.down_votes = 0
+    def __init__(self, router: str, sup: Procs, workers: dict[str, tuple[str, str]], policy: Policy,
+                 interval: float = 15.0) -> None:
+        self.router, self.sup, self.workers, self.policy, self.interval = router, sup, workers, policy, interval
+        self.state = State()
+        self.started = time.monotonic()
+        self.next_scrape = self.started
+        self.next_decision = self.started + interval
+        self.first: Scrape | None = None
+        self.waiting: dict[str, list[float]] = {r: [] for r in POOLS}
+        self.last_reason: str | None = None
 
-    def _running(self, role: str) -> int:
-        return sum(1 for n, p in self.sup.procs.items() if n.startswith(role) and p.enabled and p.popen is not None)
+    def _running(self, role: str) -> list[str]:
+        return sorted(n for n, (r, _) in self.workers.items()
+                      if r == role and self.sup.procs[n].enabled and self.sup.procs[n].popen is not None)
+
+    def _scrape(self, now: float) -> Scrape:
+        def get(url: str) -> dict[str, float] | None:
+            try:
+                r = httpx.get(f"{url}/metrics", timeout=1.0)
+            except httpx.HTTPError:
+                return None
+            return counters(r.text) if r.status_code == 200 else None
+
+        workers = {}
+        for role in POOLS:
+            for name in self._running(role):
+                series = get(self.workers[name][1])
+                if series is not None:
+                    workers[name] = (role, series)
+        return Scrape(now, get(self.router), workers)
 
     def tick(self) -> list[str]:
-        if time.monotonic() < self.next_at:
+        now = time.monotonic()
+        if now < self.next_scrape:
             return []
-        self.next_at = time.monotonic() + self.interval
-        try:
-            now = (time.monotonic(), counters(httpx.get(f"{self.router}/metrics", timeout=2).text))
-        except httpx.HTTPError:
+        self.next_scrape = now + max(0.5, self.interval / 10)
+        scrape = self._scrape(now)
+        samples = {r: [w] if (w := scrape.waiting(r)) is not None else [] for r in POOLS}
+        if self.first is None:
+            self.first, self.waiting = scrape, samples
             return []
-        prev, self.last = self.last, now
-        if prev is None:
+        for r in POOLS:
+            self.waiting[r] += samples[r]
+        if now < self.next_decision:
             return []
-        dt = now[0] - prev[0]
-        d: dict[str, Any] = {k: now[1].get(k, 0.0) - prev[1].get(k, 0.0) for k in now[1]}
-        n = d.get("pdcluster_requests_total", 0.0)
-        if n <= 0 or dt <= 0:
-            return []
-        mean_in = d.get("pdcluster_prompt_tokens_total", 0.0) / n
-        mean_out = max(1.0, d.get("pdcluster_generation_tokens_total", 0.0) / n)
-        # capacity: inverse of the client-visible per-token times (conservative: includes queueing)
-        ttft = d.get("pdcluster_time_to_first_token_seconds_sum", 0.0) / max(1.0, d.get(
-            "pdcluster_time_to_first_token_seconds_count", 0.0))
-        tpot = d.get("pdcluster_time_per_output_token_seconds_sum", 0.0) / max(1.0, d.get(
-            "pdcluster_time_per_output_token_seconds_count", 0.0))
-        if ttft <= 0 or tpot <= 0 or mean_in <= 0:
-            return []
-        pd = plan_pd(mean_in, mean_out, mean_in / ttft, 8.0 / tpot, n / dt)
-        want = {"prefill": min(self.max_workers, max(1, pd["prefill"])),
-                "decode": min(self.max_workers, max(1, pd["decode"]))}
-        events = []
-        shrink = any(want[r] < self._running(r) for r in want)
-        self.down_votes = self.down_votes + 1 if shrink else 0
-        for role, target in want.items():
-            have = self._running(role)
-            names = sorted(n for n in self.sup.procs if n.startswith(role))
-            if target > have:
-                for name in [n for n in names if not self.sup.procs[n].enabled or self.sup.procs[n].popen is None][
-                        : target - have]:
+        self.next_decision = now + self.interval
+        obs = observation(self.first, scrape, self.waiting)
+        # This scrape ends one window and starts the next (its queue sample counts in both).
+        self.first, self.waiting = scrape, samples
+        # current = the workers we run (the operator's "replicas it last set"); ready = those that answered.
+        current = {r: len(self._running(r)) for r in POOLS}
+        ready = {r: sum(1 for role, _ in scrape.workers.values() if role == r) for r in POOLS}
+        views = {r: PoolView(current[r], ready[r], since=self.started) for r in POOLS}
+        d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now)
+        self.state = d.state
+        return self.apply(d, current)
+
+    def apply(self, d: Decision, current: dict[str, int]) -> list[str]:
+        events: list[str] = []
+        if d.changed or d.reason != self.last_reason:
+            events.append(f"autoscale: {describe(d, current)}")
+        self.last_reason = d.reason
+        for role in POOLS:
+            target, running = d.pool(role).desired, self._running(role)
+            names = sorted(n for n, (r, _) in self.workers.items() if r == role)
+            if target > len(running):
+                for name in [n for n in names if n not in running][: target - len(running)]:
                     self.sup.enable(name)
-                    events.append(f"autoscale: started {name} ({role} {have} -> {target})")
-            elif target < have and self.down_votes >= 3:
-                for name in [n for n in reversed(names) if self.sup.procs[n].enabled
-                             and self.sup.procs[n].popen is not None][: have - target]:
+                    events.append(f"autoscale: started {name}")
+            elif target < len(running):
+                for name in list(reversed(running))[: len(running) - target]:
                     self.sup.disable(name)
-                    events.append(f"autoscale: stopped {name} ({role} {have} -> {target})")
+                    events.append(f"autoscale: stopped {name}")
         return events

@@ -5,31 +5,26 @@ operator's planner would choose for the capacities and traffic just measured."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from pdcluster.operator.planner import plan
 from pdcluster.worker.local.workload import Req, fmt_ms, mixed, run
 
 
-def plan_pd(input_len: float, output_len: float, c_p: float, c_d: float, rate: float) -> dict[str, Any]:
-    """P:D from pdcluster.operator.planner when importable, else the same formula inline."""
-    try:
-        from pdcluster.operator.planner import plan
-
-        p = plan(input_len=input_len, output_len=output_len, prefill_capacity=c_p, decode_capacity=c_d,
-                 request_rate=rate, headroom=1.5)
-        return {"prefill": p.prefill_replicas, "decode": p.decode_replicas, "ratio": p.ratio, "source": "operator"}
-    except ImportError:
-        import math
-
-        sp, sd = input_len / c_p, output_len / c_d
-        return {"prefill": max(1, math.ceil(1.5 * rate * sp)), "decode": max(1, math.ceil(1.5 * rate * sd)),
-                "ratio": sd / sp, "source": "inline"}
+def pd_lines(mean_in: float, mean_out: float, c_p: float, c_d: float, rate: float, running: tuple[int, int]
+             ) -> list[str]:
+    """The P:D decision of the operator's planner (the one P:D formula in the tree) for what was measured."""
+    p = plan(input_len=mean_in, output_len=mean_out, prefill_capacity=c_p, decode_capacity=c_d,
+             request_rate=rate, headroom=1.5)
+    return [f"  measured capacity per instance: prefill {c_p:.0f} prompt tok/s, decode {c_d:.0f} output tok/s",
+            f"  workload: mean {mean_in:.0f} in / {mean_out:.0f} out tokens at {rate:.2f} req/s",
+            f"  P:D decision (operator planner, headroom 1.5): {p.prefill_replicas} prefill : {p.decode_replicas} "
+            f"decode  (decode/prefill time ratio {p.ratio:.2f}; running {running[0]}:{running[1]})"]
 
 
 def demo(router: str, *, n_prefill: int, n_decode: int) -> int:
     print("\nwarming up and measuring per-instance capacity ...", flush=True)
     # Prefill capacity: a long prompt alone; its TTFT is (almost) pure prefill time.
-    warm, _ = asyncio.run(run(router, [Req(512, 1, 0.0)]))
+    asyncio.run(run(router, [Req(512, 1, 0.0)]))  # warm-up (first-call allocations), not measured
     cal_p, _ = asyncio.run(run(router, [Req(512, 1, 0.0)]))
     c_p = 512 / cal_p.ttft_p50 if cal_p.ttft_p50 else 0.0
     # Decode capacity: a full batch of short prompts; tokens after the first over the time they took.
@@ -50,9 +45,5 @@ def demo(router: str, *, n_prefill: int, n_decode: int) -> int:
         mean_in = sum(r.prompt_len for r in results) / len(results)
         mean_out = sum(r.max_tokens for r in results) / len(results)
         rate = len(results) / s.wall_s
-        pd = plan_pd(mean_in, mean_out, c_p, c_d, rate)
-        print(f"\n  measured capacity per instance: prefill {c_p:.0f} prompt tok/s, decode {c_d:.0f} output tok/s")
-        print(f"  workload: mean {mean_in:.0f} in / {mean_out:.0f} out tokens at {rate:.2f} req/s")
-        print(f"  P:D decision ({pd['source']} planner, headroom 1.5): {pd['prefill']} prefill : {pd['decode']} "
-              f"decode  (decode/prefill time ratio {pd['ratio']:.2f}; running {n_prefill}:{n_decode})")
+        print("\n" + "\n".join(pd_lines(mean_in, mean_out, c_p, c_d, rate, (n_prefill, n_decode))))
     return 0 if s.ok == s.requests else 1

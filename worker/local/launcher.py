@@ -131,6 +131,17 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def autoscale_policy(args: argparse.Namespace) -> Any:
+    """The operator's autoscaler policy for `up --autoscale`: the CRD's defaults, the pools bounded by
+    [--prefill 0 ? 0 : 1, --max-workers] and [1, --max-workers], capacities from the flags or learned."""
+    from pdcluster.operator.autoscaler import Policy
+    from pdcluster.operator.planner import Bounds
+
+    return Policy(bounds=Bounds(min(1, args.prefill), args.max_workers, 1, args.max_workers),
+                  stabilization_seconds=args.scale_down_stabilization,
+                  prefill_capacity=args.prefill_capacity, decode_capacity=args.decode_capacity)
+
+
 class _Stop(Exception):
     pass
 
@@ -200,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
         if args.autoscale:
             from pdcluster.worker.local.autoscale import Autoscaler
 
-            scaler = Autoscaler(router, sup, args.max_workers)
+            workers = {f"{role}-{i}": (role, url) for role, urls in (("prefill", prefill_urls),
+                                                                      ("decode", decode_urls))
+                       for i, url in enumerate(urls)}
+            scaler = Autoscaler(router, sup, workers, autoscale_policy(args), interval=args.autoscale_interval)
         while True:
             for e in sup.poll():
                 print(f"  {e}", flush=True)
