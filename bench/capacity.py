@@ -5,6 +5,10 @@ Why a knee and not the peak: past the knee, a bigger batch buys little throughpu
 TPOT keeps growing (each step does more work), so the peak is a bad operating point. We take the
 smallest batch that reaches `frac` (90%) of the best measured throughput; it is robust to the noise of
 single measurements, unlike marginal-gain rules that stop at the first unlucky point.
+
+When that smallest batch is the largest one measured, throughput was still growing: there is no knee in
+the data. The recommendation is then the largest batch measured, and it is reported as that (never as a
+knee), with the advice to measure larger batches.
 """
 
 from __future__ import annotations
@@ -19,8 +23,20 @@ class Knee:
     throughput: float  # tokens/s at that batch
     peak_batch: int
     peak_throughput: float
-    saturated: bool  # False: still growing at the largest batch measured (measure larger batches)
+    found: bool  # False: still growing at the largest batch measured, which is then the recommendation
     limited_by_slo: bool = False  # the TPOT objective, not the knee, chose the batch
+    slo_unmet: bool = False  # no batch measured met the TPOT objective (the smallest is recommended)
+
+    @property
+    def reason(self) -> str:
+        """Why this batch, in words (the report and the YAML comment say the same thing)."""
+        if self.slo_unmet:
+            return "the smallest batch measured: none met --tpot-slo"
+        if self.limited_by_slo:
+            return "the largest batch within --tpot-slo"
+        if self.found:
+            return "the knee: larger batches add TPOT, not throughput"
+        return "the largest batch measured: throughput was still growing (no knee found)"
 
 
 def find_knee(points: Sequence[tuple[int, float]], frac: float = 0.9) -> tuple[int, float]:
@@ -46,24 +62,24 @@ def choose_decode_batch(
     tp = [(b, t) for b, t, _ in points]
     kb, kt = find_knee(tp, frac)
     peak_b, peak_t = max(tp, key=lambda p: (p[1], -p[0]))
-    largest = max(b for b, _ in tp)
-    # Saturated when the knee sits below the largest batch measured: bigger batches did not pay.
-    saturated = kb < largest
-    knee = Knee(kb, kt, peak_b, peak_t, saturated)
+    # A knee only when the smallest batch near the peak is below the largest measured: bigger batches
+    # were tried and did not pay. Otherwise kb *is* the largest measured and the curve was still rising.
+    found = kb < max(b for b, _ in tp)
+    knee = Knee(kb, kt, peak_b, peak_t, found)
     if tpot_slo is None:
         return knee
     ok = [(b, t) for b, t, tpot in points if tpot is not None and tpot <= tpot_slo]
     if not ok:
         smallest = min(points, key=lambda p: p[0])
-        return Knee(smallest[0], smallest[1], peak_b, peak_t, saturated, limited_by_slo=True)
+        return Knee(smallest[0], smallest[1], peak_b, peak_t, found, limited_by_slo=True, slo_unmet=True)
     slo_b, slo_t = max(ok)
     if slo_b < kb:
-        return Knee(slo_b, slo_t, peak_b, peak_t, saturated, limited_by_slo=True)
+        return Knee(slo_b, slo_t, peak_b, peak_t, found, limited_by_slo=True)
     return knee
 
 
 def capacity_yaml(prefill_tps: float | None, decode_tps: float | None, *, max_batch_size: int | None = None,
-                  comment: str = "") -> str:
+                  batch_reason: str = "", comment: str = "") -> str:
     """The block to paste into a PDCluster (rounded down: capacity is a promise, not a record)."""
     lines = []
     if comment:
@@ -74,5 +90,6 @@ def capacity_yaml(prefill_tps: float | None, decode_tps: float | None, *, max_ba
     if decode_tps:
         lines.append(f"      decodeTokensPerSecond: {int(decode_tps)}")
     if max_batch_size:
-        lines += ["  decode:", f"    maxBatchSize: {max_batch_size}  # the knee: larger batches add TPOT, not throughput"]
+        why = f"  # {batch_reason}" if batch_reason else ""
+        lines += ["  decode:", f"    maxBatchSize: {max_batch_size}{why}"]
     return "\n".join(lines) + "\n"

@@ -179,17 +179,21 @@ def _profile_model(args) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 
 
+def _decode_points(s: dict) -> list[tuple[int, float, float | None]]:
+    return [(d["batch"], d["output_tokens_per_second"], d["tpot_p50"]) for d in s["decode"]
+            if d["output_tokens_per_second"]]
+
+
 def summarize(raw: dict, frac: float = 0.9, tpot_slo: float | None = None) -> dict:
     """Add the capacities and the knee to a raw measurement (pure)."""
     pre = [(p["concurrency"], p["prompt_tokens_per_second"]) for p in raw["prefill"] if p["prompt_tokens_per_second"]]
-    dec = [(d["batch"], d["output_tokens_per_second"], d["tpot_p50"]) for d in raw["decode"]
-           if d["output_tokens_per_second"]]
+    dec = _decode_points(raw)
     out = dict(raw)
     out["prefill_tokens_per_second"] = max((t for _, t in pre), default=None)
     out["prefill_knee_concurrency"] = find_knee(pre, frac)[0] if pre else None
     if dec:
         knee = choose_decode_batch(dec, frac, tpot_slo)
-        out["decode_knee"] = asdict(knee)
+        out["decode_knee"] = {**asdict(knee), "reason": knee.reason}
         out["decode_tokens_per_second"] = knee.throughput
         out["recommended_max_batch_size"] = knee.batch
     else:
@@ -200,6 +204,12 @@ def summarize(raw: dict, frac: float = 0.9, tpot_slo: float | None = None) -> di
     return out
 
 
+def _mark(knee: dict) -> str:
+    if knee["limited_by_slo"]:
+        return "TPOT objective"
+    return "knee" if knee["found"] else "largest measured (no knee)"
+
+
 def format_report(s: dict) -> str:
     lines = [f"profile of {s['target']}", "", "prefill (prompt tokens/s):"]
     for p in s["prefill"]:
@@ -208,14 +218,16 @@ def format_report(s: dict) -> str:
     lines += ["", "decode:", f"  {'batch':>5} {'out tok/s':>10} {'TPOT p50':>9}"]
     knee = s.get("decode_knee") or {}
     for d in s["decode"]:
-        mark = "  <- knee" if d["batch"] == knee.get("batch") else ""
+        mark = f"  <- {_mark(knee)}" if d["batch"] == knee.get("batch") else ""
         tpot = d["tpot_p50"]
         lines.append(f"  {d['batch']:>5} {d['output_tokens_per_second'] or 0:>10.1f} "
                      f"{(tpot or 0) * 1000:>7.1f}ms{mark}" + (f"  errors {d['errors']}" if d["errors"] else ""))
-    if knee and not knee["saturated"]:
-        lines.append("  (throughput still growing at the largest batch: measure larger --batch-sizes)")
-    if knee.get("limited_by_slo"):
-        lines.append("  (batch capped by --tpot-slo)")
+    if knee and not knee["found"]:
+        largest = max(b for b, *_ in _decode_points(s))
+        lines.append(f"  no knee found: throughput still growing at batch {largest}, the largest measured; "
+                     f"measure larger --batch-sizes to find it")
+    if knee:
+        lines.append(f"  recommended max batch size: {knee['batch']} ({knee['reason']})")
     for r in s.get("block_sizes", []):
         lines.append(f"\nblock size {r['block_size']:>2}: prefill {r['prefill_tokens_per_second']:.0f} tok/s, "
                      f"decode peak {r['decode_peak_tokens_per_second'] or 0:.1f} tok/s")
@@ -225,7 +237,7 @@ def format_report(s: dict) -> str:
             ratio = b["decode_peak_tokens_per_second"] / a["decode_peak_tokens_per_second"]
             lines.append(f"block size {b['block_size']} vs {a['block_size']}: decode x{ratio:.2f}")
     lines += ["", capacity_yaml(s["prefill_tokens_per_second"], s["decode_tokens_per_second"],
-                                max_batch_size=s["recommended_max_batch_size"],
+                                max_batch_size=s["recommended_max_batch_size"], batch_reason=knee.get("reason", ""),
                                 comment=f"pdcluster profile {s['target']} {time.strftime('%Y-%m-%d')}")]
     return "\n".join(lines)
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import yaml
-from pdcluster.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
-from pdcluster.bench.profile import summarize
 
+from pdcluster.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
+from pdcluster.bench.profile import format_report, summarize
 from pdcluster.cli import main
 
 
@@ -17,16 +17,16 @@ def test_knee_of_a_saturating_curve():
     assert find_knee(list(reversed(pts))) == (16, 640)  # order does not matter
 
 
-def test_knee_of_a_linear_curve_is_the_last_point_and_not_saturated():
+def test_a_linear_curve_has_no_knee_and_recommends_the_largest_batch():
     pts = [(b, 10.0 * b, 0.01) for b in (1, 2, 4, 8, 16, 32, 64)]
     k = choose_decode_batch(pts)
-    assert (k.batch, k.saturated) == (64, False)
+    assert (k.batch, k.found) == (64, False) and "no knee found" in k.reason
 
 
 def test_knee_tolerates_a_noisy_dip_and_a_past_peak_decline():
     pts = [(1, 100), (2, 150), (4, 140), (8, 400), (16, 420), (32, 380)]
     assert find_knee(pts) == (8, 400)
-    assert choose_decode_batch([(b, t, None) for b, t in pts]).saturated
+    assert choose_decode_batch([(b, t, None) for b, t in pts]).found
 
 
 def test_tpot_slo_caps_the_batch():
@@ -37,6 +37,40 @@ def test_tpot_slo_caps_the_batch():
     assert choose_decode_batch(pts, tpot_slo=0.1).limited_by_slo is False
     k = choose_decode_batch(pts, tpot_slo=0.001)  # nothing meets it: smallest batch, flagged
     assert (k.batch, k.limited_by_slo) == (1, True)
+
+
+def _raw(curve):
+    return {"target": "t", "prefill": [{"concurrency": 1, "prompt_tokens_per_second": 900.0, "errors": 0}],
+            "decode": [{"batch": b, "output_tokens_per_second": t, "tpot_p50": b / t, "errors": 0}
+                       for b, t in curve]}
+
+
+# (curve, knee found, recommended batch)
+CURVES = {
+    "still growing": ([(1, 100.0), (2, 190.0), (4, 370.0)], False, 4),
+    "last step adds under 11%": ([(1, 100.0), (2, 190.0), (4, 340.0), (8, 372.0)], True, 4),
+    "saturating": ([(1, 100.0), (2, 190.0), (4, 350.0), (8, 560.0), (16, 640.0), (32, 660.0)], True, 16),
+    "one batch only": ([(8, 500.0)], False, 8),
+    "past-peak decline": ([(1, 100.0), (2, 300.0), (4, 280.0)], True, 2),
+}
+
+
+@pytest.mark.parametrize("name", CURVES)
+def test_report_and_capacity_block_say_what_the_knee_detection_found(name):
+    curve, found, batch = CURVES[name]
+    s = summarize(_raw(curve))
+    report = format_report(s)
+    doc = yaml.safe_load(report[report.index("# pdcluster profile"):])
+    assert s["decode_knee"]["found"] is found and s["recommended_max_batch_size"] == batch
+    assert doc["spec"]["decode"]["maxBatchSize"] == batch
+    yaml_line = next(line for line in report.splitlines() if "maxBatchSize" in line)
+    if found:
+        assert f"{batch:>5}" in next(line for line in report.splitlines() if line.endswith("<- knee"))
+        assert "still growing" not in report and "the knee" in yaml_line
+    else:  # never "knee" next to "still growing" (the report once said both)
+        assert "<- knee" not in report and "the knee" not in yaml_line
+        assert f"no knee found: throughput still growing at batch {batch}, the largest measured" in report
+        assert "largest measured (no knee)" in report and "no knee found" in yaml_line
 
 
 @pytest.mark.parametrize("bad", [[], [(1, None)]])
