@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test demo test lint bench bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
+.PHONY: setup setup-test generate demo test lint bench bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
@@ -13,6 +13,11 @@ setup:
 setup-test:
 	@scripts/setup.sh test
 	@e2e/build.sh helm   # the chart tests drive a real helm binary (cached in ~/.cache/pdcluster)
+
+# Deploy artefacts with a source elsewhere (CRD from the models, the chart's copies of the alert rules,
+# dashboard and operator RBAC): scripts/generate.py; the tests fail when they are stale.
+generate: setup
+	$(PY) scripts/generate.py
 
 demo: setup
 	$(VENV)/bin/pdcluster up --demo

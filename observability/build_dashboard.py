@@ -1,8 +1,9 @@
-"""Generate observability/grafana-dashboard.json (run: python observability/build_dashboard.py).
+"""The source of observability/grafana-dashboard.json and the chart's copy (`make generate` writes both).
 
-The JSON is committed (the Helm chart ships a verbatim copy); this script is the readable source, so a
-panel change is a one-line edit here instead of a hand-edited 1,000-line JSON. Only series from
-DESIGN.md, the operator (operator/opmetrics.py) and our recording rules are used (tests/bench checks).
+The JSON is committed; this script is the readable source, so a panel change is a one-line edit here
+instead of a hand-edited 1,000-line JSON. Only series of the workers and router (worker/api/metrics.py; see
+docs/architecture.md), the operator (operator/opmetrics.py) and our recording rules are used (tests/bench
+checks).
 """
 
 from __future__ import annotations

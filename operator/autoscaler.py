@@ -2,7 +2,7 @@
 
 No I/O and no clock: `now` is an argument, state is a plain dataclass that the operator keeps in the
 PDCluster's status (so a restarted operator neither forgets learned capacities nor restarts a
-stabilization window). The rules:
+stabilization window; `status.autoscaler_state` and `status.autoscaler_status` convert). The rules:
 
 - Recommendation per pool from the formula in `planner` (`P = ceil(h·λ·I/C_p)`, `D = ceil(h·λ·O/C_d)`),
   clamped to the pool bounds and, with `maxTotalReplicas`, scaled down together keeping the ratio.

@@ -1,7 +1,7 @@
 """Generate the PDCluster CRD from the pydantic models.
 
-`python -m pdcluster.operator.crd > crds/pdcluster.yaml` regenerates the committed file; a test fails if
-the two differ. The pydantic JSON Schema (draft 2020-12) is turned into a Kubernetes *structural*
+`make generate` (scripts/generate.py) writes it to `crds/pdcluster.yaml` and the chart's `crds/`; the tests
+fail if either differs. The pydantic JSON Schema (draft 2020-12) is turned into a Kubernetes *structural*
 OpenAPI v3 schema: `$ref`s are inlined, `X | None` becomes an optional X, numeric exclusive bounds use
 the OpenAPI 3.0 boolean form, `int | str` maps become `x-kubernetes-int-or-string`, nested objects get
 a full default so that the API server fills in their defaults, and the models' CEL rules are kept.
@@ -216,8 +216,8 @@ def build_crd() -> dict[str, Any]:
 
 
 HEADER = (
-    "# GENERATED from pdcluster.operator.models by `python -m pdcluster.operator.crd > crds/pdcluster.yaml`.\n"
-    "# Do not edit by hand: tests/operator/test_crd.py fails when this file and the models disagree.\n"
+    "# GENERATED from pdcluster.operator.models by `make generate` (scripts/generate.py).\n"
+    "# Do not edit by hand: the tests fail when this file and the models disagree.\n"
 )
 
 

@@ -134,14 +134,24 @@ class KVCache(_Base):
     preemption: Literal["swap", "recompute", "auto"] = Field(default="auto")
     swapWatermark: float = Field(
         default=0.15, ge=0, le=0.5,
-        description="Fraction of KV blocks kept free before admitting new work (useful range 0.10-0.20): "
-        "running sequences grow into it instead of preempting each other at once.",
+        description="Admission watermark (despite its name, unrelated to swapSpaceGiB): "
+        "the fraction of KV blocks kept free when admitting new work while others run (useful range "
+        "0.10-0.20); running sequences grow into it instead of preempting each other at once.",
     )
 
 
 class KVTransfer(_Base):
     compression: Literal["none", "int8"] = Field(default="none")
-    layerwise: bool = Field(default=True, description="Stream KV layer by layer as prefill proceeds.")
+    # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
+    # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
+    # so `false` is refused instead of being accepted and ignored.
+    layerwise: Literal[True] = Field(
+        default=True,
+        description="Always true: KV streams to the decode worker layer by layer while prefill proceeds "
+        "(false is refused; there is no whole-request transfer path).",
+        json_schema_extra={"x-kubernetes-validations": [
+            _cel("self == true", "layerwise must be true: KV always streams layer by layer")]},
+    )
     timeoutSeconds: float = Field(default=30.0, gt=0, le=3600)
     maxRetries: int = Field(default=3, ge=0, le=20)
 

@@ -1,4 +1,5 @@
-"""The autoscaler's metrics source: PromQL over the DESIGN.md series via prometheus-api-client.
+"""The autoscaler's metrics source: PromQL over the workers' and router's `pdcluster_*` series (defined in
+`worker/api/metrics.py`; docs/architecture.md) via prometheus-api-client.
 
 All series are filtered by `pdcluster="<name>"` (in Kubernetes, Prometheus relabelling copies the pod
 label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:

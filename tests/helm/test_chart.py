@@ -1,6 +1,6 @@
 """Fast checks of the Helm chart (helm/pdcluster-operator): lint, render with every ci/*-values.yaml, the
-copies it carries (CRD, alert rules, dashboard) are identical to their sources, and its RBAC is exactly what
-the operator declares it uses (operator/rbac.yaml).
+files `make generate` writes (CRD, alert rules, dashboard, operator RBAC) are generated and unchanged, and
+the rendered ClusterRole is exactly what the operator declares it uses (operator/rbac.yaml).
 
 The helm binary is the pinned one that e2e/build.sh builds into ~/.cache/pdcluster/bin (or $PDCLUSTER_HELM);
 without it the tests that need it are skipped, saying so. The server-side dry-run and `helm install` against
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,35 +62,38 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
-# ----------------------------------------------------------------------------------------------- copies
+# ----------------------------------------------------------------------------------------------- generated
 
 
-def test_chart_crds_identical_to_top_level():
-    top = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
-    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
-    assert top, "no CRDs in crds/"
-    assert chart == top, f"helm/pdcluster-operator/crds/ has {chart}, crds/ has {top}"
-    for name in top:
-        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
-            f"helm/pdcluster-operator/crds/{name} differs from crds/{name}: "
-            f"cp crds/{name} helm/pdcluster-operator/crds/{name}"
-        )
+def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args], capture_output=True,
+                          text=True, timeout=120)
 
 
-@pytest.mark.parametrize(
-    "source,copy",
-    [
-        ("observability/prometheus-rules.yaml", "files/prometheus-rules.yaml"),
-        ("observability/grafana-dashboard.json", "files/grafana-dashboard.json"),
-    ],
-)
-def test_observability_copies_identical(source: str, copy: str):
-    src = ROOT / source
-    dst = CHART / copy
-    assert dst.exists(), f"{source} exists but the chart has no copy: cp {source} helm/pdcluster-operator/{copy}"
-    assert dst.read_bytes() == src.read_bytes(), (
-        f"helm/pdcluster-operator/{copy} differs from {source}: cp {source} helm/pdcluster-operator/{copy}"
-    )
+def test_generated_artefacts_are_unchanged(tmp_path: Path):
+    """`make generate` into a fresh folder writes exactly what the tree holds: nobody edited a copy by hand
+    and nobody forgot to regenerate after editing a source."""
+    cp = _generate("--out", str(tmp_path))
+    assert cp.returncode == 0, cp.stderr
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert {"crds/pdcluster.yaml", "helm/pdcluster-operator/crds/pdcluster.yaml",
+            "helm/pdcluster-operator/files/prometheus-rules.yaml",
+            "helm/pdcluster-operator/files/grafana-dashboard.json",
+            "helm/pdcluster-operator/files/operator-rbac.yaml"} <= set(written)
+    stale = [p for p in written if (tmp_path / p).read_bytes() != (ROOT / p).read_bytes()]
+    assert not stale, f"stale generated files (run `make generate`): {stale}"
+    # the chart carries no CRD that the generator does not write
+    chart_crds = {f"helm/pdcluster-operator/crds/{p.name}" for p in (CHART / "crds").iterdir()}
+    assert chart_crds <= set(written), chart_crds - set(written)
+
+
+def test_generate_check_names_a_stale_copy(tmp_path: Path):
+    assert _generate("--out", str(tmp_path)).returncode == 0
+    assert _generate("--check", "--out", str(tmp_path)).returncode == 0
+    copy = tmp_path / "helm" / "pdcluster-operator" / "files" / "operator-rbac.yaml"
+    copy.write_text(copy.read_text().replace('"delete"', '"delete", "deletecollection"'))
+    cp = _generate("--check", "--out", str(tmp_path))
+    assert cp.returncode == 1 and "helm/pdcluster-operator/files/operator-rbac.yaml" in cp.stderr, cp.stderr
 
 
 def test_values_schema_is_valid_json_and_closed():

@@ -28,7 +28,7 @@ def _spec_schema() -> dict[str, Any]:
 
 def test_committed_crd_is_generated_from_the_models() -> None:
     assert CRD_FILE.read_text() == crd.render_yaml(), (
-        "crds/pdcluster.yaml is stale: python -m pdcluster.operator.crd > crds/pdcluster.yaml")
+        "crds/pdcluster.yaml is stale: run `make generate`")
 
 
 def test_crd_shape() -> None:
@@ -167,6 +167,8 @@ BAD = [
     ("replicas-out-of-range", {"decode": {"replicas": 9, "maxReplicas": 4}}, "cel"),
     ("no-prometheus", {"autoscaling": {"enabled": True}}, "cel"),
     ("budget", {"autoscaling": {"maxTotalReplicas": 2}, "prefill": {"minReplicas": 2}}, "cel"),
+    # accepted and silently ignored before: the transfer path only streams layer by layer
+    ("layerwise-off", {"kvTransfer": {"layerwise": False}}, "cel"),
 ]
 
 
