@@ -3,7 +3,8 @@
 Writes to --out: results.json (list of cells), results.csv, requests.jsonl (every request), meta.json
 and heat maps (heatmap_<metric>.png); with --compare, ratio.json and ratio_<metric>.png (this run /
 the other). Failures (bad URL, unreachable, HTTP errors, broken streams) are counted per cell and
-summarised; the command exits 0 if anything succeeded, 1 if nothing did, 2 on bad arguments.
+summarised; the command exits 0 if anything succeeded, 1 if nothing did, 2 on bad arguments. A URL that
+answers no completion at all (unreachable, or refusing the probe request) exits 1 and writes nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from pdcluster.bench import heatmap
-from pdcluster.bench import loadgen, replay
+from pdcluster.bench import heatmap, loadgen, replay
 from pdcluster.bench.stats import CELL_FIELDS, RequestResult, parse_int_list, summarize_cell
 
 
@@ -84,6 +84,10 @@ def format_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class NotServing(Exception):
+    """The URL answered no completion request at all (unreachable, or every request refused)."""
+
+
 class _Progress:
     """tqdm when available and wanted; a silent stand-in otherwise."""
 
@@ -125,15 +129,8 @@ async def sweep(args, url: str, prompt_lens: list[int], output_lens: list[int], 
         meta["model"] = model
         probe = await loadgen.probe_shape(client, url, model, min(args.timeout, 60.0))
         if probe.shape is None:
-            # Nothing works: count every planned request as failed with the probe's reason, so the
-            # report says "unreachable" per cell instead of spending N timeouts to learn it again.
-            meta["probe_error"] = f"{probe.result.error}: {probe.result.detail}"
-            for pl in prompt_lens:
-                for ol in output_lens:
-                    fails = [RequestResult(ok=False, error=probe.result.error, detail=probe.result.detail)
-                             for _ in range(args.requests)]
-                    cells.append(summarize_cell(pl, ol, fails, 0.0))
-            return cells, meta
+            # Nothing works: a measurement of a dead URL is not a measurement (no results, no heat map).
+            raise NotServing(f"{probe.result.error}: {probe.result.detail}")
         meta["request_shape"] = probe.shape
         if not probe.shape["ids"]:
             print("bench: server rejects token-id prompts; using text prompts (lengths approximate)",
@@ -143,6 +140,7 @@ async def sweep(args, url: str, prompt_lens: list[int], output_lens: list[int], 
             await loadgen.stream_one(client, url, loadgen.build_payload(16, 4, rng, probe.shape, model), args.timeout)
         total = len(prompt_lens) * len(output_lens) * args.requests
         progress = _Progress(total, enabled=not args.no_progress)
+        out.mkdir(parents=True, exist_ok=True)  # only now: a URL that serves nothing leaves no folder behind
         reqlog = (out / "requests.jsonl").open("w")
         try:
             for pl in prompt_lens:
@@ -186,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdcluster bench: {e}", file=sys.stderr)
         return 2
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     try:
         cells, meta = asyncio.run(sweep(args, url, prompt_lens, output_lens, out))
+    except NotServing as e:
+        print(f"pdcluster bench: {args.url} is not serving completions ({e}); nothing written", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("pdcluster bench: interrupted; partial results are in", out, file=sys.stderr)
         return 130
@@ -212,7 +212,5 @@ def run(args: argparse.Namespace) -> int:
     for c in cells:
         kinds.update(c["error_kinds"])
     print(f"\n{ok}/{n} requests succeeded" + (f"; errors: {dict(kinds)}" if kinds else ""))
-    if "probe_error" in meta:
-        print(f"pdcluster bench: {args.url} is not serving completions ({meta['probe_error']})", file=sys.stderr)
     print(f"wrote {out}/results.json, results.csv" + (f" and {len(plots)} heat maps" if plots else ""))
     return 0 if ok else 1

@@ -61,20 +61,23 @@ def test_error_responses_are_counted(fake_server, tmp_path, capsys):
     assert "http_500" in capsys.readouterr().out
 
 
-def test_unreachable_server_reports_without_traceback(free_port, tmp_path, capsys):
-    rc = bench("--url", f"http://127.0.0.1:{free_port}", *GRID, "--out", str(tmp_path))
+def test_a_dead_url_fails_and_writes_nothing(free_port, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = bench("--url", f"http://127.0.0.1:{free_port}", *GRID, "--out", str(out))
     assert rc == 1
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    assert "0/12 requests succeeded" in out and "connect" in err
-    cells = json.loads((tmp_path / "results.json").read_text())
-    assert all(c["error_kinds"] == {"connect": 3} for c in cells)
+    stdout, err = capsys.readouterr()
+    assert "Traceback" not in stdout + err
+    assert "is not serving completions (connect" in err and "nothing written" in err
+    assert not out.exists()  # no results.json, no heat map, not even the folder
 
 
-def test_server_rejecting_everything_is_reported(fake_server, tmp_path, capsys):
+def test_a_server_refusing_everything_fails_and_writes_nothing(fake_server, tmp_path, capsys):
     s = fake_server(status=503)
+    (tmp_path / "results.json").write_text("[]")  # an earlier run's files stay as they were
     assert bench("--url", s.url, *GRID, "--out", str(tmp_path)) == 1
     assert "http_503" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == "[]"
 
 
 @pytest.mark.parametrize(
