@@ -9,8 +9,7 @@ import torch
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import (
     HEADER,
-    PREAMBLE_SIZE,
-    VERSION,
+    HEADER_SIZE,
     DType,
     ErrorCode,
     Frame,
@@ -67,7 +66,7 @@ def test_tampered_payload_with_fixed_crc_is_unauthenticated() -> None:
 
     frame, _, _ = layer_frame()
     buf = bytearray(encode_frame(frame, SECRET))
-    buf[PREAMBLE_SIZE + 10] ^= 0xFF
+    buf[HEADER_SIZE + 10] ^= 0xFF
     # An attacker can recompute the crc, not the HMAC.
     crc_at = len(buf) - 36
     buf[crc_at:crc_at + 4] = struct.pack(">I", zlib.crc32(bytes(buf[:crc_at])))
@@ -97,7 +96,7 @@ def test_truncated_at_every_length_is_rejected() -> None:
 
 
 def _header(**over: int) -> bytes:
-    f = dict(magic=b"PDKV", version=VERSION, kind=1, flags=0, dtype=1, rid=5, layer=0, layers=2, t0=0, t1=4,
+    f = dict(magic=b"PDKV", version=1, kind=1, flags=0, dtype=1, rid=5, layer=0, layers=2, t0=0, t1=4,
              heads=2, dim=8, status=0, scales=0, payload=2 * 4 * 2 * 8 * 4)
     f.update(over)  # type: ignore[arg-type]
     return HEADER.pack(*f.values())
@@ -105,7 +104,7 @@ def _header(**over: int) -> bytes:
 
 @pytest.mark.parametrize("over,code", [
     (dict(magic=b"HTTP"), ErrorCode.BAD_MAGIC),
-    (dict(version=1), ErrorCode.BAD_VERSION),  # version 1 had no header MAC
+    (dict(version=2), ErrorCode.BAD_VERSION),
     (dict(kind=9), ErrorCode.BAD_HEADER),
     (dict(dtype=7), ErrorCode.BAD_HEADER),
     (dict(flags=0x80), ErrorCode.BAD_HEADER),

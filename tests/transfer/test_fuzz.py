@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import (
     HEADER,
-    VERSION,
     FrameError,
     Limits,
     decode_frame,
@@ -111,7 +110,7 @@ def consistent_header(draw: st.DrawFn) -> bytes:
     if payload > 0xFFFFFFFF or scales > 0xFFFFFFFF:
         payload &= 0xFFFFFFFF
         scales &= 0xFFFFFFFF
-    return HEADER.pack(b"PDKV", VERSION, 1, int(int8), 4 if int8 else 1, draw(st.integers(1, 128)), 0, 1, 0, tokens,
+    return HEADER.pack(b"PDKV", 1, 1, int(int8), 4 if int8 else 1, draw(st.integers(1, 128)), 0, 1, 0, tokens,
                        heads, dim, 0, scales, payload)
 
 

@@ -1,9 +1,11 @@
 """OpenAI-compatible request and response bodies for /v1/completions and /v1/chat/completions.
 
 Validation is strict (no "5" -> 5 coercion, no NaN) because every malformed input must be a
-400 with a clear message, not a surprising generation. Unknown fields are ignored so stock
-OpenAI clients (which send e.g. `user`) keep working; known-but-unsupported features with a
-non-default value (n > 1, echo, logprobs, penalties) are rejected instead of silently ignored.
+400 with a clear message, not a surprising generation. Fields no OpenAI or vLLM client uses to
+change the output are ignored, so stock clients (which send e.g. `user`, `store`, `metadata`)
+keep working. Every field that would change the output and is not implemented (n > 1, echo,
+logprobs, penalties, and those in `UNIMPLEMENTED`: tools, response_format, logit_bias, ...) is
+rejected with a 400 naming it when it holds anything but its no-op value, never silently ignored.
 """
 
 from __future__ import annotations
@@ -12,12 +14,52 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_STOP_STRINGS = 16
+
+# Fields of the OpenAI / vLLM request bodies that would change the output and are not implemented yet, each
+# with the values that change nothing (accepted, since some clients send them by default).
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0),
+    "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "continue_final_message": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    # type-exact: `true` is not the no-op `1`, `0.0` is the no-op `0`
+    return a == b and (type(a) is type(b) or {type(a), type(b)} <= {int, float})
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +90,19 @@ class _SamplingFields(BaseModel):
     # pdcluster extensions
     return_token_ids: bool = False
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, no_ops in UNIMPLEMENTED.items():
+                if name in data and not any(_same(data[name], v) for v in no_ops):
+                    # PydanticCustomError keeps the field in `loc`, so the 400 names it (OpenAI's `param`).
+                    raise ValidationError.from_exception_data(cls.__name__, [{
+                        "type": PydanticCustomError(
+                        "unimplemented", f"not supported yet; leave {name} out (or at its default)"),
+                        "loc": (name,), "input": None}])
+        return data
 
     @field_validator("n")
     @classmethod
@@ -94,8 +149,7 @@ class _SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
         )
-        params.validate()  # ValueError -> 400 in the server
-        return params
+        return params  # api.limits.checked_params validates it (with the engine's own check) once
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,6 +191,9 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         return self
 
+    def prompt_chars(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
+
 
 class TextPart(BaseModel):
     model_config = _STRICT
@@ -166,6 +223,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_chars(self) -> int:
+        return sum(len(m.text()) for m in self.messages)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import weakref
@@ -14,31 +13,22 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
-from pdcluster.worker.api.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionResponse,
-    Usage,
-    new_id,
-)
+from pdcluster.worker.api.protocol import new_id
+from pdcluster.worker.api.shaping import Shaper, sse_response
 from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
 
 log = logging.getLogger(__name__)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class _StageCollector(Collector):
@@ -65,8 +55,13 @@ class _StageCollector(Collector):
 
 class RouterState:
     def __init__(self, pool: Pool, *, max_queue_depth: int | None, threshold: int, request_timeout: float | None,
-                 max_retries: int, cluster: str | None = None, decode_wait: float = 30.0) -> None:
+                 max_retries: int, cluster: str | None = None, decode_wait: float = 30.0,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.pool = pool
+        self.max_body_bytes = max_body_bytes
+        # Calls to workers' public routes (/v1/models) go without the internal bearer token: it belongs to
+        # authenticated /internal/* calls only (Flow's and Pool's clients).
+        self.public_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
         self.flow = Flow(pool, threshold=threshold, max_retries=max_retries, decode_wait=decode_wait)
         self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
         self.metrics = WorkerMetrics("router", cluster=cluster)
@@ -105,24 +100,6 @@ class RouterState:
 
 def _state(request: Request) -> RouterState:
     return request.app.state.router  # type: ignore[no-any-return]
-
-
-def _sse(data: Any) -> str:
-    payload = data.model_dump_json() if hasattr(data, "model_dump_json") else json.dumps(data)
-    return f"data: {payload}\n\n"
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        raise errors.bad_request("request body is empty; expected a JSON object")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise errors.bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise errors.bad_request("request body must be a JSON object")
-    return data
 
 
 class Tracker:
@@ -191,16 +168,18 @@ def build_router_app(state: RouterState) -> FastAPI:
             yield
         finally:
             await state.flow.close()
+            await state.public_client.aclose()
             await state.pool.stop()
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
+    app.state.max_body_bytes = state.max_body_bytes  # read by api.body
     errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
 
     async def handle(request: Request, kind: str) -> Response:
         st = _state(request)
         arrival = time.monotonic()
-        body = await _json_body(request)
+        body = await json_object(request)  # capped while reading; hostile JSON is a 400 here, not a 500 later
         st.admit()
         tracker = Tracker(st, arrival)
         try:
@@ -235,7 +214,7 @@ def build_router_app(state: RouterState) -> FastAPI:
         st = _state(request)
         for w in [w for w in st.pool.workers.values() if w.healthy]:
             with contextlib.suppress(Exception):
-                r = await st.flow.client.get(f"{w.url}/v1/models", timeout=2.0)
+                r = await st.public_client.get(f"{w.url}/v1/models")
                 if r.status_code == 200:
                     return JSONResponse(r.json())
         raise errors.unavailable("no healthy workers behind the router", code="no_workers")
@@ -307,54 +286,35 @@ async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,
         work.result()
     except UpstreamError as e:
         raise _upstream(e) from None
-    usage = Usage.of(len(tok.prompt_token_ids), len(ids))
-    token_ids = ids if tok.return_token_ids else None
-    if kind == "chat":
-        out: Any = ChatCompletionResponse(id=rid, model=tok.model, usage=usage, choices=[ChatChoice(
-            message=ChatMessageOut(content="".join(text)), finish_reason=reason, token_ids=token_ids)])
-    else:
-        out = CompletionResponse(id=rid, model=tok.model, usage=usage, choices=[CompletionChoice(
-            text="".join(text), finish_reason=reason, token_ids=token_ids)])
-    return JSONResponse(out.model_dump())
+    return JSONResponse(_shaper(kind, rid, tok).final("".join(text), ids, reason, len(ids)))
+
+
+def _shaper(kind: str, rid: str, tok: Tokenized) -> Shaper:
+    return Shaper("chat" if kind == "chat" else "completions", tok.model, len(tok.prompt_token_ids),
+                  tok.return_token_ids, rid=rid)
 
 
 def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk], tracker: Tracker) -> StreamingResponse:
-    n_prompt = len(tok.prompt_token_ids)
+    shape = _shaper(kind, rid, tok)
 
-    async def body() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[str]:
         total = 0
-        try:
-            if kind == "chat":
-                yield _sse(ChatCompletionChunk(id=rid, model=tok.model, choices=[
-                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            async for c in chunks:
-                total += len(c.token_ids)
-                if not (c.text or c.finished or (tok.return_token_ids and c.token_ids)):
-                    continue
-                ids = list(c.token_ids) if tok.return_token_ids else None
-                reason = c.finish_reason if c.finished else None
-                usage = Usage.of(n_prompt, total) if c.finished else None
-                if kind == "chat":
-                    delta = ChatDelta(content=c.text) if c.text else ChatDelta()
-                    yield _sse(ChatCompletionChunk(id=rid, model=tok.model, usage=usage, choices=[
-                        ChatChunkChoice(delta=delta, finish_reason=reason, token_ids=ids)]))
-                else:
-                    yield _sse(CompletionResponse(id=rid, model=tok.model, usage=usage, choices=[
-                        CompletionChoice(text=c.text, finish_reason=reason, token_ids=ids)]))
-        except errors.APIError as e:
-            yield _sse(e.body())
-        except UpstreamError as e:
-            yield _sse(_upstream(e).body())
-        except Exception as e:
-            log.exception("router stream failed")
-            yield _sse(errors.APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
-            tracker.done()
-        yield "data: [DONE]\n\n"
+        for opener in shape.opening():
+            yield opener
+        async for c in chunks:
+            total += len(c.token_ids)
+            if shape.worth_a_chunk(c.text, c.token_ids, c.finished):
+                yield shape.chunk(c.text, c.token_ids, c.finish_reason if c.finished else None,
+                                  total if c.finished else None)
 
-    gen = body()
-    # If the client vanishes before Starlette starts iterating, `finally` above never runs; the finalizer
-    # still returns the request's place in the queue (else a few early disconnects would fill it for good).
-    weakref.finalize(gen, tracker.done)
-    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+    async def cleanup() -> None:
+        try:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        finally:
+            tracker.done()
+
+    resp = sse_response(events(), cleanup, lambda e: _upstream(e) if isinstance(e, UpstreamError) else None)
+    # If the client vanishes before Starlette starts iterating, `cleanup` never runs; the finalizer still
+    # returns the request's place in the queue (else a few early disconnects would fill it for good).
+    weakref.finalize(resp.body_iterator, tracker.done)
+    return resp

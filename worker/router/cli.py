@@ -75,5 +75,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger(__name__).info("router on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
                                      args.prefill or args.prefill_service, args.decode or args.decode_service)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    from pdcluster.worker.api.http_limits import uvicorn_options
+
+    # read timeouts and a connection limit: slow or idle clients cannot hold connections forever
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+                **uvicorn_options())
     return 0

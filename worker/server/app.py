@@ -11,44 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.body import BODY_TIMEOUT_S, MAX_BODY_BYTES, parse_body
+from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdcluster.worker.api.shaping import Shaper, sse_response
 from pdcluster.worker.engine.outputs import RequestOutput
-from pdcluster.worker.api.prompting import encode_prompt, render_chat
-from pdcluster.worker.api.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-    Usage,
-    new_id,
-)
-from pdcluster.worker.server.lifecycle import EngineLike, ModelLimits, WorkerServer
+from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer
 from pdcluster.worker.transfer.secret import check_internal_auth
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # far above any real prompt; stops a runaway client early
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
@@ -67,6 +49,8 @@ def build_app(
     on_startup: Sequence[Callable[[], Awaitable[None]]] = (),
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
     internal_secret: bytes | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The worker app. `tokenizer` defaults to the engine's (None = token-id prompts only).
 
@@ -106,6 +90,7 @@ def build_app(
 
     app = FastAPI(title="pdcluster worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
+    app.state.max_body_bytes, app.state.body_timeout = max_body_bytes, body_timeout  # read by api.body
     app.state.internal_secret = internal_secret
 
     def count_invalid(status: int) -> None:
@@ -122,36 +107,6 @@ def build_app(
 
 def _worker(request: Request) -> WorkerServer:
     return request.app.state.worker  # type: ignore[no-any-return]
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Parse and validate a JSON body ourselves so every failure is a 400 with a clear message."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():  # read incrementally so a huge body is refused early
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise errors.APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body.strip():
-        raise errors.bad_request("request body is empty; expected a JSON object")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise errors.bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise errors.bad_request("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        message, param = errors.format_validation_error(e)
-        raise errors.bad_request(message, param=param) from None
-
-
-def _sse(data: dict[str, Any] | BaseModel) -> str:
-    payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {payload}\n\n"
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -211,21 +166,6 @@ def _joined(outs: list[RequestOutput], want_ids: bool) -> tuple[str, list[int] |
     return "".join(o.new_text for o in outs), ids, final
 
 
-async def _prepare(
-    worker: WorkerServer, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_tokens: int | None
-) -> tuple[list[int], Any]:
-    limit = worker.check_prompt(prompt_ids, max_tokens)
-    try:
-        params = req.to_sampling_params(limit)
-    except ValueError as e:
-        raise errors.bad_request(str(e)) from None
-    vocab = worker.limits.vocab_size
-    if vocab is not None and any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise errors.bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-    worker.check_request(prompt_ids, params)
-    return prompt_ids, params
-
-
 def _openai_routes() -> APIRouter:
     r = APIRouter()
 
@@ -236,99 +176,38 @@ def _openai_routes() -> APIRouter:
             data=[ModelCard(id=w.served_model_name, root=w.served_model_name, max_model_len=w.limits.max_model_len)]
         )
 
-    @r.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response:
+    async def handle(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
         arrival = time.monotonic()
         w = _worker(request)
-        req = await parse_body(request, CompletionRequest)
-        w.check_model(req.model)
-        prompt_ids = encode_prompt(w.tokenizer, req.prompt)
-        prompt_ids, params = await _prepare(w, req, prompt_ids, req.max_tokens)
+        req = await parse_body(request, model)
+        prompt_ids, params = await w.prepare(req)
         w.admit()
-        rid, model, created = new_id("cmpl"), w.served_model_name, int(time.time())
-        outputs = w.run(rid, prompt_ids, params, arrival)
-        n_prompt = len(prompt_ids)
+        shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name,
+                       len(prompt_ids), req.return_token_ids)
+        outputs = w.run(shape.rid, prompt_ids, params, arrival)
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
+                for opener in shape.opening():
+                    yield opener
                 async for out in _visible(outputs, req.return_token_ids):
-                    choice = CompletionChoice(
-                        text=out.new_text,
-                        finish_reason=out.finish_reason if out.finished else None,
-                        token_ids=list(out.new_token_ids) if req.return_token_ids else None,
-                    )
-                    usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
-                    chunk = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
-                    yield _sse(chunk)
+                    yield shape.chunk(out.new_text, out.new_token_ids, out.finish_reason if out.finished else None,
+                                      out.completion_tokens if out.finished else None)
 
-            return _stream(outputs, events())
+            return sse_response(events(), outputs.aclose)
 
         text, ids, final = _joined(await _collect(request, outputs), req.return_token_ids)
-        choice = CompletionChoice(text=text, finish_reason=final.finish_reason, token_ids=ids)
-        usage = Usage.of(n_prompt, final.completion_tokens)
-        body = CompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(shape.final(text, ids or [], final.finish_reason, final.completion_tokens))
+
+    @r.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await handle(request, CompletionRequest)
 
     @r.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
-        arrival = time.monotonic()
-        w = _worker(request)
-        req = await parse_body(request, ChatCompletionRequest)
-        w.check_model(req.model)
-        prompt_ids = render_chat(w.tokenizer, req.template_messages(), req.add_generation_prompt)
-        prompt_ids, params = await _prepare(w, req, prompt_ids, req.requested_max_tokens())
-        w.admit()
-        rid, model, created = new_id("chatcmpl"), w.served_model_name, int(time.time())
-        outputs = w.run(rid, prompt_ids, params, arrival)
-        n_prompt = len(prompt_ids)
-
-        if req.stream:
-            async def events() -> AsyncIterator[str]:
-                # OpenAI sends the role alone first; clients key off it.
-                first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-                yield _sse(ChatCompletionChunk(id=rid, model=model, created=created, choices=[first]))
-                async for out in _visible(outputs, req.return_token_ids):
-                    choice = ChatChunkChoice(
-                        delta=ChatDelta(content=out.new_text) if out.new_text else ChatDelta(),
-                        finish_reason=out.finish_reason if out.finished else None,
-                        token_ids=list(out.new_token_ids) if req.return_token_ids else None,
-                    )
-                    usage = Usage.of(n_prompt, out.completion_tokens) if out.finished else None
-                    chunk = ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice], usage=usage)
-                    yield _sse(chunk)
-
-            return _stream(outputs, events())
-
-        text, ids, final = _joined(await _collect(request, outputs), req.return_token_ids)
-        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=final.finish_reason, token_ids=ids)
-        usage = Usage.of(n_prompt, final.completion_tokens)
-        chat_body = ChatCompletionResponse(id=rid, model=model, created=created, choices=[choice], usage=usage)
-        return JSONResponse(chat_body.model_dump())
+        return await handle(request, ChatCompletionRequest)
 
     return r
-
-
-def _stream(outputs: AsyncGenerator[RequestOutput, None], events: AsyncIterator[str]) -> StreamingResponse:
-    """SSE body: the chunks, then an error event if something failed, then `data: [DONE]`.
-
-    A client disconnect cancels this generator (Starlette watches for http.disconnect); closing
-    `outputs` in `finally` then aborts the engine request and frees its KV blocks at once.
-    """
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in events:
-                yield chunk
-        except errors.APIError as e:
-            yield _sse(e.body())
-        except Exception as e:
-            log.exception("stream failed")
-            yield _sse(errors.APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-        finally:
-            await outputs.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _operator_auth(request: Request) -> None:

@@ -287,6 +287,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     app.state.transfer_options = transfer
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    from pdcluster.worker.api.http_limits import uvicorn_options
+
+    # read timeouts and a connection limit: slow or idle clients cannot hold connections forever
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30,
+                **uvicorn_options())
     return 0
 

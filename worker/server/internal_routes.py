@@ -26,12 +26,22 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.body import json_object, validate
+from pdcluster.worker.api.internal import (
+    CancelBody,
+    DecodeBody,
+    GenerateBody,
+    PrefillBody,
+    ReserveBody,
+    TokenizeBody,
+)
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.lifecycle import WorkerServer
@@ -41,16 +51,7 @@ from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
-
-
-def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    try:
-        p = SamplingParams(**{k: v for k, v in d.items() if k in names})
-        p.validate()
-    except (TypeError, ValueError) as e:
-        raise errors.bad_request(f"invalid params: {e}") from None
-    return p
+M = TypeVar("M", bound=BaseModel)
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -183,14 +184,16 @@ class Disaggregation:
         def worker(request: Request) -> WorkerServer:
             return request.app.state.worker  # type: ignore[no-any-return]
 
-        async def body(request: Request) -> dict[str, Any]:
-            try:
-                data = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise errors.bad_request("body is not JSON") from None
-            if not isinstance(data, dict):
-                raise errors.bad_request("body must be a JSON object")
-            return data
+        async def body(request: Request, model: type[M]) -> M:
+            # The same capped parser and strict validation as the public routes (api.body, api.internal).
+            return validate(model, await json_object(request))
+
+        def checked(w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody) -> tuple[list[int], SamplingParams]:
+            """What the router sends is held to the public path's limits: bad data never reaches the engine."""
+            ids, params = run.prompt_token_ids, run.params.to_sampling_params()
+            w.check_prompt(ids, params.max_tokens)
+            w.check_request(ids, params)
+            return ids, params
 
         @r.get("/load")
         async def load(request: Request) -> JSONResponse:
@@ -198,39 +201,21 @@ class Disaggregation:
 
         @r.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
-            w, data = worker(request), await body(request)
-            kind, raw = data.get("kind"), data.get("body")
-            if not isinstance(raw, dict):
-                raise errors.bad_request("request body must be a JSON object")
-            from pdcluster.worker.api.prompting import encode_prompt, render_chat
-
-            if kind == "chat":
-                chat = ChatCompletionRequest.model_validate(raw)
-                w.check_model(chat.model)
-                ids = render_chat(w.tokenizer, chat.template_messages(), chat.add_generation_prompt)
-                req: CompletionRequest | ChatCompletionRequest = chat
-                max_tokens = chat.requested_max_tokens()
-            else:
-                comp = CompletionRequest.model_validate(raw)
-                w.check_model(comp.model)
-                ids = encode_prompt(w.tokenizer, comp.prompt)
-                req, max_tokens = comp, comp.max_tokens
-            limit = w.check_prompt(ids, max_tokens)
-            try:
-                params = req.to_sampling_params(limit)
-            except ValueError as e:
-                raise errors.bad_request(str(e)) from None
+            w, data = worker(request), await body(request, TokenizeBody)
+            req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
+            ids, params = await w.prepare(req)  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": ids, "params": dataclasses.asdict(params),
                                  "model": w.served_model_name, "stream": req.stream,
                                  "return_token_ids": req.return_token_ids})
 
         @r.post("/reserve")
         async def reserve(request: Request) -> JSONResponse:
-            w, data = worker(request), await body(request)
+            w, data = worker(request), await body(request, ReserveBody)
+            ids, params = checked(w, data)
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
             w.admit()
-            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
+            rid = data.request_id
             try:
                 ok = await me.engine.call(lambda e: e.reserve_for_import(rid, ids, params))
             except ValueError as e:
@@ -244,36 +229,35 @@ class Disaggregation:
 
         @r.post("/cancel")
         async def cancel(request: Request) -> JSONResponse:
-            rid = str((await body(request))["request_id"])
+            rid = (await body(request, CancelBody)).request_id
             await me._cancel(rid)
             me.engine.abort(rid)
             return JSONResponse({"cancelled": rid})
 
         @r.post("/prefill")
         async def prefill(request: Request) -> StreamingResponse:
-            w, data = worker(request), await body(request)
+            w, data = worker(request), await body(request, PrefillBody)
+            ids, params = checked(w, data)  # a bad request is a 400 here, not a broken stream later
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             w.admit()
-            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
-            w.check_prompt(ids, params.max_tokens)  # a bad request is a 400 here, not a broken stream later
-            target = TransferTarget(str(data["target"]["host"]), int(data["target"]["port"]))
+            rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
             return StreamingResponse(me._prefill_stream(w, rid, ids, params, target), media_type=NDJSON)
 
         @r.post("/decode")
         async def decode(request: Request) -> StreamingResponse:
-            w, data = worker(request), await body(request)
-            rid, first = str(data["request_id"]), int(data["first_token_id"])
+            w, data = worker(request), await body(request, DecodeBody)
+            rid, first = data.request_id, data.first_token_id
             if me.connector is None or rid not in dict(me.connector.pending_loads()):
                 raise errors.APIError(409, f"no reservation for {rid} (expired or cancelled)", code="no_reservation")
             return StreamingResponse(me._decode_stream(w, rid, first), media_type=NDJSON)
 
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
-            w, data = worker(request), await body(request)
+            w, data = worker(request), await body(request, GenerateBody)
+            ids, params = checked(w, data)
             w.admit()
-            rid, ids, params = str(data["request_id"]), list(data["prompt_token_ids"]), params_from_dict(data["params"])
-            w.check_prompt(ids, params.max_tokens)
+            rid = data.request_id
             return StreamingResponse(me._generate_stream(w, rid, ids, params), media_type=NDJSON)
 
         return r

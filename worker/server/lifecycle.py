@@ -14,11 +14,14 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api import limits as request_limits
+from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import WorkerMetrics, engine_gauges
+from pdcluster.worker.api.prompting import encode_prompt, render_chat
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
@@ -43,12 +46,6 @@ def find_attr(engine: Any, name: str) -> Any:
     if value is None:
         value = getattr(getattr(engine, "engine", None), name, None)
     return value
-
-
-@dataclass
-class ModelLimits:
-    vocab_size: int | None
-    max_model_len: int | None
 
 
 def probe_limits(engine: Any) -> ModelLimits:
@@ -136,8 +133,9 @@ class WorkerServer:
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.model_names:
+            shown = repr(name[:80]) + ("..." if len(name) > 80 else "")  # never echo a huge value whole
             raise errors.APIError(
-                404, f"model {name!r} is not served here (serving {self.served_model_name!r})",
+                404, f"model {shown} is not served here (serving {self.served_model_name!r})",
                 code="model_not_found", param="model",
             )
 
@@ -164,43 +162,31 @@ class WorkerServer:
             log.exception("engine.stats() failed during admission")
         return max(self.pending, engine_waiting)
 
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Model, prompt size, tokens and every limit of a validated OpenAI request, checked once (the public
+        routes and /internal/tokenize both come here). The prompt is capped in characters before it is
+        tokenized, and tokenized on a thread: a long prompt must not stall /health and every other stream."""
+        self.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "messages")
+            ids = await asyncio.to_thread(render_chat, self.tokenizer, req.template_messages(),
+                                          req.add_generation_prompt)
+            max_tokens = req.requested_max_tokens()
+        else:
+            request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
+            ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, req.prompt) if isinstance(req.prompt, str)
+                   else list(req.prompt))
+            max_tokens = req.max_tokens
+        return ids, request_limits.checked_params(req, ids, max_tokens, self.limits, self.validate)
+
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        """Validate token ids and length; return the max_tokens to use."""
-        if not prompt_ids:
-            raise errors.bad_request("prompt must not be empty", param="prompt")
-        vocab = self.limits.vocab_size
-        if vocab is not None:
-            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise errors.bad_request(
-                    f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_token_id"
-                )
-        limit = self.limits.max_model_len
-        n = len(prompt_ids)
-        if limit is None:
-            return max_tokens if max_tokens is not None else 16
-        if max_tokens is None:
-            max_tokens = limit - n
-            if max_tokens < 1:
-                raise errors.bad_request(
-                    f"prompt has {n} tokens, leaving no room in the model's maximum length of {limit}",
-                    param="prompt", code="context_length_exceeded",
-                )
-        if n + max_tokens > limit:
-            raise errors.bad_request(
-                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model's maximum length of {limit}",
-                param="max_tokens", code="context_length_exceeded",
-            )
-        return max_tokens
+        """Validate token ids and length; return the max_tokens to use (see api.limits)."""
+        return request_limits.check_prompt(prompt_ids, max_tokens, self.limits)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's own validation, as a 400 (our checks above cover the common cases first)."""
-        try:
-            params.validate()
-            if self.validate is not None:
-                self.validate(prompt_ids, params)
-        except ValueError as e:
-            raise errors.bad_request(str(e)) from None
+        """Stop ids in the vocabulary, then the params' and the engine's own validation, as a 400."""
+        request_limits.check_stop_ids(params.stop_token_ids, self.limits)
+        request_limits.check_engine(prompt_ids, params, self.validate)
 
     # ------------------------------------------------------------------ running
     def run(

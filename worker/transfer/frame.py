@@ -4,11 +4,11 @@ This module is pure bytes-in/bytes-out (no torch, no sockets) so that the strict
 cheaply and reused by any transport (TCP today; an RDMA/NIXL transport would carry the same header as
 its out-of-band descriptor).
 
-Frame layout, version 2 — all integers big-endian::
+Frame layout, version 1 — all integers big-endian::
 
     offset size  field
     0      4     magic            b"PDKV"
-    4      1     version          2 (1 had no header MAC)
+    4      1     version          1
     5      1     kind             1 = LAYER (KV for one layer), 2 = ACK (receiver -> sender),
                                   3 = ABORT (sender gives up; receiver drops the partial import)
     6      1     flags            bit 0: payload is int8 with per-vector float32 scales
@@ -23,17 +23,15 @@ Frame layout, version 2 — all integers big-endian::
     26     2     status           ACK only: 0 ok, else an ErrorCode; 0 for other kinds
     28     4     scales_len       bytes of float32 scales (K then V, [num_tokens, kv_heads] each)
     32     4     payload_len      bytes of K then V, each [num_tokens, kv_heads, head_dim] of `dtype`
-    36     32    header_mac       HMAC-SHA256(secret, "pdkv-header-v2" + bytes 0..36)
-    68     ...   request_id       utf-8
+    36     ...   request_id       utf-8
     ...    ...   scales
     ...    ...   payload
     end-36 4     crc32            over every byte before it (cheap corruption check, distinct error)
     end-32 32    hmac             HMAC-SHA256(secret, every byte before it)
 
 The header (36 bytes) is validated completely — lengths against limits and against the shape the
-header itself declares — and its MAC is checked before a single body byte is read: a peer without the
-secret gets 68 bytes into a receiver, never a body buffer (version 1 read up to 256 MiB per connection
-before the trailing HMAC could tell), and a reader never trusts a length it has not cross-checked.
+header itself declares — before a single payload byte is read, so a reader never allocates more than
+`Limits.max_frame_bytes` for a frame and never trusts a length it has not cross-checked.
 """
 
 from __future__ import annotations
@@ -46,12 +44,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 MAGIC = b"PDKV"
-VERSION = 2
+VERSION = 1
 HEADER = struct.Struct(">4sBBBBHHHIIHHHII")
 HEADER_SIZE = HEADER.size  # 36
-HEADER_MAC_SIZE = 32
-PREAMBLE_SIZE = HEADER_SIZE + HEADER_MAC_SIZE  # 68: all a reader takes from a peer before it is authenticated
-_HEADER_MAC_LABEL = b"pdkv-header-v2"
 TRAILER_SIZE = 4 + 32
 MAX_REQUEST_ID = 128
 FLAG_INT8 = 0x01
@@ -207,23 +202,8 @@ def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
     return hdr
 
 
-def header_mac(secret: bytes, head: bytes) -> bytes:
-    return hmac.new(secret, _HEADER_MAC_LABEL + bytes(head[:HEADER_SIZE]), hashlib.sha256).digest()
-
-
-def parse_preamble(buf: bytes, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
-    """Validate the header and authenticate it (its MAC) from the first PREAMBLE_SIZE bytes: only then may
-    a reader accept the body the header announces."""
-    hdr = parse_header(buf, limits)
-    if len(buf) < PREAMBLE_SIZE:
-        raise FrameError(ErrorCode.TRUNCATED, f"preamble is {len(buf)} bytes, need {PREAMBLE_SIZE}")
-    if not hmac.compare_digest(header_mac(secret, buf), bytes(buf[HEADER_SIZE:PREAMBLE_SIZE])):
-        raise FrameError(ErrorCode.UNAUTHENTICATED, "header MAC mismatch (wrong or missing shared secret)")
-    return hdr
-
-
 def parse_body(hdr: Header, header_bytes: bytes, body: bytes, secret: bytes) -> Frame:
-    """Check crc and HMAC over preamble+body, then split the body. `body` must be exactly hdr.body_len.
+    """Check crc and HMAC over header+body, then split the body. `body` must be exactly hdr.body_len.
     The returned frame's scales/payload are zero-copy views into `body`."""
     if len(body) != hdr.body_len:
         raise FrameError(ErrorCode.TRUNCATED, f"body is {len(body)} bytes, header says {hdr.body_len}")
@@ -253,13 +233,13 @@ def parse_body(hdr: Header, header_bytes: bytes, body: bytes, secret: bytes) -> 
 
 def decode_frame(buf: bytes, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """Parse one complete frame held in memory (tests, fuzzing). Trailing bytes are an error."""
-    hdr = parse_preamble(buf, secret, limits)
-    body = memoryview(buf)[PREAMBLE_SIZE:]
+    hdr = parse_header(buf, limits)
+    body = memoryview(buf)[HEADER_SIZE:]
     if len(body) < hdr.body_len:
         raise FrameError(ErrorCode.TRUNCATED, f"have {len(body)} body bytes, need {hdr.body_len}")
     if len(body) > hdr.body_len:
         raise FrameError(ErrorCode.BAD_HEADER, "trailing bytes after frame")
-    return parse_body(hdr, bytes(buf[:PREAMBLE_SIZE]), bytes(body), secret)
+    return parse_body(hdr, bytes(buf[:HEADER_SIZE]), bytes(body), secret)
 
 
 def encode_frame(frame: Frame, secret: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -272,7 +252,7 @@ def encode_frame(frame: Frame, secret: bytes, limits: Limits = DEFAULT_LIMITS) -
         frame.status, len(frame.scales), len(frame.payload),
     )
     parse_header(head, limits)  # raises on anything a receiver would refuse
-    parts = (head + header_mac(secret, head), rid, frame.scales, frame.payload)
+    parts = (head, rid, frame.scales, frame.payload)
     crc = 0
     mac = hmac.new(secret, digestmod=hashlib.sha256)
     for part in parts:

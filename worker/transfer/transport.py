@@ -5,11 +5,6 @@ the next layer) and keeps each encoded frame until its ACK arrives, so a broken 
 reconnecting and resending only what was not acknowledged — bounded by `max_retries` and by one deadline
 for the whole transfer. The receiver acknowledges every frame with an (HMAC-signed) ACK carrying a status
 code; a frame it cannot authenticate or parse ends that connection only, never the server.
-
-Memory before authentication is bounded: a frame's header carries its own MAC, checked before the body
-is accepted, so a peer without the secret costs 68 bytes; at most `max_unauthenticated` connections may
-wait for their first authenticated header (for `auth_timeout`); bodies are read in chunks straight into
-one buffer of the announced size, and all connections together hold at most `max_buffered_bytes`.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from dataclasses import dataclass, field
 from pdcluster.worker.transfer.frame import (
     DEFAULT_LIMITS,
     HEADER_SIZE,
-    PREAMBLE_SIZE,
     ErrorCode,
     Frame,
     FrameError,
@@ -35,7 +29,6 @@ from pdcluster.worker.transfer.frame import (
     encode_frame,
     parse_body,
     parse_header,
-    parse_preamble,
 )
 
 log = logging.getLogger(__name__)
@@ -67,12 +60,9 @@ class TransportStats:
 async def read_frame(reader: asyncio.StreamReader, secret: bytes, limits: Limits = DEFAULT_LIMITS,
                      timeout: float | None = None) -> Frame:
     """Read and verify exactly one frame. The body is read only after the header has been validated, so
-    at most `limits.max_frame_bytes` is ever buffered. Raises FrameError."""
-    try:
-        async with asyncio.timeout(timeout):
-            head = await reader.readexactly(PREAMBLE_SIZE)
-    except asyncio.IncompleteReadError as e:
-        raise FrameError(ErrorCode.TRUNCATED, f"header cut after {len(e.partial)} bytes") from None
+    at most `limits.max_frame_bytes` is ever buffered. Raises FrameError or asyncio.IncompleteReadError."""
+    async with asyncio.timeout(timeout):
+        head = await reader.readexactly(HEADER_SIZE)
     return await _read_rest(reader, head, secret, limits, timeout)
 
 
@@ -83,50 +73,15 @@ OFFLOAD_BYTES = 256 * 1024
 
 async def _read_rest(reader: asyncio.StreamReader, head: bytes, secret: bytes, limits: Limits,
                      timeout: float | None) -> Frame:
-    hdr = parse_preamble(head, secret, limits)
-    async with asyncio.timeout(timeout):
-        body = await read_body(reader, hdr.body_len)
+    hdr = parse_header(head, limits)
+    try:
+        async with asyncio.timeout(timeout):
+            body = await reader.readexactly(hdr.body_len)
+    except asyncio.IncompleteReadError as e:
+        raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {len(e.partial)} body bytes") from None
     if len(body) > OFFLOAD_BYTES:
         return await asyncio.to_thread(parse_body, hdr, head, body, secret)
     return parse_body(hdr, head, body, secret)
-
-
-READ_CHUNK = 1 << 20
-
-
-async def read_body(reader: asyncio.StreamReader, n: int) -> bytearray:
-    """Exactly `n` bytes, read chunk by chunk into one buffer of that size (readexactly would hold the
-    whole body in the stream's buffer and then copy it: twice the memory). Raises FrameError(TRUNCATED)."""
-    body = bytearray(n)
-    view, got = memoryview(body), 0
-    while got < n:
-        chunk = await reader.read(min(READ_CHUNK, n - got))
-        if not chunk:
-            raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {got} body bytes")
-        view[got:got + len(chunk)] = chunk
-        got += len(chunk)
-    return body
-
-
-class ByteBudget:
-    """Bytes of frame bodies held at once by one receiver, across connections: a body is read only once
-    its bytes are reserved here, and they come back when its frame has been handled."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.used = total, 0
-        self._freed = asyncio.Event()
-
-    async def acquire(self, n: int) -> None:
-        if n > self.total:
-            raise FrameError(ErrorCode.TOO_LARGE, f"frame body of {n} bytes exceeds the receive budget {self.total}")
-        while self.used + n > self.total:
-            self._freed.clear()
-            await self._freed.wait()
-        self.used += n
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        self._freed.set()
 
 
 class KVServer:
@@ -134,15 +89,11 @@ class KVServer:
 
     def __init__(self, secret: bytes, handler: FrameHandler, *, limits: Limits = DEFAULT_LIMITS,
                  idle_timeout: float = 60.0, frame_timeout: float = 30.0,
-                 stats: TransportStats | None = None, pipeline: int = 4, max_unauthenticated: int = 64,
-                 auth_timeout: float = 10.0, max_buffered_bytes: int = 2 * DEFAULT_LIMITS.max_frame_bytes) -> None:
+                 stats: TransportStats | None = None, pipeline: int = 4) -> None:
         self.secret, self.handler, self.limits = secret, handler, limits
         self.idle_timeout, self.frame_timeout = idle_timeout, frame_timeout
         self.stats = stats or TransportStats()
         self.pipeline = max(1, pipeline)
-        self.max_unauthenticated, self.auth_timeout = max_unauthenticated, auth_timeout
-        self.budget = ByteBudget(max_buffered_bytes)
-        self.unauthenticated = 0  # connections that have not yet sent a header with a valid MAC
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.port = 0
@@ -167,62 +118,43 @@ class KVServer:
         CPU ceiling and releases the GIL), so reading the next frame overlaps checking this one."""
         task = asyncio.current_task()
         assert task is not None
-        peer = writer.get_extra_info("peername")
-        if self.unauthenticated >= self.max_unauthenticated:
-            self.stats.frames_rejected += 1
-            log.warning("kv transfer: refused %s: %d connections already wait for authentication", peer,
-                        self.unauthenticated)
-            writer.close()
-            return
         self._conns.add(task)
-        self.unauthenticated += 1
-        authed = False
+        peer = writer.get_extra_info("peername")
         slots = asyncio.Semaphore(self.pipeline)
         inflight: set[asyncio.Task[None]] = set()
         try:
             while not writer.is_closing():
-                held = 0
                 try:
-                    # Until its first header authenticates, a connection gets auth_timeout; then it may idle
-                    # idle_timeout between frames, and has frame_timeout for a body (a stalled sender cannot
-                    # pin the buffer).
+                    # An idle connection may wait idle_timeout for its next header; once a header is in,
+                    # the peer gets frame_timeout for the body (a stalled sender cannot pin the buffer).
                     try:
-                        async with asyncio.timeout(self.idle_timeout if authed else self.auth_timeout):
+                        async with asyncio.timeout(self.idle_timeout):
                             head = await reader.readexactly(HEADER_SIZE)
-                            parse_header(head, self.limits)  # garbage is refused without waiting for more
-                            head += await reader.readexactly(PREAMBLE_SIZE - HEADER_SIZE)
                     except asyncio.IncompleteReadError as e:
                         if not e.partial:
                             return  # clean close at a frame boundary
                         raise FrameError(ErrorCode.TRUNCATED, f"header cut after {len(e.partial)} bytes") from None
-                    hdr = parse_preamble(head, self.secret, self.limits)  # before a single body byte
-                    if not authed:
-                        authed = True
-                        self.unauthenticated -= 1
-                    async with asyncio.timeout(self.frame_timeout):
-                        await self.budget.acquire(hdr.body_len)
-                        held = hdr.body_len
-                        body = await read_body(reader, hdr.body_len)
+                    hdr = parse_header(head, self.limits)
+                    try:
+                        async with asyncio.timeout(self.frame_timeout):
+                            body = await reader.readexactly(hdr.body_len)
+                    except asyncio.IncompleteReadError as e:
+                        raise FrameError(ErrorCode.TRUNCATED, f"closed after {len(e.partial)} body bytes") from None
                 except (FrameError, TimeoutError) as e:
-                    if held:
-                        self.budget.release(held)
                     self._reject(writer, peer, e)
                     return
                 await slots.acquire()
                 t = asyncio.ensure_future(self._process(hdr, head, body, writer, peer))
                 inflight.add(t)
 
-                def done(t: asyncio.Task[None], n: int = held) -> None:
+                def done(t: asyncio.Task[None]) -> None:
                     inflight.discard(t)
                     slots.release()
-                    self.budget.release(n)
 
                 t.add_done_callback(done)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            if not authed:
-                self.unauthenticated -= 1
             if inflight:  # let verified frames get their ACKs before the connection goes
                 with contextlib.suppress(BaseException):
                     await asyncio.gather(*inflight, return_exceptions=True)
@@ -238,7 +170,7 @@ class KVServer:
             writer.write(encode_frame(ack("?", 0, code), self.secret))
             writer.close()
 
-    async def _process(self, hdr: Header, head: bytes, body: bytes | bytearray, writer: asyncio.StreamWriter,
+    async def _process(self, hdr: Header, head: bytes, body: bytes, writer: asyncio.StreamWriter,
                        peer: object) -> None:
         try:
             if len(body) > OFFLOAD_BYTES:
