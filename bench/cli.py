@@ -56,6 +56,19 @@ def load_results(path: Path) -> list[dict]:
     return data
 
 
+def run_label(results: Path, given: str = "") -> str:
+    """A run's name for titles: `given` (--label), else the label in its meta.json, else its folder's name
+    (never "results.json", which names every run)."""
+    folder = results if results.is_dir() else results.parent
+    if given:
+        return given
+    try:
+        label = json.loads((folder / "meta.json").read_text()).get("label")
+    except (OSError, ValueError, AttributeError):
+        label = None
+    return label or folder.resolve().name
+
+
 def write_csv(cells: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CELL_FIELDS, extrasaction="ignore")
@@ -203,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         ratios = heatmap.ratio_cells(cells, other)
         (out / "ratio.json").write_text(json.dumps(ratios, indent=1))
         if not args.no_plots:
-            plots += heatmap.plot_all(ratios, out, "ratio", f" (this / {args.compare.name})", ratio=True)
+            names = f" ({run_label(out, args.label)} / {run_label(args.compare)})"
+            plots += heatmap.plot_all(ratios, out, "ratio", names, ratio=True)
 
     print(format_table(cells))
     n = sum(c["requests"] for c in cells)

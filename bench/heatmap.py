@@ -2,7 +2,8 @@
 
 One picture shows where a deployment is good and where it breaks (e.g. TTFT exploding for long prompts
 on a colocated worker while decode steps stall). `ratio` maps compare two runs cell by cell; the colour
-scale is centred on 1.0 so "better" and "worse" read at a glance.
+scale is centred on 1.0 so "better" and "worse" read at a glance. Cells and colour bars share a unit: ms for
+latencies, tok/s for throughput, × for ratios.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# metric -> (title, unit, higher_is_better)
-METRICS: dict[str, tuple[str, str, bool]] = {
-    "ttft_p50": ("TTFT p50", "s", False),
-    "ttft_p99": ("TTFT p99", "s", False),
-    "tpot_p50": ("TPOT p50", "s", False),
-    "tpot_p99": ("TPOT p99", "s", False),
-    "output_tokens_per_second": ("output tokens/s", "tok/s", True),
+# metric -> (title, unit drawn, higher_is_better, scale from results.json's unit to the drawn one).
+# Latencies are stored in seconds and drawn in ms, so the cells and the colour bar read in the same unit.
+METRICS: dict[str, tuple[str, str, bool, float]] = {
+    "ttft_p50": ("TTFT p50", "ms", False, 1000.0),
+    "ttft_p99": ("TTFT p99", "ms", False, 1000.0),
+    "tpot_p50": ("TPOT p50", "ms", False, 1000.0),
+    "tpot_p99": ("TPOT p99", "ms", False, 1000.0),
+    "output_tokens_per_second": ("output tokens/s", "tok/s", True, 1.0),
 }
 
 
@@ -51,18 +53,20 @@ def ratio_cells(a: Sequence[dict], b: Sequence[dict], keys: Sequence[str] = tupl
     return out
 
 
-def _fmt(v: float, unit: str, ratio: bool) -> str:
+def cell_text(v: float, unit: str) -> str:
+    """A cell's label, in the unit of the colour bar ("×" for ratios)."""
     if math.isnan(v):
         return "–"
-    if ratio:
+    if unit == "×":
         return f"{v:.2f}×"
-    if unit == "s":  # latencies: ms below a second, never a bare "m" that reads as minutes
-        return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
+    if unit == "ms":
+        return f"{v:.1f}ms" if v < 10 else f"{v:.0f}ms"
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
 
 
-def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bool = False) -> Path:
-    """Write one heat map PNG. `ratio`: values are a/b ratios, drawn on a diverging scale around 1."""
+def figure(cells: Sequence[dict], key: str, title: str = "", ratio: bool = False) -> Any:
+    """One heat map as a matplotlib Figure. `ratio`: values are a/b ratios, drawn on a diverging scale
+    around 1; otherwise values are drawn in METRICS' unit (ms for latencies), cells and colour bar alike."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: CI and pods have no display
@@ -70,7 +74,11 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
     from matplotlib.colors import LogNorm, TwoSlopeNorm
 
     xs, ys, vals = grid(cells, key)
-    name, unit, higher_better = METRICS.get(key, (key, "", False))
+    name, unit, higher_better, scale = METRICS.get(key, (key, "", False, 1.0))
+    if ratio:
+        unit = "×"
+    else:
+        vals = [[v * scale for v in row] for row in vals]
     finite = [v for row in vals for v in row if not math.isnan(v)]
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(xs), 1.0 + 0.8 * len(ys)), dpi=100)
     norm: Any
@@ -79,7 +87,7 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
         # Diverging around 1.0; for latency a ratio > 1 (a slower than b) is red, for throughput blue.
         norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01))
         cmap = "RdBu" if higher_better else "RdBu_r"
-        label = f"{name} ratio"
+        label = f"{name} ratio (×)"
     else:
         positive = [v for v in finite if v > 0]
         # Latency spans orders of magnitude across a grid; a log scale keeps both ends readable.
@@ -95,11 +103,19 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
     ax.set_title(title or label, fontsize=10)
     for yi, row in enumerate(vals):
         for xi, v in enumerate(row):
-            ax.text(xi, yi, _fmt(v, unit, ratio), ha="center",
+            ax.text(xi, yi, cell_text(v, unit), ha="center",
                     va="center", fontsize=8, color="black",
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.6, "lw": 0})
     fig.colorbar(im, ax=ax, label=label)
     fig.tight_layout()
+    return fig
+
+
+def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bool = False) -> Path:
+    """Write one heat map PNG (see `figure`)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(cells, key, title, ratio)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
@@ -109,7 +125,7 @@ def plot(cells: Sequence[dict], key: str, path: Path, title: str = "", ratio: bo
 def plot_all(cells: Sequence[dict], out: Path, prefix: str = "heatmap", title_suffix: str = "",
              ratio: bool = False) -> list[Path]:
     paths = []
-    for key, (name, _, _) in METRICS.items():
+    for key, (name, *_) in METRICS.items():
         if not any(c.get(key) is not None for c in cells):
             continue  # nothing measured (e.g. every request failed): no empty picture
         title = f"{name}{' ratio' if ratio else ''}{title_suffix}"

@@ -4,9 +4,9 @@ import csv
 import json
 
 import pytest
+
 from pdcluster.bench import heatmap
 from pdcluster.bench.stats import CELL_FIELDS
-
 from pdcluster.cli import main
 
 GRID = ["--prompt-lens", "4,16", "--output-lens", "2,5", "--requests", "3", "--no-progress"]
@@ -49,6 +49,23 @@ def test_compare_writes_ratio_maps(fake_server, tmp_path):
     assert len(ratios) == 4 and all(r["ttft_p50"] > 0 for r in ratios)
     assert (b / "ratio_output_tokens_per_second.png").exists()
     assert json.loads((b / "meta.json").read_text())["mode"] == "open"
+
+
+def test_ratio_maps_are_titled_with_the_run_labels(fake_server, tmp_path, monkeypatch):
+    s = fake_server()
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert bench("--url", s.url, *GRID, "--out", str(a), "--no-plots", "--label", "colocated") == 0
+    titles: list[str] = []
+    real = heatmap.plot
+    monkeypatch.setattr(heatmap, "plot", lambda cells, key, path, title="", ratio=False:
+                        titles.append(title) or real(cells, key, path, title, ratio))
+    assert bench("--url", s.url, *GRID, "--out", str(b), "--compare", str(a / "results.json"),
+                 "--label", "disaggregated") == 0
+    ratio_titles = titles[len(heatmap.METRICS):]
+    assert ratio_titles and all(t.endswith(" (disaggregated / colocated)") for t in ratio_titles)
+    titles.clear()  # no labels given: the folders' names, never "this / results.json"
+    assert bench("--url", s.url, *GRID, "--out", str(c), "--compare", str(b / "results.json")) == 0
+    assert all(t.endswith(" (c / disaggregated)") for t in titles[len(heatmap.METRICS):])
 
 
 def test_error_responses_are_counted(fake_server, tmp_path, capsys):
