@@ -10,11 +10,12 @@ import asyncio
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
-    from pdcluster.worker.server import cli as serve_cli
+
     from pdcluster.worker.engine.async_engine import AsyncEngine
-    from pdcluster.worker.server.internal_routes import Disaggregation
     from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.server import cli as serve_cli
     from pdcluster.worker.server.app import build_app
+    from pdcluster.worker.server.internal_routes import Disaggregation
 
     parser = argparse.ArgumentParser(prog="disagg_worker")
     serve_cli.add_arguments(parser)

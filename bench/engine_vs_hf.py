@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from pdcluster.worker.local.demo_model import build_demo_model
-    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
     from transformers import LlamaForCausalLM
+
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     with tempfile.TemporaryDirectory(prefix="pdc-bench-") as tmp:  # both sides load it into memory
         folder = build_demo_model(Path(tmp), **MODEL)

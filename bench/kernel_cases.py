@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from pdcluster.kernels import allocate_kv_cache, kv_bits, paged_decode_attention, write_kv_cache
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from pdcluster.bench.kernel_cases import (
     GPU_SIZES,
     SMOKE_SIZES,

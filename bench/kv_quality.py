@@ -222,6 +222,7 @@ def check_engine(model_dir: str | Path, bits: int, prompt_len: int = 64, new_tok
     cache: the reimplementation with prefill_len = prompt length must match every one of them.
     """
     import torch
+
     from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
     from pdcluster.worker.engine.sampling_params import SamplingParams
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import httpx
+
 from pdcluster.bench.stats import RequestResult
 
 # Request shapes, richest first. `ids`: prompt as token ids; `ext`: our extensions + usage in stream.

@@ -2,6 +2,7 @@ import random
 
 import httpx
 import pytest
+
 from pdcluster.bench import loadgen
 
 

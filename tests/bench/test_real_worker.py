@@ -12,8 +12,8 @@ pytest.importorskip("torch")
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from pdcluster.worker.engine.async_engine import AsyncEngine
-    from pdcluster.worker.local.demo_model import build_demo_model
     from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.local.demo_model import build_demo_model
 
     model = build_demo_model(tmp_path_factory.mktemp("bench-worker"), hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, max_position_embeddings=256, tokenizer=False)

@@ -2,6 +2,7 @@ import math
 
 import numpy as np
 import pytest
+
 from pdcluster.bench.stats import (
     CELL_FIELDS,
     RequestResult,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from pdcluster.bench import train_demo_model as tdm
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdcluster.bench import kernels as bench
 
 
