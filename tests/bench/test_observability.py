@@ -1,5 +1,6 @@
 """Alert rules, runbooks and the Grafana dashboard: valid, consistent with each other and with the metric
-names of DESIGN.md / the operator, and (when promtool is installed) checked and unit-tested by promtool."""
+names that workers and the router export (worker/api/metrics.py; docs/architecture.md) and the operator's,
+and (when promtool is installed) checked and unit-tested by promtool."""
 
 import json
 import os
@@ -16,7 +17,7 @@ RULES = ROOT / "observability" / "prometheus-rules.yaml"
 DASHBOARD = ROOT / "observability" / "grafana-dashboard.json"
 RUNBOOKS = ROOT / "docs" / "runbooks"
 
-# DESIGN.md "Metrics" (the contract workers and the router export)
+# The metric contract workers and the router export (worker/api/metrics.py; docs/architecture.md, "Serving")
 DESIGN_SERIES = {
     "pdcluster_requests_total", "pdcluster_prompt_tokens_total", "pdcluster_generation_tokens_total",
     "pdcluster_time_to_first_token_seconds", "pdcluster_time_per_output_token_seconds",
