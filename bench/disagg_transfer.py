@@ -112,12 +112,7 @@ async def overlap(model: Path, prompt_len: int, layerwise: bool) -> dict[str, An
         rid = f"ov-{layerwise}-{rep}"
         recv.start_load_kv(LoadSpec(rid, mc.num_layers, prompt_len, mc.num_kv_heads, mc.head_dim))
         send.start_save(rid, TransferTarget("127.0.0.1", port), mc.num_layers)
-
-        def hook(layer: int, ids: list[str], rid: str = rid) -> None:
-            k, v = engine.export_kv(rid, layer)
-            send.save_kv_layer(rid, layer, k, v)
-
-        engine.layer_hook = hook if layerwise else None
+        engine.set_kv_connector(send if layerwise else None)  # the engine ships each layer as it is written
         engine.add_request(rid, prompt, params, prefill_only=True)
         t0 = time.perf_counter()
         await asyncio.to_thread(engine.step)  # one prefill step (prompt fits the token budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -125,3 +126,65 @@ def test_decode_pool_without_transfer_path_prefills_itself(tiny_model_dir: Path)
         got = asyncio.run(run_all(c.router, ps, stream=False))
         leaks = idle_everywhere(c)
     assert got == want and all(d["used_blocks"] == 0 for d in leaks), leaks
+
+
+SEED = 4321
+
+
+def seeded_reference(model: Path, prompt: list[int], n: int) -> list[int]:
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=256, num_threads=1))
+    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=1.0, seed=SEED, ignore_eos=True))[0]
+
+
+async def seeded_stream(url: str, prompt: list[int], n: int, on_tokens: Any = None) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 1.0, "seed": SEED, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    ids: list[int] = []
+    async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
+                                                                       json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])
+                assert "error" not in d, d
+                ids.extend(d["choices"][0].get("token_ids") or [])
+                if on_tokens is not None:
+                    await on_tokens(len(ids))
+    return ids
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_the_same_on_every_path(tiny_model_dir: Path) -> None:
+    """Same seed, temperature 1.0: the same tokens from one engine, from a worker alone, disaggregated
+    (the prefill worker samples token 0, the decode worker continues) and after a decode worker fails
+    mid-stream and another resumes it. Before, the decode worker's generator restarted: [a, a, b, c, ...]."""
+    prompt = prompts([40])[0]
+    n = 120
+    want = seeded_reference(tiny_model_dir, prompt, n)
+    with cluster(tiny_model_dir, prefill_blocks=(8,), decode_blocks=(16, 32), threshold=0) as c:
+        alone = asyncio.run(seeded_stream(c.decode[0], prompt, n))
+        disagg = asyncio.run(seeded_stream(c.router, prompt, n))
+        assert metric(c.prefill[0], "pdcluster_kv_transfer_bytes_total") > 0  # it did go through prefill
+        decode_engines = c.engines[1:]
+        failed: list[str] = []
+
+        async def fail_decode_once(count: int) -> None:
+            # after a few tokens, abort the request on the decode worker running it: the router resumes it
+            # elsewhere with prompt + the tokens delivered so far
+            if count >= 5 and not failed:
+                for eng in decode_engines:
+                    for rid in await eng.call(lambda e: list(e.seqs)):
+                        eng.abort(rid)
+                        failed.append(rid)
+
+        resumed = asyncio.run(seeded_stream(c.router, prompt, n, fail_decode_once))
+        snap = httpx.get(f"{c.router}/cluster").json()
+        loads = idle_everywhere(c)
+    assert alone == want
+    assert disagg == want
+    assert failed and snap["router"]["resumes"] >= 1, (failed, snap["router"])
+    assert resumed == want
+    assert all(d["used_blocks"] == 0 for d in loads), loads

@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pdcluster.worker.api import errors
+from pdcluster.worker.engine.kv_connector import KVLayout
 from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.router import cli
 from pdcluster.worker.transfer.secret import (
@@ -26,9 +27,9 @@ TOKEN = hmac.new(SECRET, b"pdcluster-internal-v1", hashlib.sha256).hexdigest()
 
 
 def fake_engine() -> SimpleNamespace:
-    inner = SimpleNamespace(model_config=SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4),
-                            config=SimpleNamespace(block_size=16))
-    return SimpleNamespace(engine=inner, stats=lambda: {"kv_cache_total_blocks": 10, "kv_cache_used_blocks": 3})
+    # only the AsyncEngine surface the routes use (they never reach into the engine's internals)
+    return SimpleNamespace(kv_layout=KVLayout(num_layers=2, kv_heads=1, head_dim=4, block_size=16),
+                           stats=lambda: {"kv_cache_total_blocks": 10, "kv_cache_used_blocks": 3})
 
 
 def worker_app(secret: bytes | None) -> TestClient:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 from .conftest import prompt_of
@@ -12,16 +15,30 @@ P = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = {"a": prompt_of(37, seed=1), "b": prompt_of(16, seed=2), "c": prompt_of(1, seed=3)}
 
 
+class Recorder(KVConnectorBase):
+    """An engine KV connector that keeps what the engine hands it: per request and layer, the token ranges."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[str, dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
+
+    def save_kv_layer(self, request_id, layer, k, v, token_start=0) -> None:
+        self.ranges.setdefault(request_id, {}).setdefault(layer, []).append((token_start, k.clone(), v.clone()))
+
+    def assembled(self, rid: str, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ranges, checked to tile [0, n) in order with no gap or overlap, concatenated."""
+        out = []
+        for layer in range(layers):
+            parts = self.ranges[rid][layer]
+            assert [s for s, _, _ in parts] == list(itertools.accumulate([0] + [k.shape[0] for _, k, _ in parts[:-1]]))
+            out.append((torch.cat([k for _, k, _ in parts]), torch.cat([v for _, _, v in parts])))
+        return out
+
+
 def _prefill_and_stream(engine) -> tuple[dict[str, list[tuple[torch.Tensor, torch.Tensor]]], dict[str, int]]:
-    """Prefill-only on ``engine``; KV leaves layer by layer from inside the forward, via layer_hook."""
+    """Prefill-only on ``engine``; the engine hands KV layer by layer from inside the forward to its connector."""
     layers = engine.model_config.num_layers
-    streamed: dict[str, list] = {rid: [None] * layers for rid in PROMPTS}
-
-    def hook(layer: int, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            streamed[rid][layer] = tuple(t.clone() for t in engine.export_kv(rid, layer))
-
-    engine.layer_hook = hook
+    rec = Recorder()
+    engine.set_kv_connector(rec)
     for rid, p in PROMPTS.items():
         engine.add_request(rid, p, P, prefill_only=True)
     first: dict[str, int] = {}
@@ -30,7 +47,36 @@ def _prefill_and_stream(engine) -> tuple[dict[str, list[tuple[torch.Tensor, torc
             assert out.finished and out.extra.get("kv_held") and len(out.new_token_ids) == 1
             first[out.request_id] = out.new_token_ids[0]
     assert set(first) == set(PROMPTS)
-    return streamed, first
+    return {rid: rec.assembled(rid, layers) for rid in PROMPTS}, first
+
+
+def test_chunked_prefill_and_prefix_hits_export_each_token_once(make_engine):
+    """A token budget of 16 splits a 40-token prompt in chunks: each chunk's range leaves once per layer. A
+    second request sharing a 32-token prefix gets it from the prefix cache, and its first chunk still
+    ships from token 0 (the decode side has none of it). Requests that are not prefill-only export nothing."""
+    engine = make_engine(block_size=16, max_batch_tokens=16)
+    rec = Recorder()
+    engine.set_kv_connector(rec)
+    base = prompt_of(32, seed=4)
+    prompts = {"a": base + prompt_of(8, seed=5), "b": base + prompt_of(5, seed=6)}
+    layers = engine.model_config.num_layers
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, P, prefill_only=True)
+        while engine.has_unfinished():
+            engine.step()
+    engine.add_request("plain", prompt_of(20, seed=7), SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert set(rec.ranges) == {"a", "b"}
+    assert [s for s, _, _ in rec.ranges["a"][0]] == [0, 16, 32]
+    assert engine.stats()["prefix_cache_hit_blocks"] >= 2
+    for rid, p in prompts.items():
+        got = rec.assembled(rid, layers)
+        for layer in range(layers):
+            k, v = engine.export_kv(rid, layer)
+            assert got[layer][0].shape[0] == len(p)
+            assert torch.equal(got[layer][0], k) and torch.equal(got[layer][1], v)
+        engine.release(rid)
 
 
 @pytest.mark.parametrize(

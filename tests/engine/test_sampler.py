@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from pdcluster.worker.engine.sampler import _filter, sample
+from pdcluster.worker.engine.sampler import _filter, sample, token_seed
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 from .conftest import prompt_of
@@ -17,9 +19,7 @@ def test_greedy_and_filters():
     assert torch.isinf(_filter(logits[0], 0, 0.7)).tolist() == [True, False, True, False]
     assert torch.isinf(_filter(logits[0], 0, 0.5)).tolist() == [True, False, True, True]
     for _ in range(20):
-        tok = sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [torch.Generator().manual_seed(_)])[
-            0
-        ]
+        tok = sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=_)], [0])[0]
         assert tok in (1, 3)
 
 
@@ -34,3 +34,51 @@ def test_seeded_requests_are_reproducible_whatever_the_batch(make_engine):
         [prompt_of(9)], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
     )
     assert different[0] != alone
+
+
+def test_token_seed_is_a_pure_function_of_seed_and_index():
+    seeds = {token_seed(s, i) for s in (0, 1, -1, 2**63, 1234) for i in range(50)}
+    assert len(seeds) == 250  # no collisions between neighbouring seeds / indices
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert token_seed(1234, 7) == token_seed(1234, 7)
+    logits = torch.randn(1, 50)
+    p = SamplingParams(temperature=1.0, seed=5)
+    draws = [sample(logits, [p], [i])[0] for i in range(40)]
+    assert draws == [sample(logits, [p], [i])[0] for i in range(40)]  # same (seed, index): same token
+    assert len(set(draws)) > 5  # different index: a different draw, not the same noise again
+
+
+SEEDED = SamplingParams(max_tokens=10, temperature=1.0, seed=4321, ignore_eos=True)
+
+
+def test_seeded_resume_at_output_index_k_continues_the_single_run(make_engine):
+    """A worker resuming a stream (prompt + the k tokens already delivered, first_output_index=k) draws what
+    the single worker drew from token k on."""
+    engine = make_engine()
+    prompt = prompt_of(11, seed=3)
+    alone = engine.generate([prompt], SEEDED)[0]
+    for k in (1, 4):
+        rest = dataclasses.replace(SEEDED, max_tokens=SEEDED.max_tokens - k, first_output_index=k)
+        assert engine.generate([prompt + alone[:k]], rest)[0] == alone[k:]
+
+
+def test_seeded_disaggregated_equals_single_worker(make_engine):
+    """Prefill worker samples output token 0, the decode worker continues at 1: the same tokens as one
+    engine alone (before, the decode worker's generator restarted and re-drew token 0's noise)."""
+    prompt = prompt_of(23, seed=8)
+    alone = make_engine().generate([prompt], SEEDED)[0]
+    prefill = make_engine(block_size=8)
+    prefill.add_request("r", prompt, SEEDED, prefill_only=True)
+    first = prefill.step()[0].new_token_ids[0]
+    kv = [prefill.export_kv("r", layer) for layer in range(prefill.model_config.num_layers)]
+    prefill.release("r")
+    decode = make_engine(block_size=32)
+    assert decode.reserve_for_import("r", prompt, SEEDED)
+    for layer, (k, v) in enumerate(kv):
+        decode.import_kv_layer("r", layer, k, v)
+    decode.commit_import("r", first)
+    got = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            got += out.new_token_ids
+    assert got == alone

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.engine.sampling_params import SamplingParams
@@ -87,10 +88,6 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     # -- read-only views (any thread) -------------------------------------------------------------------
     # Fixed when the engine is built and never reassigned, so reading them off the engine thread is safe.
 
@@ -105,6 +102,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.engine.kv_layout
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the engine would reject this request; callable from any thread.
@@ -167,6 +168,27 @@ class AsyncEngine:
 
         self._commands.put((_abort, Future()))
         self._wake.set()
+
+    # -- disaggregation: the engine's KV connector and its import side (see kv_connector.py) -----------
+
+    async def set_kv_connector(self, connector: KVConnectorBase | None) -> None:
+        await self.call(lambda e: e.set_kv_connector(connector))
+
+    async def reserve_for_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        return await self.call(lambda e: e.reserve_for_import(request_id, prompt_token_ids, params))
+
+    async def import_kv_layer(self, request_id: str, layer: int, k: Any, v: Any) -> None:
+        await self.call(lambda e: e.import_kv_layer(request_id, layer, k, v))
+
+    async def commit_import(self, request_id: str, first_token_id: int) -> None:
+        await self.call(lambda e: e.commit_import(request_id, first_token_id))
+
+    async def cancel_import(self, request_id: str) -> None:
+        await self.call(lambda e: e.cancel_import(request_id))
+
+    async def release(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept for export."""
+        await self.call(lambda e: e.release(request_id))
 
     def stats(self) -> dict[str, float | int]:
         """Engine gauges and counters as of the last step (safe to call from any thread)."""

@@ -7,8 +7,8 @@ life cycles: validation, stop conditions, streaming detokenization, abort, and t
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,13 +16,16 @@ import torch
 from pdcluster.worker.engine.block_manager import BlockManager
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import layer_kv_dtypes
+from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.engine.sampler import sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
-from pdcluster.worker.engine.scheduler import Scheduler
+from pdcluster.worker.engine.scheduler import Batch, Scheduler
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
 from pdcluster.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,9 +73,6 @@ class EngineConfig:
             raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
 
 
-LayerHook = Callable[[int, list[str]], None]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -113,7 +113,7 @@ class LLMEngine:
             choose_mode=self._cheaper_preemption,
         )
         self.seqs: dict[str, Sequence] = {}  # every request that holds state here
-        self.layer_hook: LayerHook | None = None
+        self.kv_connector: KVConnectorBase | None = None  # where prefill-only requests send their KV
         self.idle = False
         self._inflight: dict[str, int] = {}  # prefill seqs of the running step -> tokens written by its end
         self._pending: list[RequestOutput] = []  # outputs produced between steps (imports)
@@ -149,7 +149,8 @@ class LLMEngine:
         prefill_only: bool = False,
     ) -> None:
         """Queue a request; raises ValueError for invalid input. With ``prefill_only`` the request finishes
-        after its first token but keeps its KV blocks (for export_kv) until ``release``."""
+        after its first token but keeps its KV blocks (for export_kv) until ``release``, and its KV leaves
+        layer by layer through the attached KV connector, if any (see kv_connector.py)."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
@@ -175,6 +176,15 @@ class LLMEngine:
         if seq is not None:
             self._finish(seq, seq.finish_reason)
 
+    def set_kv_connector(self, connector: KVConnectorBase | None) -> None:
+        """Attach the transfer backend that prefill-only requests export their KV through (None detaches)."""
+        self.kv_connector = connector
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        mc = self.model_config
+        return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.block_size)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
@@ -187,20 +197,15 @@ class LLMEngine:
         if batch is None:
             return outputs
         self.counters["steps"] += 1
-        hook = None
-        if batch.is_prefill and self.layer_hook is not None:
-            ids = [s.request_id for s in batch.seqs]
-            self._inflight = {
-                s.request_id: s.num_computed_tokens + n
-                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-            }
-            user_hook = self.layer_hook
-            hook = lambda layer: user_hook(layer, ids)  # noqa: E731
+        exports = self._exports(batch)
+        hook = (lambda layer: self._save_layer(layer, exports)) if exports else None  # noqa: E731
         t0 = time.perf_counter()
         try:
             logits = self.runner.execute(batch, hook)
         finally:
             self._inflight = {}
+        for seq, _, end in exports:
+            seq.num_exported_tokens = end
         if batch.is_prefill:
             n_tokens = sum(batch.num_new_tokens)
             self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
@@ -216,9 +221,16 @@ class LLMEngine:
                 self.block_manager.commit(s)
         if not done:
             return outputs
-        tokens = sample(logits, [s.params for s in done], [s.generator for s in done])
+        tokens = self._sample(logits, done)
         for i, (seq, token) in enumerate(zip(done, tokens, strict=True)):
-            out = self._append_token(seq, token)
+            if token is None:  # its sampling raised: that request failed alone (see _sample)
+                outputs.append(self._fail(seq, "sampling failed"))
+                continue
+            try:
+                out = self._append_token(seq, token)
+            except Exception as e:  # one request's data (e.g. its stop list) must not fail the others
+                outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
+                continue
             if self.config.debug_logits:
                 out.extra["logits"] = logits[i].clone()
             if batch.is_prefill and not seq.is_finished:
@@ -229,6 +241,31 @@ class LLMEngine:
                     self.scheduler.start_decoding(seq)
             outputs.append(out)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """One token per sequence; a sequence whose sampling raises gets None (the others still sample).
+        The batch is sampled at once; only when that raises is it redone row by row to find the culprit."""
+        index = [s.num_output_tokens + s.params.first_output_index for s in seqs]
+        try:
+            return list(sample(logits, [s.params for s in seqs], index))
+        except Exception:
+            log.exception("sampling the batch failed; retrying row by row")
+        out: list[int | None] = []
+        for i, s in enumerate(seqs):
+            try:
+                out.append(sample(logits[i : i + 1], [s.params], [index[i]])[0])
+            except Exception:
+                log.exception("request %s: sampling failed", s.request_id)
+                out.append(None)
+        return out
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """End one request with an error (its blocks come back); the rest of the step goes on."""
+        log.warning("request %s failed: %s", seq.request_id, message)
+        if not seq.is_finished:
+            self._finish(seq, "error")
+        return RequestOutput(seq.request_id, [], finished=True, finish_reason="error", error=message,
+                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -306,11 +343,31 @@ class LLMEngine:
     def export_kv(self, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[num_tokens, kv_heads, head_dim]`` (model dtype, dequantized) of a request's KV so far.
 
-        Inside ``layer_hook`` this covers the chunk being prefilled too."""
+        During a prefill step's forward this covers the chunk being written too."""
         seq = self.seqs[request_id]
         n = self._inflight.get(request_id, seq.num_computed_tokens)
         table = torch.tensor(seq.block_table[: self.block_manager.blocks_for(n)], device=self.runner.device)
         return self.runner.cache.read(layer, table, n)
+
+    def _exports(self, batch: Batch) -> list[tuple[Sequence, int, int]]:
+        """(seq, first token not yet sent, tokens written once this step ends) of the prefill-only requests
+        in a prefill batch, when a connector is attached; also records the in-flight ends for export_kv."""
+        if not batch.is_prefill or self.kv_connector is None:
+            return []
+        ends = {s.request_id: s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+        exports = [(s, s.num_exported_tokens, ends[s.request_id]) for s in batch.seqs if s.prefill_only]
+        if exports:
+            self._inflight = ends
+        return exports
+
+    def _save_layer(self, layer: int, exports: list[tuple[Sequence, int, int]]) -> None:
+        """Inside the forward, right after ``layer``'s KV is written: hand each exporting request's new token
+        range to the connector (which must not block)."""
+        assert self.kv_connector is not None
+        for seq, start, end in exports:
+            if end > start:
+                k, v = self.export_kv(seq.request_id, layer)
+                self.kv_connector.save_kv_layer(seq.request_id, layer, k[start:end], v[start:end], token_start=start)
 
     def reserve_for_import(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -321,8 +378,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
-        reserve = self.scheduler._reserve()
-        if not self.block_manager.allocate(seq, len(seq), reserve=reserve):
+        if not self.scheduler.reserve_for_import(seq):
             return False
         seq.status = SequenceStatus.IMPORTING
         self.seqs[request_id] = seq

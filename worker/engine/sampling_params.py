@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -15,18 +16,42 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Output index of the first token this request generates: > 0 when a worker continues a stream others
+    # started (the router's resume sends prompt + the tokens already delivered). Seeded sampling draws by
+    # output index, so the continuation draws what one worker alone would have drawn. Not an API field.
+    first_output_index: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError with a user-facing message; the server maps it to HTTP 400."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise ValueError with a user-facing message; the server maps it to HTTP 400. Types are checked
+        too: params can arrive from an internal route as plain JSON, and a wrong type must fail here, not
+        inside an engine step."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError("max_tokens must be an integer >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError("temperature must be a finite number >= 0")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 disables it)")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError("seed must be an integer in [-2**63, 2**64)")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a list of strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a boolean")
+        if not _is_int(self.first_output_index) or self.first_output_index < 0:
+            raise ValueError("first_output_index must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -86,6 +86,11 @@ class Scheduler:
         # Admission keeps the watermark free, except when nothing runs: then the head must get its chance.
         return self.watermark_blocks if self.running else 0
 
+    def reserve_for_import(self, seq: Sequence) -> bool:
+        """Allocate blocks for ``seq``'s whole prompt (its KV will be imported), under the same admission
+        watermark as a local prefill. False, and nothing allocated, when they are not free now."""
+        return self.bm.allocate(seq, len(seq), reserve=self._reserve())
+
     # -- scheduling -------------------------------------------------------------------------------------
 
     def schedule(self) -> Batch | None:

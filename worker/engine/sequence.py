@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
-import torch
 from pdcluster.worker.engine.outputs import FinishReason
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
@@ -45,10 +44,7 @@ class Sequence:
         self.host_block_table: list[int] = []  # while SWAPPED
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-        self.num_emitted = 0  # output tokens already reported to the caller
+        self.num_exported_tokens = 0  # prefill-only: tokens whose KV already left through the KV connector
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,16 +54,8 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

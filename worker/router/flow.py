@@ -182,8 +182,10 @@ class Flow:
                     return
                 if sent:
                     # Resume: the new decode worker prefills prompt + what the client already has, then
-                    # continues. Greedy decoding continues exactly where it stopped.
-                    rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent))
+                    # continues. Greedy decoding continues exactly where it stopped; seeded sampling too, as
+                    # the worker draws output token k from (seed, k) (first_output_index tells it k).
+                    rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent),
+                                first_output_index=int(params.get("first_output_index", 0)) + len(sent))
                     stream = self._direct(arid, prompt + sent, rest, excluded)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
                     stream = self._disaggregated(arid, prompt, params, excluded)

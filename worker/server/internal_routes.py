@@ -5,8 +5,9 @@ The router drives one disaggregated request like this:
      router has no model files, so the worker owning the tokenizer does this and validates the request).
   2. POST /internal/reserve on the decode worker: cache blocks for the prompt are allocated *before* any
      KV moves (429 when there is no room: the router tries another decode worker or waits).
-  3. POST /internal/prefill on the prefill worker: a prefill-only request whose layer hook ships each
-     layer's KV to the decode worker's transfer port as soon as that layer is written. The response is
+  3. POST /internal/prefill on the prefill worker: a prefill-only request; the engine hands each layer's KV
+     to its KV connector (the TCP transfer backend here) as soon as that layer is written, which ships it to
+     the decode worker's transfer port. The response is
      NDJSON: `first_token` as soon as prefill is done (the router streams it to the client at once), then
      `transferred` when the decode side has acknowledged every layer (or `error`).
   4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
@@ -74,12 +75,11 @@ class Disaggregation:
         if secret is not None:
             self.connector = TCPConnector(secret, importer=self._import, compression=compression,
                                           timeout=timeout, max_retries=max_retries)
-        self._sending: dict[str, dict[int, int]] = {}  # prefill request -> layer -> tokens shipped
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
-        mc = engine.engine.model_config
-        self.num_layers, self.kv_heads, self.head_dim = mc.num_layers, mc.num_kv_heads, mc.head_dim
+        self.layout = engine.kv_layout
+        self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
 
     @classmethod
     def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
@@ -103,7 +103,7 @@ class Disaggregation:
         if self.connector is not None:
             self.transfer_port = await self.connector.listen(self.listen_host, self.transfer_port)
             log.info("kv transfer listening on %s:%d", self.listen_host, self.transfer_port)
-        self.engine.engine.layer_hook = self._layer_hook
+        await self.engine.set_kv_connector(self.connector)  # the engine exports prefill-only requests' KV
         self._reaper = asyncio.ensure_future(self._reap())
 
     async def stop(self) -> None:
@@ -111,19 +111,6 @@ class Disaggregation:
             self._reaper.cancel()
         if self.connector is not None:
             await self.connector.close()
-
-    # ------------------------------------------------------------------ engine-thread hook
-    def _layer_hook(self, layer: int, request_ids: list[str]) -> None:
-        """Runs on the engine thread right after `layer`'s KV is written: export and hand off (non-blocking)."""
-        for rid in request_ids:
-            shipped = self._sending.get(rid)
-            if shipped is None or self.connector is None:
-                continue
-            k, v = self.engine.engine.export_kv(rid, layer)
-            start = shipped.get(layer, 0)
-            if k.shape[0] > start:  # chunked prefill: only the newly written token range
-                self.connector.save_kv_layer(rid, layer, k[start:], v[start:], token_start=start)
-                shipped[layer] = k.shape[0]
 
     def _detach(self, coro: Any) -> None:
         """Run cleanup as its own task: a streaming response cancelled by a client disconnect runs its
@@ -133,12 +120,12 @@ class Disaggregation:
         task.add_done_callback(self._background.discard)
 
     async def _import(self, rid: str, layer: int, k: Any, v: Any) -> None:
-        await self.engine.call(lambda e: e.import_kv_layer(rid, layer, k, v))
+        await self.engine.import_kv_layer(rid, layer, k, v)
 
     async def _cancel(self, rid: str) -> None:
         if self.connector is not None:
             self.connector.cancel_load(rid)
-        await self.engine.call(lambda e: e.cancel_import(rid))
+        await self.engine.cancel_import(rid)
 
     async def _reap(self) -> None:
         """Reservations whose /internal/decode never came (router died, prefill died before it could tell
@@ -161,7 +148,7 @@ class Disaggregation:
         return {
             "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining,
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
-            "block_size": self.engine.engine.config.block_size,
+            "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
@@ -217,7 +204,7 @@ class Disaggregation:
             w.admit()
             rid = data.request_id
             try:
-                ok = await me.engine.call(lambda e: e.reserve_for_import(rid, ids, params))
+                ok = await me.engine.reserve_for_import(rid, ids, params)
             except ValueError as e:
                 raise errors.bad_request(str(e)) from None
             if not ok:
@@ -268,7 +255,6 @@ class Disaggregation:
         assert self.connector is not None
         conn = self.connector
         t0 = time.monotonic()
-        self._sending[rid] = {}
         conn.start_save(rid, target, self.num_layers)
         w.metrics.request_accepted(len(ids))
         held, done = False, False
@@ -308,10 +294,9 @@ class Disaggregation:
             yield _line({"event": "transferred", "seconds": res.seconds, "bytes": res.bytes,
                          "tail_seconds": time.monotonic() - t_first})
         finally:
-            self._sending.pop(rid, None)
             if not done:
                 self._detach(conn.abort_save(rid))
-            self._detach(self.engine.call(lambda e: e.release(rid)))
+            self._detach(self.engine.release(rid))
 
     async def _decode_stream(self, w: WorkerServer, rid: str, first: int) -> AsyncIterator[bytes]:
         assert self.connector is not None
@@ -326,7 +311,7 @@ class Disaggregation:
                 return
             stream = self.engine.open_stream(rid)
             try:
-                await self.engine.call(lambda e: e.commit_import(rid, first))
+                await self.engine.commit_import(rid, first)
             except BaseException:  # incl. cancellation: the commit may still have run on the engine thread
                 stream.close()  # aborts the request if it exists, so its blocks come back either way
                 raise

@@ -1,9 +1,10 @@
-"""The KV connector: what the engine-facing code calls, named after vLLM's KV connector API so that an
-RDMA/NIXL transport can replace TCP without touching the worker.
+"""The KV transfer backend: an implementation of the engine's KV connector interface
+(`pdcluster.worker.engine.kv_connector`), named after vLLM's KV connector API so that an RDMA/NIXL transport
+can replace TCP without touching the worker.
 
 Producer (prefill worker), per request:
-    start_save(request_id, target, num_layers)  -> save_kv_layer(...) once per layer, from the engine's
-    layer hook, on any thread -> await wait_for_save(request_id)  (or abort_save on failure)
+    start_save(request_id, target, num_layers)  -> the engine calls save_kv_layer(...) once per layer and
+    prefill chunk, on its own thread -> await wait_for_save(request_id)  (or abort_save on failure)
 Consumer (decode worker), per request:
     start_load_kv(spec) after reserving cache blocks -> frames arrive -> importer writes each layer ->
     await wait_for_layer_load(request_id, layer) / wait_for_load(request_id) -> finish_load or cancel_load
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
+from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
 from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError, TransportStats
@@ -59,7 +61,10 @@ class LoadSpec:
     head_dim: int
 
 
-class KVConnector(abc.ABC):
+class KVConnector(KVConnectorBase):
+    """A transfer backend: the engine's connector (save_kv_layer, called by the engine) plus the transport
+    side driven by the worker's /internal routes."""
+
     # ---- producer
     @abc.abstractmethod
     def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None: ...
