@@ -33,7 +33,7 @@ from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import drain, naming, opmetrics, render, scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
-from pdcluster.operator.models import KIND, parse_spec, short_error
+from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
 from pdcluster.operator.promsource import PrometheusSource
 from pydantic import ValidationError
 
@@ -208,41 +208,20 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     key = await _kv_secret_key(ctx, owner)
     fingerprint = render.secret_fingerprint(key)
 
-    # 3. What runs now.
-    deps = {r: await ctx.kube.get("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, r))
-            for r in render.ROLES}
-    current = {r: (st.deployment_replicas(deps[r])[0] if deps[r] else None) for r in render.WORKER_ROLES}
-    pools = scaling.Pools(
-        current=current,
-        ready={r: st.deployment_replicas(deps[r])[2] for r in render.WORKER_ROLES},
-        created={r: _creation_time(deps[r]) for r in render.WORKER_ROLES},
-    )
-
-    # 4. Desired replicas (the operator is their single writer).
-    scale = await scaling.step(spec, old_status, pools, now, cluster=owner.name, source_for=ctx.source_for,
-                               resync_seconds=ctx.resync_seconds)
-    for c in scale.conditions:
-        bad_status, reason = scaling.WARN_WHEN[c["type"]]
-        _emit_on_change(ctx, body, c["type"], bad_status, c, "Warning", reason)
-    if scale.scaled_message:
-        ctx.emit(body, "Normal", "Scaled", scale.scaled_message)
-    scaling.record_metrics(owner, spec, scale)
+    # 3. What runs now; 4. desired replicas (the operator is their single writer).
+    deps, pools = await _read_pools(ctx, owner)
+    scale = await _scaling_step(ctx, body, owner, spec, old_status, pools, now)
     desired = scale.desired
 
     # 5. Graceful scale-down: drain the victims before lowering the count.
     for r in render.WORKER_ROLES:
-        cur = current[r]
+        cur = pools.current[r]
         if cur is not None and desired[r] < cur:
             await _drain_victims(ctx, owner, r, cur - desired[r], now_s, key)
 
     # 6. Apply every child.
-    applied: dict[tuple[str, str], dict[str, Any]] = {}
     try:
-        for obj in render.render_children(owner, spec, desired, fingerprint):
-            applied[(obj["kind"], obj["metadata"]["name"])] = await ctx.kube.apply(obj)
-        if not spec.networkPolicy.enabled:
-            await ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace,
-                                  naming.network_policy_name(owner))
+        applied = await _apply_children(ctx, owner, spec, desired, fingerprint)
     except ApiError as e:
         if e.retryable or e.namespace_terminating:
             raise
@@ -254,16 +233,10 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     for c in conditions:
         if c["type"] == "Degraded":
             _emit_on_change(ctx, body, "Degraded", "True", c, "Warning", c["reason"])
-    new_status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "conditions": st.merge_conditions(old_status.get("conditions"), conditions, now_s, generation),
-        "prefill": st.pool_status(after["prefill"], desired["prefill"]),
-        "decode": st.pool_status(after["decode"], desired["decode"]),
-        "router": st.pool_status(after["router"], spec.router.replicas),
-        "ratio": st.ratio(desired["prefill"], desired["decode"]),
-        "endpoint": naming.endpoint(owner),
-        "autoscaler": scale.autoscaler_status or None,
-    }
+    new_status = st.pdcluster_status(
+        generation=generation, old_conditions=old_status.get("conditions"), conditions=conditions,
+        deployments=after, desired=desired, router_replicas=spec.router.replicas,
+        endpoint=naming.endpoint(owner), autoscaler=scale.autoscaler_status, now=now_s)
     await _patch_status(ctx, body, new_status)
     opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
     if old_status.get("observedGeneration") != generation:
@@ -271,6 +244,44 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
                  f"applied generation {generation}: prefill {desired['prefill']}, decode {desired['decode']}, "
                  f"router {spec.router.replicas} replicas")
     return Outcome(scale.next_delay, new_status, scale.decision)
+
+
+async def _read_pools(ctx: Context, owner: naming.Owner
+                      ) -> tuple[dict[str, dict[str, Any] | None], scaling.Pools]:
+    """The three Deployments as they are, and the worker pools as the scaling step sees them."""
+    deps = {r: await ctx.kube.get("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, r))
+            for r in render.ROLES}
+    return deps, scaling.Pools(
+        current={r: (st.deployment_replicas(deps[r])[0] if deps[r] else None) for r in render.WORKER_ROLES},
+        ready={r: st.deployment_replicas(deps[r])[2] for r in render.WORKER_ROLES},
+        created={r: _creation_time(deps[r]) for r in render.WORKER_ROLES},
+    )
+
+
+async def _scaling_step(ctx: Context, body: dict[str, Any], owner: naming.Owner, spec: PDClusterSpec,
+                        old_status: dict[str, Any], pools: scaling.Pools, now: float) -> scaling.Step:
+    """`scaling.step` plus its side effects: Warning Events on bad conditions, the Scaled Event, metrics."""
+    scale = await scaling.step(spec, old_status, pools, now, cluster=owner.name, source_for=ctx.source_for,
+                               resync_seconds=ctx.resync_seconds)
+    for c in scale.conditions:
+        bad_status, reason = scaling.WARN_WHEN[c["type"]]
+        _emit_on_change(ctx, body, c["type"], bad_status, c, "Warning", reason)
+    if scale.scaled_message:
+        ctx.emit(body, "Normal", "Scaled", scale.scaled_message)
+    scaling.record_metrics(owner, spec, scale)
+    return scale
+
+
+async def _apply_children(ctx: Context, owner: naming.Owner, spec: PDClusterSpec, desired: dict[str, int],
+                          fingerprint: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """Server-side apply every child; (kind, name) -> the object the API server returned."""
+    applied: dict[tuple[str, str], dict[str, Any]] = {}
+    for obj in render.render_children(owner, spec, desired, fingerprint):
+        applied[(obj["kind"], obj["metadata"]["name"])] = await ctx.kube.apply(obj)
+    if not spec.networkPolicy.enabled:
+        await ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace,
+                              naming.network_policy_name(owner))
+    return applied
 
 
 async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str,

@@ -101,6 +101,23 @@ def ratio(prefill: int, decode: int) -> float | None:
     return round(decode / prefill, 3)
 
 
+def pdcluster_status(*, generation: int | None, old_conditions: list[dict[str, Any]] | None,
+                     conditions: list[dict[str, Any]], deployments: dict[str, dict[str, Any] | None],
+                     desired: dict[str, int], router_replicas: int, endpoint: str,
+                     autoscaler: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """The PDCluster's whole status after a pass (`now` RFC 3339; an empty `autoscaler` is left out)."""
+    return {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old_conditions, conditions, now, generation),
+        "prefill": pool_status(deployments["prefill"], desired["prefill"]),
+        "decode": pool_status(deployments["decode"], desired["decode"]),
+        "router": pool_status(deployments["router"], router_replicas),
+        "ratio": ratio(desired["prefill"], desired["decode"]),
+        "endpoint": endpoint,
+        "autoscaler": autoscaler or None,
+    }
+
+
 def workload_conditions(deployments: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
     """Ready / Progressing / Degraded from the three Deployments."""
     progressing = []
