@@ -1,27 +1,40 @@
 # syntax=docker/dockerfile:1
 # The pdcluster operator image: the `pdcluster` CLI with the base dependencies only (kopf, kubernetes,
-# pydantic, ...). No torch: `pip install .` never pulls the worker extra.
+# pydantic, ...). No torch: the worker extra is never installed, and the build fails if torch slipped in.
 #   docker build -f docker/operator.Dockerfile -t pdcluster/operator:0.1.0 .
+# Without Docker, e2e/images.sh builds this same file with buildah on a Debian base (see docs/e2e.md).
+# Build args as in docker/worker.Dockerfile (PYTHON_IMAGE, UV_IMAGE, UV_CACHE_DIR).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.9
 
-FROM ${PYTHON_IMAGE} AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY src ./src
-COPY operator ./operator
-COPY worker ./worker
-COPY kernels ./kernels
-RUN python -m venv /opt/pdcluster \
- && /opt/pdcluster/bin/pip install . \
- && ! /opt/pdcluster/bin/python -c "import torch" 2>/dev/null \
- && /opt/pdcluster/bin/pdcluster operator --help >/dev/null
+FROM ${UV_IMAGE} AS uv
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-operator" \
       org.opencontainers.image.description="Kubernetes operator for prefill/decode-disaggregated LLM inference"
-COPY --from=build /opt/pdcluster /opt/pdcluster
-ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+ARG UV_CACHE_DIR=/root/.cache/uv
+ARG UV_PROJECT_ENVIRONMENT=/opt/pdcluster UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
+    UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_SYSTEM_CERTS=1 UV_NO_PROGRESS=1
+WORKDIR /src
+# dependencies first (from the lock alone), sources after: a source change rebuilds only the last layers
+COPY pyproject.toml uv.lock ./
+RUN --mount=type=cache,target=/root/.cache/uv \
+    --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    uv sync --frozen --no-dev --no-install-project
+COPY README.md ./
+COPY src ./src
+COPY operator ./operator
+COPY worker ./worker
+COPY kernels ./kernels
+COPY bench ./bench
+RUN --mount=type=cache,target=/root/.cache/uv \
+    --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    uv sync --frozen --no-dev --no-editable \
+ && cd /tmp && /opt/pdcluster/bin/python -c "import pdcluster.operator.cli" \
+ && ! /opt/pdcluster/bin/python -c "import torch" 2>/dev/null \
+ && /opt/pdcluster/bin/pdcluster operator --help >/dev/null
+ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+WORKDIR /tmp
 # an unprivileged user; the chart runs the pod as 65532 with a read-only root filesystem
 USER 65532:65532
 ENTRYPOINT ["pdcluster"]

@@ -1,32 +1,61 @@
 # syntax=docker/dockerfile:1
-# The pdcluster worker image, CUDA variant. torch's Linux wheels from PyPI carry the CUDA runtime
-# libraries (nvidia-* wheels), so the base only needs Python; the NVIDIA container toolkit injects the
-# driver. Triton JIT-compiles a small C launcher at run time, hence gcc and the Python headers.
+# The pdcluster worker image: `pdcluster serve|router|up` with torch. PyPI's Linux torch wheel carries the
+# CUDA runtime (nvidia-* wheels) and runs on CPU as well, so this one image serves examples/pdcluster.yaml
+# (GPUs; the NVIDIA container toolkit injects the driver) and examples/pdcluster-cpu.yaml (CPU).
 #   docker build -f docker/worker.Dockerfile -t pdcluster/worker:0.1.0 .
+# Without Docker, e2e/images.sh builds this same file with buildah on a Debian base (see docs/e2e.md).
+#
+# Build args:
+#   PYTHON_IMAGE  a base with python3.11 on PATH (default python:3.11-slim-bookworm)
+#   UV_IMAGE      where the uv binary comes from (/uv in the image), pinned to the uv that wrote uv.lock
+#   UV_CACHE_DIR  the uv cache the installs read and fill: a BuildKit cache mount by default; e2e/images.sh
+#                 bind-mounts the host's uv cache here, so a cold image build downloads nothing twice.
+# Layers: the dependencies (torch, ~5 GB) are installed from pyproject.toml + uv.lock alone, before any
+# source is copied, so a change to the Python sources rebuilds only the small layers after them.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.9
 
-FROM ${PYTHON_IMAGE} AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+FROM ${UV_IMAGE} AS uv
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="pdcluster-worker" \
+      org.opencontainers.image.description="pdcluster worker, router and local launcher (torch, CUDA and CPU)"
+# Triton JIT-compiles a small C launcher at run time (GPU only), hence gcc and the libc headers.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+ARG UV_CACHE_DIR=/root/.cache/uv
+# build-time only (ARGs are not kept in the image): the venv at /opt/pdcluster on the base's python3.11,
+# files copied out of the cache (it may be another filesystem), bytecode compiled now because the pods run
+# with a read-only root filesystem; UV_SYSTEM_CERTS: trust the base's CA store (and any proxy CA in it).
+ARG UV_PROJECT_ENVIRONMENT=/opt/pdcluster UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
+    UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_SYSTEM_CERTS=1 UV_NO_PROGRESS=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml uv.lock ./
+RUN --mount=type=cache,target=/root/.cache/uv \
+    --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    uv sync --frozen --no-dev --extra worker --no-install-project
+COPY README.md ./
 COPY src ./src
 COPY operator ./operator
 COPY worker ./worker
 COPY kernels ./kernels
-RUN python -m venv /opt/pdcluster \
- && /opt/pdcluster/bin/pip install ".[worker]" \
+COPY bench ./bench
+RUN --mount=type=cache,target=/root/.cache/uv \
+    --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    uv sync --frozen --no-dev --extra worker --no-editable \
  && /opt/pdcluster/bin/pdcluster serve --help >/dev/null
-
-FROM ${PYTHON_IMAGE}
-LABEL org.opencontainers.image.title="pdcluster-worker"
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
-COPY --from=build /opt/pdcluster /opt/pdcluster
+# The tiny demo model at /models/demo (random weights, fixed seed): examples/pdcluster-cpu.yaml serves
+# file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.)
+RUN cd /tmp && /opt/pdcluster/bin/python -c "from pathlib import Path; import shutil; \
+from pdcluster.worker.local.launcher import ensure_demo_model; \
+shutil.copytree(ensure_demo_model(Path('/tmp/demo-cache')), '/models/demo')" \
+ && rm -rf /tmp/demo-cache
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false HOME=/tmp TRITON_CACHE_DIR=/tmp/triton \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+WORKDIR /tmp
 USER 65532:65532
 EXPOSE 8000
 ENTRYPOINT ["pdcluster"]
-CMD ["serve", "--device", "cuda", "--port", "8000"]
+CMD ["serve", "--port", "8000"]

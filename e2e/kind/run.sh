@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End to end on a kind cluster (for users with Docker): create the cluster, build and `kind load` the operator
-# and CPU worker images, `helm install` the chart, apply the CPU example, wait for the PDCluster to be Ready,
+# and worker images (the same docker/*.Dockerfile that e2e/images.sh builds with buildah), `helm install` the chart, apply the CPU example, wait for the PDCluster to be Ready,
 # send a completion through the router Service and check the answer. `--keep` leaves the cluster up.
 #
 #   e2e/kind/run.sh [--keep]
@@ -15,7 +15,7 @@ NS=pdcluster-system
 APP_NS=pdcluster-e2e
 TAG="${PDCLUSTER_IMAGE_TAG:-e2e}"
 OP_IMAGE="pdcluster/operator:$TAG"
-WORKER_IMAGE="pdcluster/worker:$TAG-cpu"
+WORKER_IMAGE="pdcluster/worker:$TAG"
 EXAMPLE="${PDCLUSTER_EXAMPLE:-examples/pdcluster-cpu.yaml}"
 
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -54,7 +54,7 @@ kubectl config use-context "kind-$CLUSTER" >/dev/null
 
 log "building images"
 DOCKER_BUILDKIT=1 docker build -f docker/operator.Dockerfile -t "$OP_IMAGE" .
-DOCKER_BUILDKIT=1 docker build -f docker/worker-cpu.Dockerfile -t "$WORKER_IMAGE" .
+DOCKER_BUILDKIT=1 docker build -f docker/worker.Dockerfile -t "$WORKER_IMAGE" .
 kind load docker-image --name "$CLUSTER" "$OP_IMAGE" "$WORKER_IMAGE"
 
 log "installing the chart"

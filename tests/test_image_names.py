@@ -1,0 +1,50 @@
+"""One image name everywhere: the chart's default, the examples, the Dockerfiles' comments, the kind path
+and the e2e image build agree on pdcluster/operator:<version> and pdcluster/worker:<version>."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+OPERATOR = f"pdcluster/operator:{VERSION}"
+WORKER = f"pdcluster/worker:{VERSION}"
+
+
+def test_chart_default_is_the_operator_image():
+    values = yaml.safe_load((ROOT / "helm/pdcluster-operator/values.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "helm/pdcluster-operator/Chart.yaml").read_text())
+    tag = values["image"]["tag"] or chart["appVersion"]
+    assert f"{values['image']['repository']}:{tag}" == OPERATOR
+    schema = json.loads((ROOT / "helm/pdcluster-operator/values.schema.json").read_text())
+    assert "image" in schema["properties"]
+
+
+def test_examples_use_the_worker_image():
+    for f in ("examples/pdcluster.yaml", "examples/pdcluster-cpu.yaml"):
+        assert yaml.safe_load((ROOT / f).read_text())["spec"]["image"] == WORKER, f
+
+
+def test_dockerfiles_name_their_image_and_nothing_else():
+    for name, image in (("operator", OPERATOR), ("worker", WORKER)):
+        text = (ROOT / f"docker/{name}.Dockerfile").read_text()
+        assert f"docker build -f docker/{name}.Dockerfile -t {image} ." in text
+        others = set(re.findall(r"pdcluster/[a-z-]+:[\w.-]+", text)) - {image}
+        assert not others, (name, others)
+    assert sorted(p.name for p in (ROOT / "docker").glob("*.Dockerfile")) == [
+        "operator.Dockerfile", "worker.Dockerfile"]
+
+
+def test_e2e_paths_build_the_same_files():
+    images = (ROOT / "e2e/images.sh").read_text()
+    assert 'OPERATOR_IMAGE="pdcluster/operator:$VERSION"' in images
+    assert 'WORKER_IMAGE="pdcluster/worker:$VERSION"' in images
+    kind = (ROOT / "e2e/kind/run.sh").read_text()
+    assert "docker/operator.Dockerfile" in kind and "docker/worker.Dockerfile" in kind
+    assert not re.search(r"ghcr\.io/pdcluster", "\n".join(
+        p.read_text() for p in [*ROOT.glob("examples/*.yaml"), *ROOT.glob("docker/*"), ROOT / "docs/e2e.md"]))
