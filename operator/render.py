@@ -305,7 +305,9 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec, kv_secret_finger
         "securityContext": _container_security(),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                            "failureThreshold": 2, "timeoutSeconds": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+        # /health is 503 while no decode worker is healthy (readiness); /live only says the process
+        # serves, so a long decode outage does not restart the router too.
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5, "initialDelaySeconds": 10},
     }
     pod_spec = {

@@ -109,7 +109,9 @@ def test_pod_hardening_probes_and_scrape() -> None:
         assert c["securityContext"] == {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
                                         "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        # The router's readiness falls with its decode pool; its liveness must not (a decode outage
+        # would restart every router).
+        assert c["livenessProbe"]["httpGet"]["path"] == ("/live" if role == "router" else "/health")
         env = {e["name"]: e for e in c["env"]}
         assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
         ann = tpl["metadata"]["annotations"]
