@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from pdcluster.worker.server.app import build_app
 
 from .fake_engine import FakeEngine

@@ -88,3 +88,15 @@ def test_valid_internal_generate_still_streams(internal: tuple[httpx.Client, Dis
     r = c.post("/internal/generate", json={"request_id": "ok-1", "prompt_token_ids": d["prompt_token_ids"],
                                            "params": d["params"]})
     assert r.status_code == 200 and '"finished": true' in r.text, r.text
+
+
+def test_internal_params_mirror_sampling_params() -> None:
+    """The wire model must carry every engine field (a new one would otherwise be refused as unknown)."""
+    import dataclasses
+
+    from pdcluster.worker.api.internal import Params
+    from pdcluster.worker.engine.sampling_params import SamplingParams
+
+    assert set(Params.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)}
+    p = SamplingParams(max_tokens=3, temperature=0.5, stop=["x"], stop_token_ids=[1], seed=7)
+    assert Params.model_validate(dataclasses.asdict(p)).to_sampling_params() == p

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+
 from pdcluster.worker.server.app import build_app
 
 from .fake_engine import FakeEngine

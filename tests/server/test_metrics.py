@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from pdcluster.worker.api.metrics import SERIES, WorkerMetrics
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster.worker.api.metrics import SERIES, WorkerMetrics
 
 from .sse import first_event
 

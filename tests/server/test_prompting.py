@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.worker.api import errors
 from pdcluster.worker.api.prompting import encode_prompt, render_chat
 

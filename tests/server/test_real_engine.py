@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import httpx
+
 from pdcluster.worker.api.metrics import SERIES
 
 from .harness import raw_post, wait_until
@@ -110,8 +111,8 @@ def test_metrics_reflect_engine_state(real_client: httpx.Client) -> None:
 
 def test_model_without_tokenizer_serves_token_ids_only(tmp_path: Any) -> None:
     from pdcluster.worker.engine.async_engine import AsyncEngine
-    from pdcluster.worker.local.demo_model import build_demo_model
     from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.local.demo_model import build_demo_model
     from pdcluster.worker.server.app import build_app
 
     from .harness import serve

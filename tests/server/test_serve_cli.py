@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdcluster.worker.server.cli import TransferOptions, _bytes
 
 from pdcluster.cli import main
+from pdcluster.worker.engine.options import parse_bytes as _bytes
+from pdcluster.worker.server.cli import TransferOptions
 
 from .harness import free_port, wait_until
 
