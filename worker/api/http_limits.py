@@ -19,7 +19,7 @@ HEADER_TIMEOUT_S = 10.0  # a real client sends its whole request head at once
 KEEP_ALIVE_S = 5  # uvicorn's default, stated
 # Below the usual 1024 open-file limit, which the router also needs for one worker connection per stream.
 LIMIT_CONCURRENCY = 480
-MAX_HEAD_BYTES = 64 * 1024  # h11's bound on an incomplete request head
+MAX_HEAD_BYTES = 16 * 1024  # h11's default bound on an incomplete request head, stated
 
 
 class BoundedH11Protocol(H11Protocol):
