@@ -6,58 +6,53 @@ starts and then cannot do anything (a router whose only decode worker is "notaur
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Any
 from urllib.parse import urlsplit
 
 
-def _int(text: str) -> int:
+def _number(text: str, kind: type[int] | type[float]) -> Any:
     try:
-        return int(text)
+        v = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def positive_int(text: str) -> int:
-    v = _int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
-
-
-def non_negative_int(text: str) -> int:
-    v = _int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
-
-
-def _float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return v
 
 
+def _require(text: str, ok: bool, rule: str) -> None:
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+
+
+def positive_int(text: str) -> int:
+    v: int = _number(text, int)
+    _require(text, v >= 1, "must be >= 1")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v: int = _number(text, int)
+    _require(text, v >= 0, "must be >= 0")
+    return v
+
+
 def positive_float(text: str) -> float:
-    v = _float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    v: float = _number(text, float)
+    _require(text, v > 0, "must be > 0")
     return v
 
 
 def non_negative_float(text: str) -> float:
-    v = _float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    v: float = _number(text, float)
+    _require(text, v >= 0, "must be >= 0")
     return v
 
 
 def port(text: str) -> int:
-    v = _int(text)
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    v: int = _number(text, int)
+    _require(text, 1 <= v <= 65535, "is not a TCP port (1-65535)")
     return v
 
 
