@@ -6,10 +6,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pdcluster.worker.engine.kv_connector import KVLayout
 from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.transfer.secret import SecretError
 
-ENGINE = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)))
+ENGINE = SimpleNamespace(kv_layout=KVLayout(num_layers=2, kv_heads=1, head_dim=4, block_size=16))
 
 
 def opts(**kw: object) -> SimpleNamespace:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pdcluster.worker.engine.block_manager import BlockManager
 from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import layer_kv_dtypes
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.model_runner import ModelRunner
@@ -26,51 +26,6 @@ from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
 from pdcluster.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    model: str  # Hugging Face model folder
-    dtype: str = "auto"  # auto (fp32 on CPU, checkpoint dtype on CUDA) | float32 | bfloat16 | float16
-    device: str = "cpu"
-    block_size: int = 16  # 8 | 16 | 32
-    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | int4
-    # Layers whose KV cache stays in the model dtype while the others use kv_cache_dtype (int8/int4); the
-    # most quantization-sensitive layers (often the first ones) recover most of int4's quality loss. A
-    # no-op with kv_cache_dtype "auto" (every layer is full precision already); indices must still be valid.
-    full_precision_layers: tuple[int, ...] = ()
-    max_batch_size: int = 16  # decode sequences per step
-    max_batch_tokens: int = 2048  # prefill tokens per step (longer prompts are chunked)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
-    kv_cache_memory: int | None = None  # CPU: KV cache bytes (default: enough for the batch, <= 1 GiB)
-    num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests)
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV
-    preemption_mode: Literal["swap", "recompute", "auto"] = "auto"
-    watermark: float = 0.15  # fraction of blocks kept free when admitting new work
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch CPU threads
-    host_bandwidth: float = 8e9  # bytes/s assumed for swap, used by preemption_mode="auto"
-    debug_logits: bool = False  # put each sampled position's float32 logits in RequestOutput.extra["logits"]
-
-    def validate(self) -> None:
-        if self.block_size not in (8, 16, 32):
-            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
-            raise ValueError(f"kv_cache_dtype must be auto, int8 or int4, got {self.kv_cache_dtype!r}")
-        if isinstance(self.full_precision_layers, str | bytes):  # "0,1" would iterate as characters
-            raise ValueError(
-                f"full_precision_layers must be a sequence of layer indices, got {self.full_precision_layers!r}"
-            )
-        for i in self.full_precision_layers:
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise ValueError(f"full_precision_layers: {i!r} is not a layer index (an int >= 0)")
-        if self.preemption_mode not in ("swap", "recompute", "auto"):
-            raise ValueError(f"preemption_mode must be swap, recompute or auto, got {self.preemption_mode!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError("watermark must be in [0, 1)")
-        if self.max_batch_size < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
 
 
 class LLMEngine:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
+
+from pdcluster.worker.engine.options import ENGINE_OPTIONS, Option
 
 log = logging.getLogger("pdcluster.serve")
 PROG = "pdcluster serve"
@@ -29,7 +30,6 @@ class TransferOptions:
     timeout_s: float = 30.0
     max_retries: int = 3
     secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
-    full_precision_layers: tuple[int, ...] = ()  # layers whose KV stays unquantized
 
 
 class UsageError(Exception):
@@ -73,47 +73,28 @@ def _port(text: str) -> int:
     return v
 
 
-def _utilization(text: str) -> float:
-    v = _non_negative_float(text)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return v
+def _option_type(opt: Option) -> Any:
+    """argparse type of one engine option: parse the text, then the option's own check (bounds, choices)."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = opt.parse(text) if opt.parse else opt.kind(text)
+            opt.check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).replace(opt.name, opt.flag, 1)) from None
+        return value
+
+    convert.__name__ = opt.kind.__name__  # argparse names it in "invalid <type> value"
+    return convert
 
 
-def _bytes(text: str) -> int:
-    """BYTES, or with a K/M/G/Ki/Mi/Gi suffix (e.g. 512Mi)."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    t = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            try:
-                return _positive_int(str(int(float(t[: -len(suffix)]) * units[suffix])))
-            except ValueError:
-                break
-    try:
-        return _positive_int(t)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 2000000000 or 2Gi)") from None
-
-
-def _watermark(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 0.5:
-        raise argparse.ArgumentTypeError("must be in [0, 0.5]")
-    return value
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        layers = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices") from None
-    if any(x < 0 for x in layers):
-        raise argparse.ArgumentTypeError("layer indices must be >= 0")
-    return layers
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, generated from its one declaration (pdcluster.worker.engine.options)."""
+    g = parser.add_argument_group("engine")
+    for opt in ENGINE_OPTIONS:
+        default = "" if opt.default in (None, ()) else f" (default {opt.default})"
+        g.add_argument(opt.flag, dest=opt.name, type=_option_type(opt), default=opt.default,
+                       choices=opt.choices, metavar=opt.metavar, help=opt.help + default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,25 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--role", choices=["both", "prefill", "decode"], default="both", help="which phase this worker serves")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     a("--port", type=_port, default=8000)
-    a("--device", choices=["cpu", "cuda"], default="cpu")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-      help="auto (default): float32 on CPU, the checkpoint's dtype on CUDA")
-    a("--block-size", type=int, choices=[8, 16, 32], default=16, help="KV cache tokens per block")
-    a("--kv-cache-dtype", choices=["auto", "int8", "int4"], default="auto")
-    a("--max-batch-size", type=_positive_int, default=16, help="decode batch bound (useful range 8-32)")
-    a("--max-batch-tokens", type=_positive_int, default=2048, help="prefill token budget per step")
-    a("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES", help="KV cache budget (CPU); e.g. 2Gi")
-    a("--gpu-memory-utilization", type=_utilization, default=0.9, help="fraction of GPU memory to use (CUDA)")
-    a("--swap-space", type=_non_negative_float, default=4.0, metavar="GiB", help="host memory for swapped-out KV")
-    a("--preemption", choices=["swap", "recompute", "auto"], default="auto")
-    a("--swap-watermark", type=_watermark, default=None, metavar="F",
-      help="fraction of KV blocks kept free before admitting new work (default 0.15; useful 0.10-0.20)")
-    a("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
-      help="longest prompt + output (default: the model's max_position_embeddings)")
     a("--max-queue-depth", type=_positive_int, default=None, help="429 when this many requests wait")
     a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
     a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
-    a("--threads", type=_positive_int, default=None, help="torch CPU threads")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
     t.add_argument("--kv-transfer-port", type=_port, default=None)
@@ -149,8 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-transfer-timeout", type=_non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
-    t.add_argument("--full-precision-layers", type=_layers, default=(), metavar="I,J,..",
-                   help="layers whose KV cache stays in full precision under int8/int4")
+    add_engine_arguments(parser)
 
 
 def transfer_options(args: argparse.Namespace) -> TransferOptions:
@@ -164,7 +128,6 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
         timeout_s=args.kv_transfer_timeout,
         max_retries=args.kv_transfer_max_retries,
         secret_file=args.kv_transfer_secret_file,
-        full_precision_layers=tuple(args.full_precision_layers),
     )
 
 
@@ -178,30 +141,13 @@ def check_model_folder(path: str) -> Path:
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Flag values under EngineConfig's field names (None = keep EngineConfig's default)."""
-    return {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "max_batch_size": args.max_batch_size,
-        "max_batch_tokens": args.max_batch_tokens,
-        "kv_cache_memory": args.kv_cache_memory,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "swap_space": args.swap_space,
-        "preemption_mode": args.preemption,
-        "watermark": args.swap_watermark,
-        "max_model_len": args.max_model_len,
-        "full_precision_layers": tuple(args.full_precision_layers) or None,
-        "num_threads": args.threads,
-    }
+    """Flag values under EngineConfig's field names (the flags' dests are those names)."""
+    return {"model": args.model, **{opt.name: getattr(args, opt.name) for opt in ENGINE_OPTIONS}}
 
 
 def make_config(config_cls: Any, values: dict[str, Any]) -> Any:
-    # Skip None so EngineConfig's own defaults apply; drop names it does not (yet) declare.
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    return config_cls(**{k: v for k, v in values.items() if k in names and v is not None})
+    # None = "derive it" (model length, KV budget, threads): leave it to the config's own default.
+    return config_cls(**{k: v for k, v in values.items() if v is not None})
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -285,7 +231,6 @@ def _run(args: argparse.Namespace) -> int:
         on_shutdown=[disagg.stop, stop],
         internal_secret=disagg.secret,  # /drain and /undrain take the same token as /internal/*
     )
-    app.state.transfer_options = transfer
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
     from pdcluster.worker.api.http_limits import uvicorn_options
 

@@ -1,0 +1,46 @@
+"""EngineConfig: what one engine runs with (torch-free, so the CLI and the operator side can build and check it
+without loading torch). The options shared with `pdcluster serve` and the PDCluster spec are declared once in
+options.py; the fields below that are not there are internal knobs (tests, benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdcluster.worker.engine import options
+
+
+def _default(name: str) -> Any:
+    return options.BY_NAME[name].default
+
+
+@dataclass
+class EngineConfig:
+    """What one engine runs with; shared options (serve flags, spec fields) are declared in options.py."""
+
+    model: str  # Hugging Face model folder
+    dtype: str = _default("dtype")  # auto (fp32 on CPU, checkpoint dtype on CUDA) | float32 | bfloat16 | float16
+    device: str = _default("device")
+    block_size: int = _default("block_size")
+    kv_cache_dtype: str = _default("kv_cache_dtype")  # auto (model dtype) | int8 | int4
+    # Layers whose KV cache stays in the model dtype while the others use kv_cache_dtype (int8/int4); the
+    # most quantization-sensitive layers (often the first ones) recover most of int4's quality loss. A
+    # no-op with kv_cache_dtype "auto" (every layer is full precision already); indices must still be valid.
+    full_precision_layers: tuple[int, ...] = _default("full_precision_layers")
+    max_batch_size: int = _default("max_batch_size")  # decode sequences per step
+    max_batch_tokens: int = _default("max_batch_tokens")  # prefill tokens per step (longer prompts are chunked)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = _default("gpu_memory_utilization")  # CUDA: weights + KV cache share
+    kv_cache_memory: int | None = None  # CPU: KV cache bytes (default: enough for the batch, <= 1 GiB)
+    num_kv_blocks: int | None = None  # exact block count, overrides both budgets (tests)
+    swap_space: float = _default("swap_space")  # GiB of host memory for swapped-out KV
+    preemption_mode: Literal["swap", "recompute", "auto"] = _default("preemption_mode")
+    watermark: float = _default("watermark")  # fraction of blocks kept free when admitting new work
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch CPU threads
+    host_bandwidth: float = 8e9  # bytes/s assumed for swap, used by preemption_mode="auto"
+    debug_logits: bool = False  # put each sampled position's float32 logits in RequestOutput.extra["logits"]
+
+    def validate(self) -> None:
+        """ValueError naming the field, for any declared option out of its type, choices or bounds."""
+        options.validate(vars(self))
