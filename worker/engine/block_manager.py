@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdcluster.worker.api.block_hash import chain_hash  # shared with the router's prefix index
 from pdcluster.worker.engine.sequence import Sequence
 
 
@@ -21,10 +22,6 @@ class Block:
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()  # kept to rule out hash collisions
-
-
-def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, token_ids))
 
 
 class BlockManager:
@@ -39,6 +36,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hits = 0  # blocks reused from the prefix cache (for stats)
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (hit rate's denominator)
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +86,8 @@ class BlockManager:
         """
         if self.num_free_blocks - self.cost(seq, num_tokens, prefix) < reserve:
             return False
+        if self.enable_prefix_caching and not seq.block_table:  # a (re)started prefill: one cache query
+            self.prefix_query_tokens += len(seq)
         if prefix:
             assert not seq.block_table
             for block_id in prefix:

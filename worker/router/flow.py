@@ -161,11 +161,20 @@ class Flow:
                 return Tokenized(d["prompt_token_ids"], d["params"], d["model"], d.get("stream", False),
                                  d.get("return_token_ids", False))
             if r.status_code < 500:
+        # prompt tokens routed to a prefilling worker, and of those, how many the router expected it to hold
+        self.prefix_routed_tokens = 0
+        self.prefix_expected_tokens = 0
                 raise await _error_of(r)
             self.pool.mark_failed(w.role, w.url, f"HTTP {r.status_code}")
         raise NoCapacity("no healthy worker to tokenize the request")
 
     # ------------------------------------------------------------------ the request
+    def _routed(self, w: Worker, prompt: list[int], cached: dict[str, int]) -> None:
+        """`w` prefills `prompt`: count the prefix the router expected it to hold, and remember the blocks."""
+        self.prefix_expected_tokens += cached.get(w.url, 0)
+        self.prefix_routed_tokens += len(prompt)
+        self.pool.remember(w, prompt)
+
     async def run(self, rid: str, tok: Tokenized) -> AsyncIterator[Chunk]:
         prompt, params = tok.prompt_token_ids, tok.params
         sent: list[int] = []
@@ -277,7 +286,8 @@ class Flow:
 
     async def _disaggregated(self, arid: str, prompt: list[int], params: dict[str, Any],
                              excluded: set[str]) -> AsyncIterator[Chunk]:
-        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded)
+        cached = self.pool.cached_tokens("prefill", prompt)
+        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
         if pv is None:
             async for c in self._direct(arid, prompt, params, excluded):
                 yield c
@@ -307,6 +317,7 @@ class Flow:
                         if resp.status_code in (429, 503):
                             raise NoCapacity(str(err))
                         if resp.status_code < 500:
+        self._routed(p, prompt, cached)
                             raise err
                         raise WorkerFailed("prefill", p.url, f"HTTP {resp.status_code}")
                     async for ev in _lines(resp, "prefill", p.url):
@@ -355,7 +366,8 @@ class Flow:
     # ------------------------------------------------------------------ one attempt, decode worker only
     async def _direct(self, arid: str, prompt: list[int], params: dict[str, Any],
                       excluded: set[str]) -> AsyncIterator[Chunk]:
-        ranked = rank_decode(self.pool.views("decode"), exclude=excluded)
+        cached = self.pool.cached_tokens("decode", prompt)
+        ranked = rank_decode(self.pool.views("decode"), exclude=excluded, cached=cached)
         if not ranked:
             raise NoHealthyDecode("no healthy decode worker")
         body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
@@ -379,6 +391,7 @@ class Flow:
                 if resp.status_code != 200:
                     err = await _error_of(resp)
                     if resp.status_code in (429, 503):
+            self._routed(w, prompt, cached)
                         raise NoCapacity(str(err))
                     if resp.status_code == 409:  # reservation expired: redo the whole pair
                         raise WorkerFailed("decode", w.url, "reservation expired")

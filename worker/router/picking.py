@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -24,14 +24,30 @@ class WorkerView:
     waiting: int = 0
 
 
-def pick_prefill(workers: Sequence[WorkerView], exclude: Collection[str] = ()) -> WorkerView | None:
+# Affinity may choose a worker at most this many requests busier than the least-loaded one: a shared prefix
+# is worth a short wait, but a popular one must not pile every request on the worker that holds it.
+AFFINITY_SLACK = 4
+
+
+def pick_prefill(workers: Sequence[WorkerView], exclude: Collection[str] = (), *, prompt_tokens: int = 0,
+                 cached: Mapping[str, int] | None = None, slack: int = AFFINITY_SLACK) -> WorkerView | None:
     """Least outstanding prompt tokens: prefill time is roughly linear in prompt tokens, so this is the
     worker that will get to a new prompt soonest. Ties go to fewer in-flight requests, then URL order
-    (deterministic)."""
+    (deterministic).
+
+    With `cached` (url -> prompt tokens that worker is believed to hold in its prefix cache) the cost is the
+    work queued there plus this prompt's uncached tokens, so a long cached prefix wins over a slightly
+    shorter queue and loses to a much shorter one; and only workers within `slack` in-flight requests of
+    the least-loaded one compete on it (the load cap that overrides affinity)."""
     ok = [w for w in workers if w.healthy and w.url not in exclude]
     if not ok:
         return None
-    return min(ok, key=lambda w: (w.outstanding_prompt_tokens, w.in_flight, w.url))
+    least = min(ok, key=lambda w: (w.outstanding_prompt_tokens, w.in_flight, w.url))
+    if not cached:
+        return least
+    band = [w for w in ok if w.in_flight <= least.in_flight + slack]
+    return min(band, key=lambda w: (w.outstanding_prompt_tokens + max(0, prompt_tokens - cached.get(w.url, 0)),
+                                    w.in_flight, w.url))
 
 
 def decode_score(w: WorkerView, prefer_node: str | None) -> tuple[int, int, int, int, str]:
@@ -41,7 +57,7 @@ def decode_score(w: WorkerView, prefer_node: str | None) -> tuple[int, int, int,
     spreads at once instead of piling onto whichever worker the last probe showed as emptiest."""
     same_node = 0 if prefer_node and w.node == prefer_node else 1
     free = w.free_blocks if w.free_blocks is not None else 0
-    return (same_node, max(w.running, w.in_flight) + w.waiting, -free, w.in_flight, w.url)
+    return (same_node, decode_load(w), -free, w.in_flight, w.url)
 
 
 def pick_decode(
@@ -62,16 +78,32 @@ def pick_decode(
     return min(ok, key=lambda w: decode_score(w, prefer_node))
 
 
+def decode_load(w: WorkerView) -> int:
+    """Requests on a decode worker (running or queued), by the larger of its report and our own count."""
+    return max(w.running, w.in_flight) + w.waiting
+
+
 def rank_decode(workers: Sequence[WorkerView], *, prefer_node: str | None = None,
-                exclude: Collection[str] = ()) -> list[WorkerView]:
+                exclude: Collection[str] = (), cached: Mapping[str, int] | None = None,
+                slack: int = AFFINITY_SLACK) -> list[WorkerView]:
     """All usable decode workers, best first (the router walks this list when reservations are refused).
 
     `exclude` (workers that already failed this request) is a preference, not a ban: when every healthy
     decode worker is excluded — one decode worker, restarted after it died — they are ranked anyway, so a
-    request resumes on whatever is healthy instead of waiting for a worker that does not exist."""
+    request resumes on whatever is healthy instead of waiting for a worker that does not exist.
+
+    `cached` (url -> prompt tokens believed cached there; for requests the decode worker prefills itself)
+    moves the workers holding the longest prefix to the front, but only those within `slack` requests of the
+    least-loaded worker: past that, load wins and affinity is ignored."""
     healthy = [w for w in workers if w.healthy]
     ok = [w for w in healthy if w.url not in exclude] or healthy
-    return sorted(ok, key=lambda w: decode_score(w, prefer_node))
+    ranked = sorted(ok, key=lambda w: decode_score(w, prefer_node))
+    if not cached or not ranked:
+        return ranked
+    floor = min(decode_load(w) for w in ranked)
+    band = [w for w in ranked if decode_load(w) <= floor + slack and cached.get(w.url, 0) > 0]
+    front = sorted(band, key=lambda w: -cached.get(w.url, 0))  # stable: decode_score breaks ties
+    return front + [w for w in ranked if w not in front]
 
 
 def should_disaggregate(prompt_tokens: int, threshold: int, have_prefill: bool) -> bool:

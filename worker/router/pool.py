@@ -14,8 +14,10 @@ from urllib.parse import urlparse
 
 import httpx
 
-from pdcluster.worker.transfer.secret import internal_headers
+from pdcluster.worker.api.block_hash import prompt_block_hashes
 from pdcluster.worker.router.picking import WorkerView, health_transition
+from pdcluster.worker.router.prefix_index import PrefixIndex
+from pdcluster.worker.transfer.secret import internal_headers
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,11 @@ class Worker:
                 "source": self.source}
 
 
+def _positive_int(v: Any) -> int | None:
+    """A reported size, or None when it is missing or nonsense (it feeds hashing and LRU bounds)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 def parse_service(spec: str, default_port: int = 8000) -> tuple[str, str, int]:
     """(scheme, host, port) of `name[:port]` or `http://name[:port]` (the operator renders the URL form)."""
     if "://" in spec:
@@ -90,6 +97,7 @@ class Pool:
     interval: float = 1.0
     probe_timeout: float = 2.0
     secret: bytes | None = None  # shared KV secret: authenticates /internal/* calls (None: local dev)
+    prefix_routing: bool = True  # prefer workers believed to hold the prompt's prefix (see prefix_index)
 
     def __post_init__(self) -> None:
         self.workers: dict[tuple[str, str], Worker] = {}
@@ -101,6 +109,7 @@ class Pool:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.probe_timeout), headers=self.headers)
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self.prefix = PrefixIndex()
 
     def _add(self, url: str, role: str, source: str = "static") -> Worker:
         key = (role, url)
@@ -120,6 +129,30 @@ class Pool:
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self.workers.values())
 
+    # ------------------------------------------------------------------ prefix affinity
+    def cached_tokens(self, role: str, prompt: list[int]) -> dict[str, int]:
+        """url -> prompt tokens each worker of `role` is believed to hold (empty when prefix routing is off).
+        Hashed once per block size in use: the same blocks the worker's engine will look up."""
+        if not self.prefix_routing:
+            return {}
+        by_size: dict[int, list[int]] = {}
+        out: dict[str, int] = {}
+        for w in self.pool(role):
+            if not w.healthy or not w.block_size or not self.prefix.size(w.url):
+                continue
+            hashes = by_size.get(w.block_size)
+            if hashes is None:
+                hashes = by_size[w.block_size] = prompt_block_hashes(prompt, w.block_size)
+            n = self.prefix.match(w.url, hashes) * w.block_size
+            if n:
+                out[w.url] = n
+        return out
+
+    def remember(self, w: Worker, prompt: list[int]) -> None:
+        """`w` is about to prefill `prompt`: from now on it holds its blocks (bounded by its KV cache size)."""
+        if self.prefix_routing and w.block_size:
+            self.prefix.record(w.url, prompt_block_hashes(prompt, w.block_size), w.total_blocks)
+
     # ------------------------------------------------------------------ passive + active health
     def mark_failed(self, role: str, url: str, error: str) -> None:
         """A request saw this worker fail: take it out of rotation now; the probe loop re-admits it."""
@@ -136,8 +169,8 @@ class Pool:
             if r.status_code == 200:
                 d = r.json()
                 ok = bool(d.get("ready", True))
-                w.node, w.block_size = d.get("node"), d.get("block_size")
-                w.free_blocks, w.total_blocks = d.get("free_blocks"), d.get("total_blocks")
+                w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
+                w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
                 w.used_blocks = d.get("used_blocks")
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
                 err = None if ok else "not ready"
@@ -148,6 +181,8 @@ class Pool:
         was = w.healthy
         w.healthy, w.failures = health_transition(w.healthy, w.failures, ok)
         w.last_error, w.last_probe = err, time.monotonic()
+        if w.healthy and not was:
+            self.prefix.forget(w.url)  # back from down (maybe restarted): assume its prefix cache is empty
         if w.healthy != was:
             log.info("%s worker %s is now %s%s", w.role, w.url, "healthy" if w.healthy else "unhealthy",
                      f" ({err})" if err else "")
@@ -163,6 +198,7 @@ class Pool:
                     if r == role and w.source == svc and url not in urls:
                         log.info("%s worker %s left service %s", role, url, svc)
                         del self.workers[(r, url)]
+                        self.prefix.forget(url)
 
     async def probe_all(self) -> None:
         if self.prefill_services or self.decode_services:
