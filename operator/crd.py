@@ -113,41 +113,52 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
-def _status_schema() -> dict[str, Any]:
-    pool = {
+def _pool_status(role: str) -> dict[str, Any]:
+    return {
         "type": "object",
+        "description": f"Replicas of the {role} Deployment.",
         "properties": {
-            "replicas": {"type": "integer"},
-            "readyReplicas": {"type": "integer"},
-            "desiredReplicas": {"type": "integer"},
+            "replicas": {"type": "integer", "description": "Pods the Deployment has."},
+            "readyReplicas": {"type": "integer", "description": "Pods that pass their readiness probe."},
+            "desiredReplicas": {"type": "integer",
+                                "description": "Replicas the operator (or the autoscaler) asked for."},
         },
     }
+
+
+def _status_schema() -> dict[str, Any]:
     condition = {
         "type": "object",
+        "description": "A standard condition (types in docs/operator.md).",
         "required": ["type", "status"],
         "properties": {
-            "type": {"type": "string"},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string"},
-            "message": {"type": "string"},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer"},
+            "type": {"type": "string", "description": "Condition type."},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"],
+                       "description": "True, False or Unknown."},
+            "reason": {"type": "string", "description": "CamelCase reason for the status."},
+            "message": {"type": "string", "description": "Human-readable details."},
+            "lastTransitionTime": {"type": "string", "format": "date-time",
+                                   "description": "When status last changed."},
+            "observedGeneration": {"type": "integer",
+                                   "description": "metadata.generation the condition was computed for."},
         },
     }
     return {
         "type": "object",
         "description": "Observed state, written by the operator only.",
         "properties": {
-            "observedGeneration": {"type": "integer"},
+            "observedGeneration": {"type": "integer",
+                                   "description": "metadata.generation the operator last reconciled."},
             "conditions": {
                 "type": "array",
+                "description": "Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, SLOMet.",
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
             },
-            "prefill": copy.deepcopy(pool),
-            "decode": copy.deepcopy(pool),
-            "router": copy.deepcopy(pool),
+            "prefill": _pool_status("prefill"),
+            "decode": _pool_status("decode"),
+            "router": _pool_status("router"),
             "ratio": {"type": "number", "description": "Decode replicas per prefill replica."},
             "endpoint": {"type": "string", "description": "In-cluster URL of the router."},
             "autoscaler": {
@@ -192,7 +203,13 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Ratio", "type": "number", "jsonPath": ".status.ratio",
                          "description": "Decode replicas per prefill replica"},
                         {"name": "Ready", "type": "string",
-                         "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                         "description": "Ready condition"},
+                        # `kubectl get pdc` says why a cluster is not healthy (InvalidSpec, ApplyFailed,
+                        # RolloutFailed, ...); Reconciled while it is.
+                        {"name": "Degraded", "type": "string",
+                         "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason',
+                         "description": "Reason of the Degraded condition"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {
@@ -201,9 +218,10 @@ def build_crd() -> dict[str, Any]:
                             "description": "PDCluster: a prefill/decode-disaggregated LLM inference deployment.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "apiVersion": {"type": "string", "description": (
+                                    "Versioned schema of this object (pdcluster.dev/v1alpha1).")},
+                                "kind": {"type": "string", "description": "PDCluster."},
+                                "metadata": {"type": "object", "description": "Standard object metadata."},
                                 "spec": spec_schema(),
                                 "status": _status_schema(),
                             },

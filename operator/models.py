@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pdcluster import __version__
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_GROUP = "pdcluster.dev"
@@ -24,6 +25,11 @@ SINGULAR = "pdcluster"
 SHORT_NAMES = ["pdc"]
 
 WORKER_PORT = 8000
+# `spec.image` when omitted: the worker image of the operator's own version (docker/worker.Dockerfile;
+# the chart's operator image is pdcluster/operator of the same version). Upgrading the operator therefore
+# rolls the workers of PDClusters that do not pin an image.
+WORKER_IMAGE_REPOSITORY = "pdcluster/worker"
+DEFAULT_WORKER_IMAGE = f"{WORKER_IMAGE_REPOSITORY}:{__version__}"
 KV_TRANSFER_PORT = 9000
 
 # Model URIs the operator knows how to mount; anything else is caught by the schema pattern.
@@ -54,14 +60,89 @@ class Resources(_Base):
 
 
 class Toleration(_Base):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    tolerationSeconds: int | None = None
+    """A core/v1 Toleration."""
+
+    key: str | None = Field(default=None, description="Taint key; empty with operator Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists (any value) or Equal (the taint's value equals `value`).")
+    value: str | None = Field(default=None, description="Taint value matched with operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty: every effect.")
+    tolerationSeconds: int | None = Field(
+        default=None, description="With effect NoExecute: seconds the pod stays bound after the taint appears.")
+
+
+class EnvVar(_Base):
+    """An environment variable for the pool's containers (core/v1 EnvVar)."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value (mutually exclusive with valueFrom).")
+    valueFrom: dict[str, Any] | None = Field(
+        default=None,
+        description="A core/v1 EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.valueFrom is not None:
+            raise ValueError(f"env {self.name}: value and valueFrom are mutually exclusive")
+        return self
+
+
+class LocalObjectReference(_Base):
+    """A reference to an object in the PDCluster's namespace."""
+
+    name: str = Field(min_length=1, description="Name of the Secret (type kubernetes.io/dockerconfigjson).")
+
+
+# The operator sets these itself; a pool's `env` must not shadow them (the workers and the router read
+# them to label their metrics and to find their config).
+RESERVED_ENV = frozenset({"NODE_NAME", "POD_NAME", "POD_NAMESPACE", "POD_IP", "PDCLUSTER_NAME",
+                          "PDCLUSTER_ROLE", "HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"})
+_POD_OPTION_RULES: Any = [
+    _cel("!has(self.env) || self.env.all(e, !(e.name in " + str(sorted(RESERVED_ENV)).replace("'", '"')
+         + "))", "env must not set a variable the operator sets (" + ", ".join(sorted(RESERVED_ENV)) + ")"),
+    _cel("!has(self.env) || self.env.all(e, !has(e.value) || !has(e.valueFrom))",
+         "env: value and valueFrom are mutually exclusive"),
+]
+
+
+class PodOptions(_Base):
+    """Pod-level settings shared by the prefill, decode and router pools."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=256,
+        description="Extra environment variables for the pool's container (after the operator's own; "
+        "the names the operator sets itself are refused).",
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A core/v1 Affinity (nodeAffinity, podAffinity, podAntiAffinity) for the pool's pods.",
+    )
+    priorityClassName: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="PriorityClass of the pool's pods (e.g. keep decode above batch jobs).",
+    )
+    podAnnotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra annotations on the pool's pods (the operator's own pdcluster.dev/* and "
+        "prometheus.io/* annotations win on a clash).",
+    )
+    imagePullSecrets: list[LocalObjectReference] = Field(
+        default_factory=list, description="Secrets for pulling `image` from a private registry.",
+    )
+
+    @model_validator(mode="after")
+    def _env_names(self) -> PodOptions:
+        clash = sorted({e.name for e in self.env} & RESERVED_ENV)
+        if clash:
+            raise ValueError(f"env must not set a variable the operator sets: {', '.join(clash)}")
+        return self
 
 
 class Model(_Base):
+    """The model every worker serves."""
+
     name: str = Field(min_length=1, description="Served model name (the OpenAI `model` field).")
     uri: str = Field(
         pattern=MODEL_URI_PATTERN,
@@ -85,7 +166,7 @@ _POOL_RULES: Any = [
 ]
 
 
-class _Pool(_Base):
+class _Pool(PodOptions):
     replicas: int | None = Field(
         default=None,
         ge=1,
@@ -94,9 +175,9 @@ class _Pool(_Base):
             "Defaults to minReplicas."
         ),
     )
-    minReplicas: int = Field(default=1, ge=1, le=1000)
-    maxReplicas: int = Field(default=8, ge=1, le=1000)
-    resources: Resources = Field(default_factory=Resources)
+    minReplicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas the autoscaler keeps.")
+    maxReplicas: int = Field(default=8, ge=1, le=1000, description="Most replicas the autoscaler creates.")
+    resources: Resources = Field(default_factory=Resources, description="Resources of each worker container.")
 
     @model_validator(mode="after")
     def _bounds(self) -> _Pool:
@@ -112,26 +193,36 @@ class _Pool(_Base):
 
 
 class PrefillPool(_Pool):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+    """The prefill pool: workers that compute prompts and stream their KV cache to decode workers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES + _POD_OPTION_RULES})
     maxBatchTokens: int = Field(default=8192, ge=1, description="Token budget of one prefill batch.")
     maxBatchSize: int = Field(default=64, ge=1, description="Sequences in one prefill batch.")
 
 
 class DecodePool(_Pool):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+    """The decode pool: workers that receive KV caches and generate the output tokens."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES + _POD_OPTION_RULES})
     maxBatchSize: int = Field(default=16, ge=1, le=1024, description="Sequences decoded together.")
     maxBatchTokens: int = Field(default=8192, ge=1, description="Token budget of one decode step.")
 
 
 class KVCache(_Base):
+    """Every worker's paged KV cache."""
+
     blockSize: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV-cache block.")
     dtype: Literal["auto", "int8", "int4"] = Field(default="auto", description="KV-cache element type.")
     fullPrecisionLayers: list[int] = Field(
         default_factory=list, description="Layers kept at full precision when dtype is int8/int4."
     )
-    gpuMemoryUtilization: float = Field(default=0.9, ge=0.1, le=0.99)
+    gpuMemoryUtilization: float = Field(
+        default=0.9, ge=0.1, le=0.99,
+        description="Fraction of accelerator memory the worker may use (weights, activations, KV cache).")
     swapSpaceGiB: float = Field(default=4.0, ge=0, le=1024, description="CPU swap space for preempted KV.")
-    preemption: Literal["swap", "recompute", "auto"] = Field(default="auto")
+    preemption: Literal["swap", "recompute", "auto"] = Field(
+        default="auto", description="What a preempted sequence loses: swap its KV to CPU, recompute it, "
+        "or auto (swap while swap space lasts).")
     swapWatermark: float = Field(
         default=0.15, ge=0, le=0.5,
         description="Admission watermark (despite its name, unrelated to swapSpaceGiB): "
@@ -141,7 +232,10 @@ class KVCache(_Base):
 
 
 class KVTransfer(_Base):
-    compression: Literal["none", "int8"] = Field(default="none")
+    """How prefill workers ship KV caches to decode workers."""
+
+    compression: Literal["none", "int8"] = Field(
+        default="none", description="Wire format of the KV cache: none (the cache dtype) or int8.")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
     # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.
@@ -152,22 +246,31 @@ class KVTransfer(_Base):
         json_schema_extra={"x-kubernetes-validations": [
             _cel("self == true", "layerwise must be true: KV always streams layer by layer")]},
     )
-    timeoutSeconds: float = Field(default=30.0, gt=0, le=3600)
-    maxRetries: int = Field(default=3, ge=0, le=20)
+    timeoutSeconds: float = Field(default=30.0, gt=0, le=3600, description="Bound on one KV transfer.")
+    maxRetries: int = Field(default=3, ge=0, le=20, description="Retries of a failed KV transfer.")
 
 
-class Router(_Base):
-    replicas: int = Field(default=1, ge=1, le=100)
-    maxQueueDepth: int = Field(default=256, ge=1)
-    requestTimeoutSeconds: float = Field(default=300.0, gt=0, le=86400)
+class Router(PodOptions):
+    """The OpenAI-compatible router in front of the pools."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POD_OPTION_RULES})
+    replicas: int = Field(default=1, ge=1, le=100, description="Router replicas (not autoscaled).")
+    maxQueueDepth: int = Field(
+        default=256, ge=1, description="Requests queued at the router before it answers 429.")
+    requestTimeoutSeconds: float = Field(
+        default=300.0, gt=0, le=86400,
+        description="Bound on one request, end to end; pods get it plus 30 s to finish after SIGTERM.")
     disaggregationThreshold: int = Field(
         default=64, ge=0, description="Prompts shorter than this many tokens prefill on the decode worker."
     )
-    serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP")
-    resources: Resources = Field(default_factory=Resources)
+    serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Type of the router's Service (the cluster's endpoint).")
+    resources: Resources = Field(default_factory=Resources, description="Resources of each router container.")
 
 
 class Capacity(_Base):
+    """Per-instance throughputs; unset ones are learned from Prometheus."""
+
     prefillTokensPerSecond: float | None = Field(
         default=None, gt=0, description="Prompt tokens/s one prefill instance sustains (C_p)."
     )
@@ -187,12 +290,17 @@ class Autoscaling(_Base):
             ]
         }
     )
-    enabled: bool = Field(default=False)
-    prometheusUrl: str | None = Field(default=None, pattern=r"^https?://.+")
-    intervalSeconds: int = Field(default=30, ge=5, le=3600)
-    windowSeconds: int = Field(default=120, ge=10, le=86400)
-    headroom: float = Field(default=1.5, ge=1.0, le=10.0)
-    scaleDownStabilizationSeconds: int = Field(default=300, ge=0, le=86400)
+    enabled: bool = Field(default=False, description="Size the pools from Prometheus metrics.")
+    prometheusUrl: str | None = Field(
+        default=None, pattern=r"^https?://.+", description="Prometheus base URL (required when enabled).")
+    intervalSeconds: int = Field(default=30, ge=5, le=3600, description="Seconds between decisions.")
+    windowSeconds: int = Field(default=120, ge=10, le=86400, description="Metrics window of one decision.")
+    headroom: float = Field(default=1.5, ge=1.0, le=10.0, description="Provision for this multiple of the "
+                            "observed request rate.")
+    scaleDownStabilizationSeconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="A pool shrinks only after lower recommendations for this many seconds, to the "
+        "highest load seen meanwhile.")
     maxScaleUpStep: int = Field(default=4, ge=1, le=1000, description="Most replicas added per decision.")
     maxScaleDownStep: int = Field(default=1, ge=1, le=1000, description="Most replicas removed per decision.")
     maxTotalReplicas: int | None = Field(
@@ -212,6 +320,8 @@ class Autoscaling(_Base):
 
 
 class NetworkPolicySpec(_Base):
+    """The NetworkPolicy around the workers."""
+
     enabled: bool = Field(default=True, description="Render a NetworkPolicy for the worker pods.")
 
 
@@ -227,18 +337,28 @@ class PDClusterSpec(_Base):
             ]
         }
     )
-    model: Model
-    image: str = Field(min_length=1, description="Image with the `pdcluster` CLI (worker extra installed).")
-    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
-    prefill: PrefillPool = Field(default_factory=PrefillPool)
-    decode: DecodePool = Field(default_factory=DecodePool)
-    kvCache: KVCache = Field(default_factory=KVCache)
-    kvTransfer: KVTransfer = Field(default_factory=KVTransfer)
-    router: Router = Field(default_factory=Router)
-    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
-    networkPolicy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    model: Model = Field(description="The model every worker serves.")
+    image: str | None = Field(
+        default=None, min_length=1,
+        description="Image with the `pdcluster` CLI (worker extra installed) for workers and router. "
+        f"Default: the worker image of the operator's own version ({WORKER_IMAGE_REPOSITORY}:<version>).",
+    )
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Pull policy of `image`.")
+    prefill: PrefillPool = Field(default_factory=PrefillPool, description="The prefill pool.")
+    decode: DecodePool = Field(default_factory=DecodePool, description="The decode pool.")
+    kvCache: KVCache = Field(default_factory=KVCache, description="Every worker's paged KV cache.")
+    kvTransfer: KVTransfer = Field(default_factory=KVTransfer, description="Prefill-to-decode KV transfer.")
+    router: Router = Field(default_factory=Router, description="The OpenAI-compatible router.")
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="The prefill/decode autoscaler.")
+    networkPolicy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="The NetworkPolicy around the workers.")
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="Applied to worker pods.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Applied to worker pods.")
+
+    @property
+    def worker_image(self) -> str:
+        return self.image or DEFAULT_WORKER_IMAGE
 
     @model_validator(mode="after")
     def _budget(self) -> PDClusterSpec:

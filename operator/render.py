@@ -28,6 +28,7 @@ from pdcluster.operator.naming import (
     selector_labels,
     service_url,
 )
+from pdcluster.operator.podoptions import apply_pod_options
 from pdcluster.operator.policies import render_network_policy, render_pdb
 
 ROLES = ("prefill", "decode", "router")
@@ -253,7 +254,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     container = {
         "name": "worker",
-        "image": spec.image,
+        "image": spec.worker_image,
         "imagePullPolicy": spec.imagePullPolicy,
         "command": command,
         "ports": [
@@ -280,11 +281,11 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
         pod_spec["nodeSelector"] = dict(spec.nodeSelector)
     if spec.tolerations:
         pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.tolerations]
-    annotations = {
+    annotations = apply_pod_options(pool, pod_spec, container, {
         **_scrape_annotations(),
         "pdcluster.dev/config-hash": _hash([command, spec.kvCache.model_dump(), spec.kvTransfer.model_dump()]),
         "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint,
-    }
+    })
     # Workers hold a GPU each: roll without surging so an upgrade never needs a spare GPU.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     return _deployment(owner, role, replicas, pod_spec, annotations, strategy)
@@ -294,7 +295,7 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec, kv_secret_finger
     command = router_command(owner, spec)
     container = {
         "name": "router",
-        "image": spec.image,
+        "image": spec.worker_image,
         "imagePullPolicy": spec.imagePullPolicy,
         "command": command,
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
@@ -310,7 +311,7 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec, kv_secret_finger
         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5, "initialDelaySeconds": 10},
     }
-    pod_spec = {
+    pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": _pod_security(),
@@ -322,8 +323,9 @@ def render_router_deployment(owner: Owner, spec: PDClusterSpec, kv_secret_finger
     }
     # The router reads the secret once at start (it derives the /internal token from it): a rotated
     # secret must roll the router together with the workers.
-    annotations = {**_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command),
-                   "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint}
+    annotations = apply_pod_options(spec.router, pod_spec, container, {
+        **_scrape_annotations(), "pdcluster.dev/config-hash": _hash(command),
+        "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint})
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     return _deployment(owner, "router", spec.router.replicas, pod_spec, annotations, strategy)
 
@@ -350,7 +352,9 @@ def render_config_map(owner: Owner, spec: PDClusterSpec) -> dict[str, Any]:
         "model": spec.model.model_dump(),
         "kvCache": spec.kvCache.model_dump(),
         "kvTransfer": spec.kvTransfer.model_dump(),
-        "router": {k: v for k, v in spec.router.model_dump().items() if k != "resources"},
+        # pod placement and environment are the Deployments' business, not the processes' config
+        "router": {k: v for k, v in spec.router.model_dump().items()
+                   if k != "resources" and k not in models.PodOptions.model_fields},
         "services": {r: service_url(owner, r) for r in ROLES},
         "ports": {"http": WORKER_PORT, "kvTransfer": KV_TRANSFER_PORT},
     }
