@@ -25,8 +25,16 @@ DESIGN_SERIES = {
     "pdcluster_kv_cache_usage_ratio", "pdcluster_preemptions_total", "pdcluster_kv_transfer_bytes_total",
     "pdcluster_kv_transfer_seconds", "pdcluster_kv_transfer_failures_total", "pdcluster_requests_rejected_total",
 }
+# Issue 14's additions: request phases, lengths, finish reasons, prefix-cache counters, build info
+ADDED_SERIES = {
+    "pdcluster_request_phase_seconds", "pdcluster_e2e_request_latency_seconds", "pdcluster_request_prompt_tokens",
+    "pdcluster_request_generation_tokens", "pdcluster_request_success_total",
+    "pdcluster_prefix_cache_query_tokens_total", "pdcluster_prefix_cache_hit_tokens_total", "pdcluster_build_info",
+}
 HISTOGRAMS = {"pdcluster_time_to_first_token_seconds", "pdcluster_time_per_output_token_seconds",
-              "pdcluster_kv_transfer_seconds"}
+              "pdcluster_kv_transfer_seconds", "pdcluster_request_phase_seconds",
+              "pdcluster_e2e_request_latency_seconds", "pdcluster_request_prompt_tokens",
+              "pdcluster_request_generation_tokens"}
 RUNBOOK_URL = re.compile(r"^https://\S+/docs/runbooks/(?P<alert>[A-Za-z]+)\.md$")
 METRIC = re.compile(r"\b(pdcluster[_:][A-Za-z0-9_:]*)")
 
@@ -51,13 +59,13 @@ def all_rules() -> list[dict]:
 def allowed_series() -> set[str]:
     recorded = {r["record"] for r in all_rules() if "record" in r}
     hist = {h + s for h in HISTOGRAMS for s in ("_bucket", "_count", "_sum")}
-    return DESIGN_SERIES | hist | operator_series() | recorded
+    return DESIGN_SERIES | ADDED_SERIES | hist | operator_series() | recorded
 
 
 def test_worker_metrics_module_exports_the_design_names():
     from pdcluster.worker.api.metrics import SERIES
 
-    assert set(SERIES) == DESIGN_SERIES
+    assert set(SERIES) == DESIGN_SERIES | ADDED_SERIES
 
 
 def test_rules_file_is_plain_prometheus_groups():

@@ -76,5 +76,48 @@ def test_metrics_endpoint_during_a_request(client: httpx.Client) -> None:
     with client.stream("POST", "/v1/completions", json=body) as r:
         first_event(r)
         s = samples(client.get("/metrics").text)
-        assert s[("pdcluster_requests_running", (("role", "decode"),))] == 1
-        assert s[("pdcluster_kv_cache_used_blocks", (("role", "decode"),))] > 0
+        labels = (("model_name", "fake"), ("role", "decode"))  # a worker labels its series with its model
+        assert s[("pdcluster_requests_running", labels)] == 1
+        assert s[("pdcluster_kv_cache_used_blocks", labels)] > 0
+
+
+def test_no_created_series_and_process_collectors() -> None:
+    text = WorkerMetrics("both", model_name="m").render().decode()
+    assert "_created" not in text  # half the series, for a timestamp nobody queries
+    assert "process_resident_memory_bytes" in text and "python_info" in text
+
+
+def test_phases_lengths_finish_reasons_and_prefix_counters() -> None:
+    stats = {"prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 48}
+    m = WorkerMetrics("both", CollectorRegistry(), stats_fn=lambda: stats, model_name="m")
+    m.phase("prefill_queue", 0.25)
+    m.phase("prefill_compute", 0.5)
+    m.request_finished("length", 300, 17, 2.0)
+    m.request_finished("weird", 1, 0)  # an unknown reason is counted as an abort, not a new series
+    m.build_info("1.2.3", {"block_size": 16})
+    s = samples(m.render().decode())
+    lab = (("model_name", "m"), ("role", "both"))
+    assert s[("pdcluster_request_phase_seconds_sum", (("model_name", "m"), ("phase", "prefill_queue"),
+                                                       ("role", "both")))] == 0.25
+    assert s[("pdcluster_request_success_total", (("finish_reason", "length"),) + lab)] == 1
+    assert s[("pdcluster_request_success_total", (("finish_reason", "abort"),) + lab)] == 1
+    assert s[("pdcluster_request_success_total", (("finish_reason", "stop"),) + lab)] == 0  # exists from start
+    assert s[("pdcluster_request_prompt_tokens_bucket", (("le", "512.0"),) + lab)] == 2
+    assert s[("pdcluster_request_prompt_tokens_bucket", (("le", "256.0"),) + lab)] == 1
+    assert s[("pdcluster_e2e_request_latency_seconds_count", lab)] == 1  # only where arrival was known
+    assert s[("pdcluster_prefix_cache_query_tokens_total", lab)] == 100
+    assert s[("pdcluster_prefix_cache_hit_tokens_total", lab)] == 48
+    assert s[("pdcluster_build_info", (("key", "block_size"),) + lab + (("value", "16"), ("version", "1.2.3")))] == 1
+
+
+def test_a_served_request_is_counted_by_phase_and_finish_reason(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+    assert r.status_code == 200
+    s = samples(client.get("/metrics").text)
+    lab = (("model_name", "fake"), ("role", "decode"))
+    assert sum(v for (n, ls), v in s.items() if n == "pdcluster_request_success_total") >= 1
+    assert s[("pdcluster_request_generation_tokens_count", lab)] >= 1
+    assert s[("pdcluster_e2e_request_latency_seconds_count", lab)] >= 1
+    assert s[("pdcluster_request_phase_seconds_count", (("model_name", "fake"), ("phase", "decode"),
+                                                        ("role", "decode")))] >= 1
+    assert any(n == "pdcluster_build_info" and dict(ls).get("version") for (n, ls) in s)

@@ -15,11 +15,23 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
+
+# The `*_created` series double every counter and histogram for a timestamp nobody queries.
+disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -27,6 +39,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # TPOT is per token: interesting range is 1 ms .. ~1 s.
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+# Request phases: from a few ms (a queue that is empty) to minutes (a long decode).
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Prompt / generation lengths in tokens.
+LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # Every series name of the contract, for tests and for the router's reuse.
@@ -45,7 +61,21 @@ SERIES = (
     "pdcluster_kv_transfer_seconds",
     "pdcluster_kv_transfer_failures_total",
     "pdcluster_requests_rejected_total",
+    "pdcluster_request_phase_seconds",
+    "pdcluster_e2e_request_latency_seconds",
+    "pdcluster_request_prompt_tokens",
+    "pdcluster_request_generation_tokens",
+    "pdcluster_request_success_total",
+    "pdcluster_prefix_cache_query_tokens_total",
+    "pdcluster_prefix_cache_hit_tokens_total",
+    "pdcluster_build_info",
 )
+
+# One request's journey, in order. The router sees router_queue, kv_transfer, decode_queue and decode; the
+# worker that prefills sees prefill_queue (waiting for the engine) and prefill_compute (its prefill steps).
+# TTFT = router_queue + prefill_queue + prefill_compute (the first token leaves as soon as prefill ends).
+PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue", "decode")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 REJECT_REASONS = ("queue_full", "draining", "not_ready", "timeout", "invalid")
 
@@ -74,6 +104,8 @@ def engine_gauges(s: Mapping[str, Any]) -> dict[str, float]:
         "total_blocks": total,
         "usage_ratio": ratio if ratio is not None else (used / total if total else 0.0),
         "preemptions": _num(s, "preemptions_total", "preemptions") or 0.0,
+        "prefix_query_tokens": _num(s, "prefix_cache_query_tokens") or 0.0,
+        "prefix_hit_tokens": _num(s, "prefix_cache_hit_tokens") or 0.0,
     }
 
 
@@ -120,6 +152,15 @@ class _EngineStateCollector(Collector):
         )
         c.add_metric(values, g["preemptions"])
         out.append(c)
+        for name, doc, value in (
+            ("pdcluster_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+             g["prefix_query_tokens"]),
+            ("pdcluster_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (KV reused).",
+             g["prefix_hit_tokens"]),
+        ):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            out.append(c)
         return out
 
 
@@ -140,12 +181,16 @@ class WorkerMetrics:
         *,
         cluster: str | None = None,
         stats_fn: StatsFn | None = None,
+        model_name: str | None = None,
+        process: bool = True,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.role = role
         labels = {"role": role}
         if cluster:
             labels["pdcluster"] = cluster
+        if model_name:
+            labels["model_name"] = model_name
         self.labels = labels
         names = list(labels)
         reg = self.registry
@@ -173,8 +218,25 @@ class WorkerMetrics:
         self._kv_bytes = counter("pdcluster_kv_transfer_bytes", "KV cache bytes transferred.").labels(**labels)
         self._kv_seconds = hist("pdcluster_kv_transfer_seconds", "Duration of one KV transfer.", TRANSFER_BUCKETS)
         self._kv_failures = counter("pdcluster_kv_transfer_failures", "Failed KV transfers.").labels(**labels)
+        self._phase = Histogram("pdcluster_request_phase_seconds",
+                                "Time one request spent in each phase (see PHASES), observed where it is known.",
+                                names + ["phase"], buckets=PHASE_BUCKETS, registry=reg)
+        self._e2e = hist("pdcluster_e2e_request_latency_seconds", "Arrival to last token.", PHASE_BUCKETS)
+        self._prompt_len = hist("pdcluster_request_prompt_tokens", "Prompt length of finished requests.",
+                                LENGTH_BUCKETS)
+        self._gen_len = hist("pdcluster_request_generation_tokens", "Tokens generated per finished request.",
+                             LENGTH_BUCKETS)
+        self._success = counter("pdcluster_request_success", "Requests finished, by finish reason.",
+                                ("finish_reason",))
+        for reason in FINISH_REASONS:
+            self._success.labels(**labels, finish_reason=reason)
+        self._info = Gauge("pdcluster_build_info", "Always 1: version and configuration in the labels.",
+                           names + ["version", "key", "value"], registry=reg)
         self._engine_state = _EngineStateCollector(labels)
         reg.register(self._engine_state)
+        if process:  # process_* (CPU, RSS, open fds) and python_info, as every Prometheus exporter has them
+            ProcessCollector(registry=reg)
+            PlatformCollector(registry=reg)
         if stats_fn is not None:
             self.bind_stats(stats_fn)
 
@@ -206,6 +268,27 @@ class WorkerMetrics:
 
     def kv_transfer_failed(self) -> None:
         self._kv_failures.inc()
+
+    def phase(self, name: str, seconds: float) -> None:
+        """One request spent `seconds` in phase `name` (one of PHASES)."""
+        self._phase.labels(**self.labels, phase=name).observe(max(0.0, seconds))
+
+    def request_finished(self, finish_reason: str | None, prompt_tokens: int, generation_tokens: int,
+                         e2e_seconds: float | None = None) -> None:
+        """A request ended: its finish reason, lengths and (where arrival is known) end-to-end latency."""
+        reason = finish_reason if finish_reason in FINISH_REASONS else "abort"
+        self._success.labels(**self.labels, finish_reason=reason).inc()
+        self._prompt_len.observe(max(0, prompt_tokens))
+        self._gen_len.observe(max(0, generation_tokens))
+        if e2e_seconds is not None:
+            self._e2e.observe(max(0.0, e2e_seconds))
+
+    def build_info(self, version: str, config: Mapping[str, Any]) -> None:
+        """pdcluster_build_info{version, key, value} = 1, one series per configuration setting (a label per
+        setting would make the series' label set differ between roles and versions)."""
+        self._info.labels(**self.labels, version=version, key="", value="").set(1)
+        for k, v in sorted(config.items()):
+            self._info.labels(**self.labels, version=version, key=str(k), value=str(v)[:200]).set(1)
 
     # ------------------------------------------------------------------ export
     def render(self) -> bytes:

@@ -152,6 +152,10 @@ class LLMEngine:
         if batch is None:
             return outputs
         self.counters["steps"] += 1
+        if batch.is_prefill:  # when each request first got compute: its queue time ends here (metrics)
+            now = time.monotonic()
+            for s in batch.seqs:
+                s.first_scheduled_at = s.first_scheduled_at or now
         exports = self._exports(batch)
         hook = (lambda layer: self._save_layer(layer, exports)) if exports else None  # noqa: E731
         t0 = time.perf_counter()
@@ -190,6 +194,8 @@ class LLMEngine:
                 out.extra["logits"] = logits[i].clone()
             if batch.is_prefill and not seq.is_finished:
                 if seq.prefill_only:
+            if batch.is_prefill:  # the first token: where its TTFT went, and how much came from the cache
+                out.extra["scheduled_at"], out.extra["cached_tokens"] = seq.first_scheduled_at, seq.num_cached_tokens
                     seq.status = SequenceStatus.PREFILLED  # holds its blocks until release()
                     out.finished, out.extra["kv_held"] = True, True
                 else:
@@ -311,6 +317,8 @@ class LLMEngine:
             return []
         ends = {s.request_id: s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
         exports = [(s, s.num_exported_tokens, ends[s.request_id]) for s in batch.seqs if s.prefill_only]
+            "prefix_cache_hit_tokens": bm.prefix_hits * bm.block_size,
+            "prefix_cache_query_tokens": bm.prefix_query_tokens,
         if exports:
             self._inflight = ends
         return exports

@@ -44,6 +44,7 @@ class Sequence:
         self.host_block_table: list[int] = []  # while SWAPPED
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.first_scheduled_at: float | None = None  # time.monotonic() of its first prefill step (metrics)
         self.num_exported_tokens = 0  # prefill-only: tokens whose KV already left through the KV connector
 
     def __len__(self) -> int:

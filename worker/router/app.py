@@ -66,6 +66,7 @@ class RouterState:
         self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
         self.metrics = WorkerMetrics("router", cluster=cluster)
         self.metrics.bind_stats(self._stats)
+        self.flow.metrics = self.metrics
         self.metrics.registry.register(_StageCollector(self))
         self.waiting = 0  # admitted, no first token yet: the router's queue
         self.in_flight = 0
@@ -141,7 +142,7 @@ class Tracker:
 async def _deadline_chunks(st: RouterState, rid: str, tok: Tokenized, tracker: Tracker) -> AsyncIterator[Chunk]:
     deadline = None if not st.request_timeout else tracker.arrival + st.request_timeout
     loop_deadline = None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
-    async with contextlib.aclosing(st.flow.run(rid, tok)) as chunks:  # type: ignore[type-var]
+    async with contextlib.aclosing(st.flow.run(rid, tok, tracker.arrival)) as chunks:  # type: ignore[type-var]
         while True:
             try:
                 async with asyncio.timeout_at(loop_deadline):

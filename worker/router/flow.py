@@ -46,6 +46,37 @@ class WorkerFailed(Exception):
     def __init__(self, role: str, url: str, message: str) -> None:
         super().__init__(f"{role} worker {url}: {message}")
         self.role, self.url = role, url
+    logprobs: list[dict[str, Any]] | None = None  # one entry per token when asked for (see RequestOutput)
+
+
+class Timeline:
+    """When one request reached each phase boundary at the router (time.monotonic()); `mark` observes the phase
+    that just ended in pdcluster_request_phase_seconds. Prefill queue/compute are the prefilling worker's to
+    observe: the router cannot tell them apart."""
+
+    def __init__(self, arrival: float, metrics: Any = None) -> None:
+        self.arrival, self.metrics = arrival, metrics
+        self.dispatched: float | None = None  # first worker call of the first attempt: router queue ends
+        self.first_token: float | None = None
+        self.transferred: float | None = None
+        self.decoding: float | None = None  # the decode worker's first chunk after the KV arrived
+
+    def mark(self, attr: str, phase: str | None = None, since: float | None = None) -> None:
+        if getattr(self, attr) is not None:
+            return  # a retry or resume: the first time counts
+        now = time.monotonic()
+        setattr(self, attr, now)
+        if phase and since is not None and self.metrics is not None:
+            self.metrics.phase(phase, now - since)
+
+    def finished(self, reason: str | None, prompt_tokens: int, generated: int) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        start = self.first_token or self.dispatched
+        if start is not None:
+            self.metrics.phase("decode", now - start)
+        self.metrics.request_finished(reason, prompt_tokens, generated, now - self.arrival)
 
 
 class NoCapacity(Exception):
@@ -158,6 +189,7 @@ class Flow:
                 continue
             if r.status_code == 200:
                 d = r.json()
+        self.metrics: Any = None  # the router's WorkerMetrics: request phases and finishes
                 return Tokenized(d["prompt_token_ids"], d["params"], d["model"], d.get("stream", False),
                                  d.get("return_token_ids", False))
             if r.status_code < 500:
@@ -194,12 +226,13 @@ class Flow:
                     # continues. Greedy decoding continues exactly where it stopped; seeded sampling too, as
                     # the worker draws output token k from (seed, k) (first_output_index tells it k).
                     rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent),
+        tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics)
                                 first_output_index=int(params.get("first_output_index", 0)) + len(sent))
-                    stream = self._direct(arid, prompt + sent, rest, excluded)
+                    stream = self._direct(arid, prompt + sent, rest, excluded, tl)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
-                    stream = self._disaggregated(arid, prompt, params, excluded)
+                    stream = self._disaggregated(arid, prompt, params, excluded, tl)
                 else:
-                    stream = self._direct(arid, prompt, params, excluded)
+                    stream = self._direct(arid, prompt, params, excluded, tl)
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for c in chunks:
                         no_decode_since = None
@@ -221,6 +254,8 @@ class Flow:
                     raise UpstreamError(502, {"error": {
                         "message": f"request failed on {failures} worker pairs; last error: {e}",
                         "type": "upstream_error", "code": "workers_failed"}}) from e
+                        if c.finished:
+                            tl.finished(c.finish_reason, len(prompt), len(sent))
                 self.resumes += bool(sent)  # the next attempt continues a stream the client already sees
             except NoHealthyDecode:
                 # The decode pool is empty for now (its only worker died and is restarting, or all drain):
@@ -285,18 +320,19 @@ class Flow:
             await self.client.post(f"{w.url}/internal/cancel", json={"request_id": arid}, timeout=2.0)
 
     async def _disaggregated(self, arid: str, prompt: list[int], params: dict[str, Any],
-                             excluded: set[str]) -> AsyncIterator[Chunk]:
+                             excluded: set[str], tl: Timeline | None = None) -> AsyncIterator[Chunk]:
+        tl = tl or Timeline(time.monotonic())
         cached = self.pool.cached_tokens("prefill", prompt)
         pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
         if pv is None:
-            async for c in self._direct(arid, prompt, params, excluded):
+            async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
         p = self.pool.get("prefill", pv.url)
         try:
             d, port = await self._reserve(arid, prompt, params, p.node, excluded)
         except NoTransferPath:
-            async for c in self._direct(arid, prompt, params, excluded):
+            async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
         completed = False  # the decode worker's stream reached its final chunk
@@ -327,6 +363,7 @@ class Flow:
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
                             yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
+                tl.mark("dispatched", "router_queue", tl.arrival)
                                         ev.get("finish_reason"))
                             if completed:
                                 return
@@ -340,6 +377,7 @@ class Flow:
                     # Read to the end (not break) so the worker's stream finishes normally and releases
                     # its blocks without relying on disconnect handling.
                     if not transferred:
+                            tl.mark("first_token")
                         raise WorkerFailed("prefill", p.url, "prefill stream ended early")
             except httpx.TransportError as e:
                 self.pool.mark_failed("prefill", p.url, str(e))
@@ -349,6 +387,7 @@ class Flow:
             stage.move("decode")
             async for c in self._decode_stream(d, "/internal/decode",
                                                {"request_id": arid, "first_token_id": int(first["token_id"])}):
+                            tl.mark("transferred", "kv_transfer", tl.first_token)
                 completed = completed or c.finished  # before the yield: the consumer stops at the last one
                 yield c
         finally:
@@ -365,7 +404,9 @@ class Flow:
 
     # ------------------------------------------------------------------ one attempt, decode worker only
     async def _direct(self, arid: str, prompt: list[int], params: dict[str, Any],
-                      excluded: set[str]) -> AsyncIterator[Chunk]:
+                      excluded: set[str], tl: Timeline | None = None) -> AsyncIterator[Chunk]:
+        tl = tl or Timeline(time.monotonic())
+                tl.mark("decoding", "decode_queue", tl.transferred)
         cached = self.pool.cached_tokens("decode", prompt)
         ranked = rank_decode(self.pool.views("decode"), exclude=excluded, cached=cached)
         if not ranked:
@@ -394,7 +435,10 @@ class Flow:
             self._routed(w, prompt, cached)
                         raise NoCapacity(str(err))
                     if resp.status_code == 409:  # reservation expired: redo the whole pair
+                    tl.mark("dispatched", "router_queue", tl.arrival)
                         raise WorkerFailed("decode", w.url, "reservation expired")
+                        if c.token_ids:
+                            tl.mark("first_token")
                     if resp.status_code < 500:
                         raise err
                     raise WorkerFailed("decode", w.url, f"HTTP {resp.status_code}")

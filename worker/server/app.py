@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -26,7 +28,7 @@ from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdcluster.worker.api.shaping import Shaper, sse_response
 from pdcluster.worker.engine.outputs import RequestOutput
-from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer
+from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
 from pdcluster.worker.transfer.secret import check_internal_auth
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,9 @@ def build_app(
     `internal_secret` (the KV secret) guards /drain and /undrain with the same derived bearer token as
     /internal/*: anyone who can reach the port must not be able to take a worker out of rotation.
     """
-    metrics = metrics or WorkerMetrics(role, cluster=cluster)
+    metrics = metrics or WorkerMetrics(role, cluster=cluster, model_name=served_model_name)
+    metrics.build_info(package_version(), {"role": role, "served_model_name": served_model_name,
+                                           **engine_settings(engine)})
     worker = WorkerServer(
         engine,
         role=role,
@@ -106,6 +110,22 @@ def build_app(
 
 
 def _worker(request: Request) -> WorkerServer:
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("pdcluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def engine_settings(engine: Any) -> dict[str, Any]:
+    """The engine's scalar settings (block size, batch limits, ...) for pdcluster_build_info, when it has a
+    dataclass config; a fake engine in tests has none."""
+    config = find_attr(engine, "config")
+    if config is None or not dataclasses.is_dataclass(config):
+        return {}
+    return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, int | float | str | bool)}
+
+
     return request.app.state.worker  # type: ignore[no-any-return]
 
 

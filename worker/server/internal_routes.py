@@ -45,7 +45,7 @@ from pdcluster.worker.api.internal import (
 )
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
-from pdcluster.worker.server.lifecycle import WorkerServer
+from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.secret import ENV_VAR, check_internal_auth, load_secret
 from pdcluster.worker.transfer.transport import TransferError
@@ -277,6 +277,7 @@ class Disaggregation:
             w.metrics.tokens_generated(1)
             held = bool(first.extra.get("kv_held"))
             yield _line({"event": "first_token", "token_id": first.new_token_ids[0], "text": first.new_text,
+            observe_prefill(w.metrics, first, t0, time.monotonic())
                          "finished": not held, "finish_reason": None if held else first.finish_reason,
                          "prefill_seconds": time.monotonic() - t0})
             if not held:
@@ -334,6 +335,8 @@ class Disaggregation:
                                      "finish_reason": out.finish_reason, "error": out.error})
                     if finished:
                         return
+                    if finished:
+                        w.metrics.request_finished(out.finish_reason, out.prompt_tokens, out.completion_tokens)
             finally:
                 stream.close()  # aborts the engine request if we leave early (router gone)
         finally:

@@ -75,6 +75,15 @@ def probe_limits(engine: Any) -> ModelLimits:
 
 
 class WorkerServer:
+def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, now: float) -> None:
+    """A request's first token: split the time since `arrival` into prefill_queue (until the engine first
+    gave it compute) and prefill_compute (its prefill steps), when the engine says when that was."""
+    scheduled = out.extra.get("scheduled_at") if isinstance(out.extra, dict) else None
+    if isinstance(scheduled, float) and arrival <= scheduled <= now:
+        metrics.phase("prefill_queue", scheduled - arrival)
+        metrics.phase("prefill_compute", now - scheduled)
+
+
     def __init__(
         self,
         engine: EngineLike,
@@ -256,6 +265,7 @@ class WorkerServer:
                     if waiting_first:
                         waiting_first = False
                         self.pending -= 1
+        first_at: float | None = None
                         self.metrics.observe_ttft(now - arrival)
                     else:
                         self.metrics.observe_tpot((now - last) / n)
@@ -280,11 +290,18 @@ class WorkerServer:
         try:
             res = self.engine.abort(request_id)
         except Exception:
+                        observe_prefill(self.metrics, out, arrival, now)
+                        first_at = now
             log.exception("engine.abort(%s) failed", request_id)
             return
         if inspect.isawaitable(res):
             task = asyncio.ensure_future(res)
             self._background.add(task)
+                if finished:
+                    if first_at is not None:
+                        self.metrics.phase("decode", now - first_at)
+                    self.metrics.request_finished(out.finish_reason, len(prompt_ids), out.completion_tokens,
+                                                  now - arrival)
             task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
