@@ -192,10 +192,10 @@ class LLMEngine:
                 continue
             if self.config.debug_logits:
                 out.extra["logits"] = logits[i].clone()
-            if batch.is_prefill and not seq.is_finished:
-                if seq.prefill_only:
             if batch.is_prefill:  # the first token: where its TTFT went, and how much came from the cache
                 out.extra["scheduled_at"], out.extra["cached_tokens"] = seq.first_scheduled_at, seq.num_cached_tokens
+            if batch.is_prefill and not seq.is_finished:
+                if seq.prefill_only:
                     seq.status = SequenceStatus.PREFILLED  # holds its blocks until release()
                     out.finished, out.extra["kv_held"] = True, True
                 else:
@@ -294,6 +294,8 @@ class LLMEngine:
             "kv_cache_usage_ratio": bm.num_used_blocks / bm.num_blocks,
             "preemptions_total": self.scheduler.num_preemptions,
             "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prefix_cache_hit_tokens": bm.prefix_hits * bm.block_size,
+            "prefix_cache_query_tokens": bm.prefix_query_tokens,
             "prompt_tokens_total": self.counters["prompt_tokens"],
             "generation_tokens_total": self.counters["generation_tokens"],
             "requests_total": self.counters["requests"],
@@ -317,8 +319,6 @@ class LLMEngine:
             return []
         ends = {s.request_id: s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
         exports = [(s, s.num_exported_tokens, ends[s.request_id]) for s in batch.seqs if s.prefill_only]
-            "prefix_cache_hit_tokens": bm.prefix_hits * bm.block_size,
-            "prefix_cache_query_tokens": bm.prefix_query_tokens,
         if exports:
             self._inflight = ends
         return exports

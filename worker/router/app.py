@@ -226,11 +226,11 @@ def build_router_app(state: RouterState) -> FastAPI:
         snap: dict[str, Any] = st.pool.snapshot()
         snap["router"] = {"waiting": st.waiting, "in_flight": st.in_flight, "stages": dict(st.flow.stages.counts),
                           "retries": st.flow.retries, "resumes": st.flow.resumes,
-                          "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
-        return JSONResponse(snap)
                           "prefix_routing": st.pool.prefix_routing,
                           "prefix_routed_tokens": st.flow.prefix_routed_tokens,
                           "prefix_expected_tokens": st.flow.prefix_expected_tokens,
+                          "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
+        return JSONResponse(snap)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

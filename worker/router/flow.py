@@ -38,14 +38,6 @@ class Chunk:
     text: str
     finished: bool = False
     finish_reason: str | None = None
-
-
-class WorkerFailed(Exception):
-    """A worker broke this attempt; another pair may succeed."""
-
-    def __init__(self, role: str, url: str, message: str) -> None:
-        super().__init__(f"{role} worker {url}: {message}")
-        self.role, self.url = role, url
     logprobs: list[dict[str, Any]] | None = None  # one entry per token when asked for (see RequestOutput)
 
 
@@ -77,6 +69,14 @@ class Timeline:
         if start is not None:
             self.metrics.phase("decode", now - start)
         self.metrics.request_finished(reason, prompt_tokens, generated, now - self.arrival)
+
+
+class WorkerFailed(Exception):
+    """A worker broke this attempt; another pair may succeed."""
+
+    def __init__(self, role: str, url: str, message: str) -> None:
+        super().__init__(f"{role} worker {url}: {message}")
+        self.role, self.url = role, url
 
 
 class NoCapacity(Exception):
@@ -170,12 +170,22 @@ class Flow:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
                                         headers=getattr(pool, "headers", {}))
         self.stages = Stages()
+        self.metrics: Any = None  # the router's WorkerMetrics: request phases and finishes
         self.resumes = 0
         self.retries = 0
+        # prompt tokens routed to a prefilling worker, and of those, how many the router expected it to hold
+        self.prefix_routed_tokens = 0
+        self.prefix_expected_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    def _routed(self, w: Worker, prompt: list[int], cached: dict[str, int]) -> None:
+        """`w` prefills `prompt`: count the prefix the router expected it to hold, and remember the blocks."""
+        self.prefix_expected_tokens += cached.get(w.url, 0)
+        self.prefix_routed_tokens += len(prompt)
+        self.pool.remember(w, prompt)
 
     # ------------------------------------------------------------------ tokenize
     async def tokenize(self, kind: str, body: dict[str, Any]) -> Tokenized:
@@ -189,26 +199,17 @@ class Flow:
                 continue
             if r.status_code == 200:
                 d = r.json()
-        self.metrics: Any = None  # the router's WorkerMetrics: request phases and finishes
                 return Tokenized(d["prompt_token_ids"], d["params"], d["model"], d.get("stream", False),
                                  d.get("return_token_ids", False))
             if r.status_code < 500:
-        # prompt tokens routed to a prefilling worker, and of those, how many the router expected it to hold
-        self.prefix_routed_tokens = 0
-        self.prefix_expected_tokens = 0
                 raise await _error_of(r)
             self.pool.mark_failed(w.role, w.url, f"HTTP {r.status_code}")
         raise NoCapacity("no healthy worker to tokenize the request")
 
     # ------------------------------------------------------------------ the request
-    def _routed(self, w: Worker, prompt: list[int], cached: dict[str, int]) -> None:
-        """`w` prefills `prompt`: count the prefix the router expected it to hold, and remember the blocks."""
-        self.prefix_expected_tokens += cached.get(w.url, 0)
-        self.prefix_routed_tokens += len(prompt)
-        self.pool.remember(w, prompt)
-
     async def run(self, rid: str, tok: Tokenized) -> AsyncIterator[Chunk]:
         prompt, params = tok.prompt_token_ids, tok.params
+        tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics)
         sent: list[int] = []
         failures = 0
         excluded: set[str] = set()  # workers that failed this request: avoided while others are healthy
@@ -226,7 +227,6 @@ class Flow:
                     # continues. Greedy decoding continues exactly where it stopped; seeded sampling too, as
                     # the worker draws output token k from (seed, k) (first_output_index tells it k).
                     rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent),
-        tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics)
                                 first_output_index=int(params.get("first_output_index", 0)) + len(sent))
                     stream = self._direct(arid, prompt + sent, rest, excluded, tl)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
@@ -237,6 +237,8 @@ class Flow:
                     async for c in chunks:
                         no_decode_since = None
                         sent.extend(c.token_ids)
+                        if c.finished:
+                            tl.finished(c.finish_reason, len(prompt), len(sent))
                         yield c
                         if c.finished:
                             return
@@ -254,8 +256,6 @@ class Flow:
                     raise UpstreamError(502, {"error": {
                         "message": f"request failed on {failures} worker pairs; last error: {e}",
                         "type": "upstream_error", "code": "workers_failed"}}) from e
-                        if c.finished:
-                            tl.finished(c.finish_reason, len(prompt), len(sent))
                 self.resumes += bool(sent)  # the next attempt continues a stream the client already sees
             except NoHealthyDecode:
                 # The decode pool is empty for now (its only worker died and is restarting, or all drain):
@@ -335,6 +335,7 @@ class Flow:
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
+        self._routed(p, prompt, cached)
         completed = False  # the decode worker's stream reached its final chunk
         transferred = False
         first: dict[str, Any] | None = None
@@ -345,6 +346,7 @@ class Flow:
             body = {"request_id": arid, "prompt_token_ids": prompt, "params": params,
                     "target": {"host": d.host, "port": port}}
             try:
+                tl.mark("dispatched", "router_queue", tl.arrival)
                 async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body) as resp:
                     if resp.status_code != 200:
                         err = await _error_of(resp)
@@ -353,22 +355,22 @@ class Flow:
                         if resp.status_code in (429, 503):
                             raise NoCapacity(str(err))
                         if resp.status_code < 500:
-        self._routed(p, prompt, cached)
                             raise err
                         raise WorkerFailed("prefill", p.url, f"HTTP {resp.status_code}")
                     async for ev in _lines(resp, "prefill", p.url):
                         if ev.get("event") == "first_token":
                             first = ev
+                            tl.mark("first_token")
                             p.outstanding_prompt_tokens -= len(prompt)
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
                             yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
-                tl.mark("dispatched", "router_queue", tl.arrival)
                                         ev.get("finish_reason"))
                             if completed:
                                 return
                         elif ev.get("event") == "transferred":
                             transferred = True
+                            tl.mark("transferred", "kv_transfer", tl.first_token)
                         elif ev.get("event") == "error":
                             if ev.get("stage") == "prefill":
                                 raise WorkerFailed("prefill", p.url, f"prefill: {ev.get('message')}")
@@ -377,7 +379,6 @@ class Flow:
                     # Read to the end (not break) so the worker's stream finishes normally and releases
                     # its blocks without relying on disconnect handling.
                     if not transferred:
-                            tl.mark("first_token")
                         raise WorkerFailed("prefill", p.url, "prefill stream ended early")
             except httpx.TransportError as e:
                 self.pool.mark_failed("prefill", p.url, str(e))
@@ -387,7 +388,7 @@ class Flow:
             stage.move("decode")
             async for c in self._decode_stream(d, "/internal/decode",
                                                {"request_id": arid, "first_token_id": int(first["token_id"])}):
-                            tl.mark("transferred", "kv_transfer", tl.first_token)
+                tl.mark("decoding", "decode_queue", tl.transferred)
                 completed = completed or c.finished  # before the yield: the consumer stops at the last one
                 yield c
         finally:
@@ -406,7 +407,6 @@ class Flow:
     async def _direct(self, arid: str, prompt: list[int], params: dict[str, Any],
                       excluded: set[str], tl: Timeline | None = None) -> AsyncIterator[Chunk]:
         tl = tl or Timeline(time.monotonic())
-                tl.mark("decoding", "decode_queue", tl.transferred)
         cached = self.pool.cached_tokens("decode", prompt)
         ranked = rank_decode(self.pool.views("decode"), exclude=excluded, cached=cached)
         if not ranked:
@@ -414,10 +414,14 @@ class Flow:
         body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
         for view in ranked:
             w = self.pool.get("decode", view.url)
+            self._routed(w, prompt, cached)
             w.in_flight += 1
             try:
                 with self.stages.enter("decode"):
+                    tl.mark("dispatched", "router_queue", tl.arrival)
                     async for c in self._decode_stream(w, "/internal/generate", body):
+                        if c.token_ids:
+                            tl.mark("first_token")
                         yield c
                 return
             except NoCapacity:
@@ -432,13 +436,9 @@ class Flow:
                 if resp.status_code != 200:
                     err = await _error_of(resp)
                     if resp.status_code in (429, 503):
-            self._routed(w, prompt, cached)
                         raise NoCapacity(str(err))
                     if resp.status_code == 409:  # reservation expired: redo the whole pair
-                    tl.mark("dispatched", "router_queue", tl.arrival)
                         raise WorkerFailed("decode", w.url, "reservation expired")
-                        if c.token_ids:
-                            tl.mark("first_token")
                     if resp.status_code < 500:
                         raise err
                     raise WorkerFailed("decode", w.url, f"HTTP {resp.status_code}")

@@ -109,7 +109,6 @@ def build_app(
     return app
 
 
-def _worker(request: Request) -> WorkerServer:
 def package_version() -> str:
     try:
         return importlib.metadata.version("pdcluster")
@@ -126,6 +125,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, int | float | str | bool)}
 
 
+def _worker(request: Request) -> WorkerServer:
     return request.app.state.worker  # type: ignore[no-any-return]
 
 

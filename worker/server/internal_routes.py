@@ -274,10 +274,10 @@ class Disaggregation:
                 yield _line({"event": "error", "stage": "prefill", "message": reason})
                 return
             w.metrics.observe_ttft(time.monotonic() - t0)
+            observe_prefill(w.metrics, first, t0, time.monotonic())
             w.metrics.tokens_generated(1)
             held = bool(first.extra.get("kv_held"))
             yield _line({"event": "first_token", "token_id": first.new_token_ids[0], "text": first.new_text,
-            observe_prefill(w.metrics, first, t0, time.monotonic())
                          "finished": not held, "finish_reason": None if held else first.finish_reason,
                          "prefill_seconds": time.monotonic() - t0})
             if not held:
@@ -330,13 +330,13 @@ class Disaggregation:
                         w.metrics.tokens_generated(len(ids))
                         last = now
                     finished = out.finished
+                    if finished:
+                        w.metrics.request_finished(out.finish_reason, out.prompt_tokens, out.completion_tokens)
                     if ids or text or finished:
                         yield _line({"token_ids": ids, "text": text, "finished": finished,
                                      "finish_reason": out.finish_reason, "error": out.error})
                     if finished:
                         return
-                    if finished:
-                        w.metrics.request_finished(out.finish_reason, out.prompt_tokens, out.completion_tokens)
             finally:
                 stream.close()  # aborts the engine request if we leave early (router gone)
         finally:

@@ -74,7 +74,6 @@ def probe_limits(engine: Any) -> ModelLimits:
     )
 
 
-class WorkerServer:
 def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, now: float) -> None:
     """A request's first token: split the time since `arrival` into prefill_queue (until the engine first
     gave it compute) and prefill_compute (its prefill steps), when the engine says when that was."""
@@ -84,6 +83,7 @@ def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, 
         metrics.phase("prefill_compute", now - scheduled)
 
 
+class WorkerServer:
     def __init__(
         self,
         engine: EngineLike,
@@ -242,6 +242,7 @@ def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, 
         )
         waiting_first, finished = True, False
         last = arrival
+        first_at: float | None = None
         stream: AsyncIterator[RequestOutput] | None = None
         try:
             stream = self.engine.generate(request_id, prompt_ids, params)
@@ -265,13 +266,19 @@ def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, 
                     if waiting_first:
                         waiting_first = False
                         self.pending -= 1
-        first_at: float | None = None
                         self.metrics.observe_ttft(now - arrival)
+                        observe_prefill(self.metrics, out, arrival, now)
+                        first_at = now
                     else:
                         self.metrics.observe_tpot((now - last) / n)
                     last = now
                     self.metrics.tokens_generated(n)
                 finished = out.finished
+                if finished:
+                    if first_at is not None:
+                        self.metrics.phase("decode", now - first_at)
+                    self.metrics.request_finished(out.finish_reason, len(prompt_ids), out.completion_tokens,
+                                                  now - arrival)
                 yield out
         finally:
             self._done(pending=waiting_first)
@@ -290,18 +297,11 @@ def observe_prefill(metrics: WorkerMetrics, out: RequestOutput, arrival: float, 
         try:
             res = self.engine.abort(request_id)
         except Exception:
-                        observe_prefill(self.metrics, out, arrival, now)
-                        first_at = now
             log.exception("engine.abort(%s) failed", request_id)
             return
         if inspect.isawaitable(res):
             task = asyncio.ensure_future(res)
             self._background.add(task)
-                if finished:
-                    if first_at is not None:
-                        self.metrics.phase("decode", now - first_at)
-                    self.metrics.request_finished(out.finish_reason, len(prompt_ids), out.completion_tokens,
-                                                  now - arrival)
             task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
