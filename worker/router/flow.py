@@ -207,7 +207,7 @@ class Flow:
         raise NoCapacity("no healthy worker to tokenize the request")
 
     # ------------------------------------------------------------------ the request
-    async def run(self, rid: str, tok: Tokenized) -> AsyncIterator[Chunk]:
+    async def run(self, rid: str, tok: Tokenized, arrival: float | None = None) -> AsyncIterator[Chunk]:
         prompt, params = tok.prompt_token_ids, tok.params
         tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics)
         sent: list[int] = []
