@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import codec
-from pdcluster.worker.transfer.frame import decode_frame, encode_frame
+from pdcluster.worker.transfer.frame import FrameKey, decode_frame, encode_frame
 
-SECRET = b"x" * 32
+KEY = FrameKey(b"x" * 32)  # one direction of an authenticated connection
 MAX_NEW = 12
 LENGTHS = [1, 5, 8, 13, 16, 29, 40, 64, 97, 128]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -52,8 +53,8 @@ def run_disagg(pre: LLMEngine, dec: LLMEngine, rid: str, p: list[int],
     assert dec.reserve_for_import(rid, p, GREEDY)
     for layer in range(n_layers):
         k, v = pre.export_kv(rid, layer)
-        wire = encode_frame(codec.encode_layer(rid, layer, n_layers, k, v, compression=compression), SECRET)
-        k2, v2 = codec.decode_layer(decode_frame(wire, SECRET))
+        wire = encode_frame(codec.encode_layer(rid, layer, n_layers, k, v, compression=compression), KEY)
+        k2, v2 = codec.decode_layer(decode_frame(wire, KEY))
         dec.import_kv_layer(rid, layer, k2, v2)
     pre.release(rid)
     dec.commit_import(rid, first.new_token_ids[0])

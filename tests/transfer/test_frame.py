@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 import torch
+
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import (
     HEADER,
-    HEADER_SIZE,
+    PREAMBLE_SIZE,
+    VERSION,
     DType,
     ErrorCode,
     Frame,
     FrameError,
+    FrameKey,
     Kind,
     Limits,
     decode_frame,
     encode_frame,
     parse_header,
+    seal_frame,
 )
 from pdcluster.worker.transfer.secret import SecretError, load_secret
 
-SECRET = b"s" * 32
+KEY = FrameKey(b"s" * 32)
 
 
 def layer_frame(tokens: int = 7, heads: int = 2, dim: int = 8, compression: str = "none",
@@ -36,7 +38,7 @@ def layer_frame(tokens: int = 7, heads: int = 2, dim: int = 8, compression: str 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_round_trip_exact_for_float_dtypes(dtype: torch.dtype) -> None:
     frame, k, v = layer_frame(dtype=dtype)
-    back = decode_frame(encode_frame(frame, SECRET), SECRET)
+    back = decode_frame(encode_frame(frame, KEY), KEY)
     assert back == frame
     k2, v2 = codec.decode_layer(back, out_dtype=dtype)
     assert torch.equal(k2, k) and torch.equal(v2, v)
@@ -46,7 +48,7 @@ def test_int8_round_trip_is_close_and_half_the_fp16_bytes() -> None:
     frame, k, v = layer_frame(tokens=64, heads=4, dim=64, compression="int8")
     fp16, _, _ = layer_frame(tokens=64, heads=4, dim=64, dtype=torch.float16)
     assert frame.dtype == DType.I8 and frame.quantized
-    k2, v2 = codec.decode_layer(decode_frame(encode_frame(frame, SECRET), SECRET))
+    k2, v2 = codec.decode_layer(decode_frame(encode_frame(frame, KEY), KEY))
     # per-vector absmax/127: error at most half a step of each vector's scale
     assert (k2 - k).abs().max() <= k.abs().amax(-1).max() / 127 / 2 + 1e-6
     assert (v2 - v).abs().max() <= v.abs().amax(-1).max() / 127 / 2 + 1e-6
@@ -57,46 +59,55 @@ def test_int8_round_trip_is_close_and_half_the_fp16_bytes() -> None:
 def test_wrong_secret_is_unauthenticated() -> None:
     frame, _, _ = layer_frame()
     with pytest.raises(FrameError) as e:
-        decode_frame(encode_frame(frame, SECRET), b"t" * 32)
+        decode_frame(encode_frame(frame, KEY), FrameKey(b"t" * 32))
     assert e.value.code == ErrorCode.UNAUTHENTICATED
 
 
-def test_tampered_payload_with_fixed_crc_is_unauthenticated() -> None:
-    import zlib
+def test_every_flipped_bit_region_is_unauthenticated() -> None:
+    """Header, request id, scales, payload and both body tags: any change fails a tag (no crc to fix up)."""
+    frame, _, _ = layer_frame(compression="int8")
+    good = encode_frame(frame, KEY)
+    for pos in (PREAMBLE_SIZE, PREAMBLE_SIZE + 6, PREAMBLE_SIZE + 10, len(good) // 2, len(good) - 20, len(good) - 1,
+                HEADER.size + 3):
+        buf = bytearray(good)
+        buf[pos] ^= 0x01
+        with pytest.raises(FrameError) as e:
+            decode_frame(bytes(buf), KEY)
+        assert e.value.code == ErrorCode.UNAUTHENTICATED, pos
 
+
+def test_replayed_or_reordered_frame_fails_its_position() -> None:
+    """The tag binds the frame to its position on the connection: frame 0 replayed as frame 1 is refused,
+    and so is a frame sealed for another direction's (or connection's) key."""
     frame, _, _ = layer_frame()
-    buf = bytearray(encode_frame(frame, SECRET))
-    buf[HEADER_SIZE + 10] ^= 0xFF
-    # An attacker can recompute the crc, not the HMAC.
-    crc_at = len(buf) - 36
-    buf[crc_at:crc_at + 4] = struct.pack(">I", zlib.crc32(bytes(buf[:crc_at])))
-    with pytest.raises(FrameError) as e:
-        decode_frame(bytes(buf), SECRET)
-    assert e.value.code == ErrorCode.UNAUTHENTICATED
+    first = encode_frame(frame, KEY, seq=0)
+    assert decode_frame(first, KEY, seq=0) == frame
+    for key, seq in ((KEY, 1), (FrameKey(b"o" * 32), 0)):
+        with pytest.raises(FrameError) as e:
+            decode_frame(first, key, seq=seq)
+        assert e.value.code == ErrorCode.UNAUTHENTICATED
 
 
-def test_corruption_without_crc_fix_is_a_checksum_error() -> None:
-    frame, _, _ = layer_frame()
-    buf = bytearray(encode_frame(frame, SECRET))
-    buf[-40] ^= 0x01
-    with pytest.raises(FrameError) as e:
-        decode_frame(bytes(buf), SECRET)
-    assert e.value.code == ErrorCode.CHECKSUM
+def test_payload_is_sent_from_where_it_lies() -> None:
+    frame, _, _ = layer_frame(tokens=64)
+    parts = seal_frame(frame, KEY, 0)
+    assert any(p is frame.payload for p in parts)  # scatter-gather: the payload buffer itself, not a copy
+    assert b"".join(parts) == encode_frame(frame, KEY)
 
 
 def test_truncated_at_every_length_is_rejected() -> None:
     frame, _, _ = layer_frame(tokens=2, heads=1, dim=4)
-    buf = encode_frame(frame, SECRET)
+    buf = encode_frame(frame, KEY)
     for n in range(len(buf)):
         with pytest.raises(FrameError) as e:
-            decode_frame(buf[:n], SECRET)
+            decode_frame(buf[:n], KEY)
         assert e.value.code in (ErrorCode.TRUNCATED,)
     with pytest.raises(FrameError):
-        decode_frame(buf + b"\0", SECRET)
+        decode_frame(buf + b"\0", KEY)
 
 
 def _header(**over: int) -> bytes:
-    f = dict(magic=b"PDKV", version=1, kind=1, flags=0, dtype=1, rid=5, layer=0, layers=2, t0=0, t1=4,
+    f = dict(magic=b"PDKV", version=VERSION, kind=1, flags=0, dtype=1, rid=5, layer=0, layers=2, t0=0, t1=4,
              heads=2, dim=8, status=0, scales=0, payload=2 * 4 * 2 * 8 * 4)
     f.update(over)  # type: ignore[arg-type]
     return HEADER.pack(*f.values())
@@ -104,7 +115,7 @@ def _header(**over: int) -> bytes:
 
 @pytest.mark.parametrize("over,code", [
     (dict(magic=b"HTTP"), ErrorCode.BAD_MAGIC),
-    (dict(version=2), ErrorCode.BAD_VERSION),
+    (dict(version=2), ErrorCode.BAD_VERSION),  # version 2 had per-frame HMAC-SHA256 + crc32
     (dict(kind=9), ErrorCode.BAD_HEADER),
     (dict(dtype=7), ErrorCode.BAD_HEADER),
     (dict(flags=0x80), ErrorCode.BAD_HEADER),
@@ -136,7 +147,7 @@ def test_oversized_frame_rejected_from_header_alone() -> None:
 
 def test_encoder_refuses_what_parser_would_refuse() -> None:
     with pytest.raises(FrameError):
-        encode_frame(Frame(kind=Kind.LAYER, request_id="x" * 200), SECRET)
+        encode_frame(Frame(kind=Kind.LAYER, request_id="x" * 200), KEY)
 
 
 def test_secret_sources(tmp_path) -> None:  # type: ignore[no-untyped-def]

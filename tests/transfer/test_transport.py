@@ -6,10 +6,13 @@ import asyncio
 
 import pytest
 import torch
+
 from pdcluster.worker.transfer import codec
+from pdcluster.worker.transfer.channel import open_channel
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
-from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, encode_frame
-from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError, read_frame
+from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, seal_frame
+from pdcluster.worker.transfer.sockio import Conn
+from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError
 
 SECRET = b"a" * 32
 LAYERS, TOKENS, HEADS, DIM = 3, 11, 2, 8
@@ -26,6 +29,14 @@ async def pair(compression: str = "none", **kw: object) -> tuple[TCPConnector, T
     port = await recv.listen()
     send = TCPConnector(SECRET, compression=compression, **kw)  # type: ignore[arg-type]
     return send, recv, got, TransferTarget("127.0.0.1", port)
+
+
+async def closed(r: asyncio.StreamReader) -> bool:
+    """The server hung up (a reset when it left our extra bytes unread)."""
+    try:
+        return await asyncio.wait_for(r.read(), 5) == b""
+    except ConnectionResetError:
+        return True
 
 
 def spec(rid: str) -> LoadSpec:
@@ -119,29 +130,27 @@ async def test_garbage_and_truncated_frames_only_drop_their_connection() -> None
 
     server = KVServer(SECRET, handler, frame_timeout=0.5)
     port = await server.start()
-    # garbage
+    # garbage instead of a handshake: closed without a word (no key to sign one with)
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40)
     await w.drain()
-    reply = await read_frame(r, SECRET, timeout=5)
-    assert reply.kind == Kind.ACK and reply.status == ErrorCode.BAD_MAGIC
+    assert await closed(r)
     w.close()
-    # truncated: a valid header, then the peer stalls (frame_timeout) — rejected, not hung
+    assert server.stats.frames_rejected == 1
+    # truncated: an authenticated peer sends half a frame, then stalls (frame_timeout) — rejected, not hung
     frame = codec.encode_layer("t", 0, 1, *kv(0))
-    data = encode_frame(frame, SECRET)
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(data[: len(data) // 2])
-    await w.drain()
-    reply = await read_frame(r, SECRET, timeout=5)
-    assert reply.status == ErrorCode.TRUNCATED
-    w.close()
+    chan = await open_channel("127.0.0.1", port, SECRET)
+    data = b"".join(seal_frame(frame, chan.keys.send, 0))
+    await chan.conn.send([data[: len(data) // 2]])
+    reply = await asyncio.wait_for(chan.read_frame(), 5)
+    assert reply.kind == Kind.ACK and reply.status == ErrorCode.TRUNCATED
+    chan.close()
     # a good frame still goes through
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(data)
-    await w.drain()
-    reply = await read_frame(r, SECRET, timeout=5)
+    chan = await open_channel("127.0.0.1", port, SECRET)
+    await chan.send(frame)
+    reply = await asyncio.wait_for(chan.read_frame(), 5)
     assert reply.status == ErrorCode.OK and len(seen) == 1
-    w.close()
+    chan.close()
     await server.close()
 
 
@@ -156,12 +165,12 @@ async def test_retry_after_dropped_connection_then_success() -> None:
     server = KVServer(SECRET, handler)
     orig = server._serve
 
-    async def flaky(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def flaky(conn: Conn) -> None:
         if drops["left"]:
             drops["left"] -= 1
-            writer.close()  # the receiver "dies" before reading anything
+            conn.close()  # the receiver "dies" before reading anything
             return
-        await orig(reader, writer)
+        await orig(conn)
 
     server._serve = flaky  # type: ignore[method-assign]
     port = await server.start()

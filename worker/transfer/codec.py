@@ -8,6 +8,7 @@ the receiver's cache's business, not the wire's.
 from __future__ import annotations
 
 import torch
+
 from pdcluster.kernels.kv_quant import dequantize_kv, quantize_kv
 from pdcluster.worker.transfer.frame import FLAG_INT8, DType, ErrorCode, Frame, FrameError, Kind
 
@@ -30,9 +31,12 @@ def _raw(*ts: torch.Tensor) -> bytes:
 
 def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     view_as = torch.int16 if dtype == torch.bfloat16 else dtype
-    # bytearray copy: torch.frombuffer needs a writable buffer to avoid a warning, and the frame's bytes
-    # object must not alias a tensor the engine may later write into.
-    t = torch.frombuffer(bytearray(buf), dtype=view_as).reshape(shape)
+    # A frame received by the transport owns its (writable) receive buffer: the tensor is a view of it, no
+    # copy. Anything read-only (a bytes object that may be shared) is copied: torch.frombuffer needs a
+    # writable buffer, and nobody else's bytes may alias a tensor.
+    if not (isinstance(buf, memoryview) and not buf.readonly):
+        buf = bytearray(buf)
+    t = torch.frombuffer(buf, dtype=view_as).reshape(shape)
     return t.view(dtype) if dtype == torch.bfloat16 else t
 
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits

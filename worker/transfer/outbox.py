@@ -1,0 +1,150 @@
+"""The KV transport's sending side: one outgoing transfer over one authenticated connection at a time.
+
+Frames are pipelined (the sender does not wait for an ACK before writing the next layer) and kept, as
+frames, until their ACK arrives: a broken connection is repaired by reconnecting (a new handshake, new
+keys) and resealing only what was not acknowledged — bounded by `max_retries` and one deadline for the
+whole transfer. Payloads go to the socket from where they lie (scatter-gather), never joined or copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from pdcluster.worker.transfer.channel import FATAL, Channel, TransferError, TransportStats, open_channel
+from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, FrameError, Kind, Limits
+
+log = logging.getLogger(__name__)
+RETRYABLE = (OSError, EOFError, FrameError)
+
+
+class Outbox:
+    """One outgoing transfer: frames are queued (from any coroutine), pipelined, and resent on reconnect.
+
+    Usage: `put(frame)` for each frame, `close()` when no more will come, then `await wait()`.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, *, timeout: float = 30.0, max_retries: int = 2,
+                 limits: Limits = DEFAULT_LIMITS, stats: TransportStats | None = None) -> None:
+        self.host, self.port, self.secret, self.limits = host, port, secret, limits
+        self.timeout, self.max_retries = timeout, max_retries
+        self.stats = stats or TransportStats()
+        self._frames: dict[tuple[int, int], Frame] = {}  # (layer, token_start) -> frame, until ACKed
+        self._order: list[tuple[int, int]] = []
+        self._more = asyncio.Event()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._started = 0.0
+        self.request_id = ""
+        self.attempts = 0
+        self.total_bytes = 0
+
+    def put(self, frame: Frame) -> None:
+        if self._closed:
+            raise RuntimeError("outbox is closed")
+        self.request_id = frame.request_id
+        key = (frame.layer, frame.token_start)
+        self._frames[key] = frame
+        self.total_bytes += len(frame.payload) + len(frame.scales)
+        self._order.append(key)
+        self._more.set()
+        if self._task is None:  # the deadline starts with the first frame, not with prefill queueing
+            self._started = time.monotonic()
+            self._task = asyncio.ensure_future(self._run())
+
+    def close(self) -> None:
+        self._closed = True
+        self._more.set()
+
+    async def wait(self) -> float:
+        """Block until every frame is acknowledged; returns seconds since the first frame. Raises TransferError."""
+        self.close()
+        if self._task is None:
+            return 0.0
+        await self._task
+        return time.monotonic() - self._started
+
+    async def abort(self) -> None:
+        """Stop sending and tell the receiver (best effort) to drop what it has."""
+        self._closed = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self.request_id:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    chan = await open_channel(self.host, self.port, self.secret, self.limits)
+                    try:
+                        await chan.send(Frame(kind=Kind.ABORT, request_id=self.request_id))
+                    finally:
+                        chan.close()
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    try:
+                        await self._one_connection()
+                        return
+                    except RETRYABLE as e:
+                        if isinstance(e, FrameError) and e.code in FATAL:
+                            raise TransferError(f"kv transfer to {self.host}:{self.port}: {e}", e.code) from e
+                        self.attempts += 1
+                        if self.attempts > self.max_retries:
+                            raise TransferError(f"kv transfer to {self.host}:{self.port} failed after "
+                                                f"{self.attempts} attempts: {e}") from e
+                        log.info("kv transfer %s: retry %d after %s", self.request_id, self.attempts, e)
+                        await asyncio.sleep(min(0.05 * 2**self.attempts, 1.0))
+        except TimeoutError:
+            self.stats.failures += 1
+            raise TransferError(f"kv transfer to {self.host}:{self.port} timed out after {self.timeout:g} s") from None
+        except TransferError:
+            self.stats.failures += 1
+            raise
+
+    async def _one_connection(self) -> None:
+        chan = await open_channel(self.host, self.port, self.secret, self.limits)
+        acks = asyncio.ensure_future(self._read_acks(chan))
+        try:
+            sent = 0
+            while True:
+                while sent < len(self._order):
+                    frame = self._frames.get(self._order[sent])
+                    sent += 1
+                    if frame is not None:  # None: already ACKed on a previous connection
+                        self.stats.bytes_sent += await chan.send(frame)
+                if self._closed:
+                    break
+                self._more.clear()
+                if sent < len(self._order):
+                    continue  # a frame arrived while we were sending
+                more = asyncio.ensure_future(self._more.wait())
+                await asyncio.wait({more, acks}, return_when=asyncio.FIRST_COMPLETED)
+                more.cancel()
+                if acks.done():
+                    acks.result()  # raises whatever ended the reader early
+            if self._frames:
+                await acks
+        except OSError:
+            # The receiver may have refused a frame (fatal) and closed: report that, not the broken pipe.
+            if acks.done() and not acks.cancelled() and isinstance(acks.exception(), TransferError):
+                raise acks.exception() from None  # type: ignore[misc]
+            raise
+        finally:
+            acks.cancel()
+            chan.close()
+
+    async def _read_acks(self, chan: Channel) -> None:
+        while self._frames or not self._closed:
+            frame = await chan.read_frame()
+            if frame.kind != Kind.ACK:
+                raise FrameError(ErrorCode.BAD_HEADER, f"expected ACK, got {frame.kind.name}")
+            code = ErrorCode(frame.status) if frame.status in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+            if code != ErrorCode.OK:
+                if code in FATAL:
+                    raise TransferError(f"receiver refused layer {frame.layer}: {code.name}", code)
+                raise FrameError(code, f"receiver reported {code.name} for layer {frame.layer}")
+            self._frames.pop((frame.layer, frame.token_start), None)
