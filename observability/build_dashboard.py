@@ -54,6 +54,12 @@ def stat(title: str, expr: str, unit: str, w: int = 4, desc: str = "", threshold
     }
 
 
+def phase_mean(phase: str) -> str:
+    """Mean seconds per request in one phase of pdcluster_request_phase_seconds (over every role observing it)."""
+    return (f'sum(rate(pdcluster_request_phase_seconds_sum{{phase="{phase}",{SEL}}}[$__rate_interval])) / '
+            f'sum(rate(pdcluster_request_phase_seconds_count{{phase="{phase}",{SEL}}}[$__rate_interval]))')
+
+
 def q(hist: str, quant: float, by: str = "role") -> str:
     return f"histogram_quantile({quant}, sum by (le, {by}) (rate({hist}_bucket{{{SEL}}}[$__rate_interval])))"
 
@@ -81,6 +87,32 @@ ROWS: list[tuple[str, list[dict]]] = [
             (q("pdcluster_time_per_output_token_seconds", 0.5), "p50 {{role}}"),
             (q("pdcluster_time_per_output_token_seconds", 0.99), "p99 {{role}}"),
         ], "s", w=12, desc="Decode's metric: batch size, KV pressure, preemptions, prefill work on decode workers."),
+    ]),
+    ("Request phases: where did the time go", [
+        ts("Where did the TTFT go (mean per request)", [
+            (phase_mean(ph), ph) for ph in ("router_queue", "prefill_queue", "prefill_compute")
+        ], "s", w=12, stack=True,
+           desc="TTFT = router queue (admission, tokenize, pick) + prefill queue (waiting for the engine) + prefill "
+                "compute. A tall router_queue: routing/admission; prefill_queue: add prefill capacity; "
+                "prefill_compute: long prompts or a slow/cold prefix cache."),
+        ts("After the first token (mean per request)", [
+            (phase_mean(ph), ph) for ph in ("kv_transfer", "decode_queue", "decode")
+        ], "s", w=12, stack=True,
+           desc="KV transfer (first token to all layers acknowledged), decode queue (KV in, waiting for a decode "
+                "step), decode (first token to last)."),
+        ts("End-to-end latency p50 / p99", [
+            (q("pdcluster_e2e_request_latency_seconds", 0.5), "p50 {{role}}"),
+            (q("pdcluster_e2e_request_latency_seconds", 0.99), "p99 {{role}}"),
+        ], "s"),
+        ts("Finished requests/s by reason", [
+            (f"sum by (finish_reason) (rate(pdcluster_request_success_total{{role=\"router\",{SEL}}}[$__rate_interval]))",
+             "{{finish_reason}}"),
+        ], "reqps", desc="length: max_tokens reached; stop: EOS or a stop string; abort/error: cut short."),
+        ts("Prefix-cache hit rate by role", [
+            (f"sum by (role) (rate(pdcluster_prefix_cache_hit_tokens_total{{{SEL}}}[$__rate_interval])) / "
+             f"sum by (role) (rate(pdcluster_prefix_cache_query_tokens_total{{{SEL}}}[$__rate_interval]))", "{{role}}"),
+        ], "percentunit", desc="Prompt tokens served from the prefix cache / prompt tokens looked up. Prefix-aware "
+                               "routing (router --routing prefix) raises it when prompts share prefixes."),
     ]),
     ("Throughput", [
         ts("Requests/s by role", [(f"sum by (role) (rate(pdcluster_requests_total{{{SEL}}}[$__rate_interval]))", "{{role}}")], "reqps"),
