@@ -117,3 +117,15 @@ def test_router_accepts_worker_urls_and_ports() -> None:
     assert args.decode == ["http://127.0.0.1:8001", "https://d.svc:443"] and args.port == 9000
     with pytest.raises(SystemExit):
         p.parse_args(["--decode", "http://a:1", "--port", "70000"])
+
+
+def test_up_passes_decode_wait_and_routing_to_a_router_that_accepts_them() -> None:
+    from pdcluster.worker.local import launcher
+    from pdcluster.worker.router import cli as router_cli
+
+    args = _up_args("--decode-wait", "7.5", "--routing", "least-loaded")
+    cmd = launcher.router_cmd(args, ["http://127.0.0.1:8081"], ["http://127.0.0.1:8082"])
+    p = argparse.ArgumentParser()
+    router_cli.add_arguments(p)
+    parsed = p.parse_args(cmd[cmd.index("router") + 1:])
+    assert parsed.decode_wait == 7.5 and parsed.routing == "least-loaded"

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--disaggregation-threshold", type=types.non_negative_int, default=64, metavar="TOKENS")
     a("--max-queue-depth", type=types.non_negative_int, default=64)
     a("--request-timeout", type=types.non_negative_float, default=120.0, metavar="S", help="504 after S seconds (0: none)")
+    a("--decode-wait", type=types.non_negative_float, default=30.0, metavar="S",
+      help="how long a request waits for a healthy decode worker (e.g. one restarting) before a 503")
+    a("--routing", choices=["prefix", "least-loaded"], default="prefix",
+      help="router's worker choice: prefer cached prompt prefixes within a load cap, or least loaded only")
     a("--autoscale", action="store_true",
       help="resize the pools from live metrics with the operator's autoscaler (up to --max-workers each)")
     a("--max-workers", type=types.positive_int, default=3, help="per pool, with --autoscale")
@@ -87,6 +91,7 @@ def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) 
     cmd = [sys.executable, "-m", "pdcluster", "router", "--host", args.host, "--port", str(args.port),
            "--disaggregation-threshold", str(args.disaggregation_threshold),
            "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
+           "--decode-wait", str(args.decode_wait), "--routing", args.routing,
            "--health-interval", "0.5", "--log-level", "warning"]
     if prefill:
         cmd += ["--prefill", *prefill]
