@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
+
 from pdcluster.worker.engine.sampler import _filter, sample, token_seed
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
@@ -82,3 +84,61 @@ def test_seeded_disaggregated_equals_single_worker(make_engine):
         for out in decode.step():
             got += out.new_token_ids
     assert got == alone
+
+
+def _h(prompt=(), output=(), stop=()):  # noqa: ANN001, ANN202
+    from pdcluster.worker.engine.sampler import History
+
+    return History(list(prompt), list(output), set(stop))
+
+
+def test_penalties_follow_vllm_formulas():
+    from pdcluster.worker.engine.sampler import shape_logits
+
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    p = SamplingParams(repetition_penalty=2.0)
+    # tokens seen in prompt or output: positive logits divided, negative multiplied
+    assert shape_logits(row, p, _h(prompt=[0], output=[1]), 0).tolist() == [1.0, -2.0, 0.5, 3.0]
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # output only (not the prompt): minus 0.5 per occurrence, minus 0.25 once
+    assert shape_logits(row, p, _h(prompt=[2], output=[3, 3, 0]), 0).tolist() == [1.25, -1.0, 0.5, 1.75]
+    # the greedy pick follows the shaped logits: token 3 penalised below token 0
+    p = SamplingParams(temperature=0, frequency_penalty=2.0)
+    assert sample(row[None], [p], [1], [_h(output=[3])]) == [0]
+
+
+def test_logit_bias_and_min_tokens():
+    from pdcluster.worker.engine.sampler import shape_logits
+
+    row = torch.tensor([5.0, 1.0, 0.0])
+    p = SamplingParams(temperature=0, logit_bias={2: 10.0})
+    assert sample(row[None], [p], [0], [_h()]) == [2]
+    p = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    # token 0 (a stop id) is masked for output tokens 0 and 1, allowed from token 2 on
+    assert sample(row[None], [p], [1], [_h(stop=[0])]) == [1]
+    assert sample(row[None], [p], [2], [_h(stop=[0])]) == [0]
+    assert shape_logits(row, p, _h(stop=[0]), 0)[0] == float("-inf")
+
+
+def test_logprobs_are_of_the_raw_logits():
+    from pdcluster.worker.engine.sampler import logprobs_of
+
+    row = torch.tensor([1.0, 2.0, 3.0])
+    lp, top = logprobs_of(row, 0, 2)
+    want = torch.log_softmax(row, -1)
+    assert lp == pytest.approx(float(want[0]))
+    assert [t for t, _ in top] == [2, 1] and top[0][1] == pytest.approx(float(want[2]))
+
+
+def test_min_tokens_and_penalties_in_the_engine(make_engine):
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = engine.generate([prompt_of(9)], greedy)[0]
+    stop_first = dataclasses.replace(greedy, stop_token_ids=[ref[0]])
+    assert engine.generate([prompt_of(9)], stop_first)[0] == [ref[0]]
+    held = engine.generate([prompt_of(9)], dataclasses.replace(stop_first, min_tokens=3))[0]
+    assert len(held) >= 3 and ref[0] not in held[:3]
+    # a strong frequency penalty forbids repeating a token greedy decoding would repeat
+    rep = engine.generate([prompt_of(9)], dataclasses.replace(greedy, max_tokens=12, frequency_penalty=2.0))[0]
+    plain = engine.generate([prompt_of(9)], dataclasses.replace(greedy, max_tokens=12))[0]
+    assert len(set(rep)) >= len(set(plain))

@@ -52,9 +52,13 @@ def test_streaming_completion(client: httpx.Client) -> None:
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == [ord(x) for x in "abcd"]
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
-    # usage always: on the final chunk
-    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
-    assert all("usage" not in c for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks)  # only when asked for (stream_options.include_usage)
+    with client.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        asked = events(r)[:-1]
+    # OpenAI's shape: one more chunk, with no choices and the usage
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
+                                                                  "total_tokens": 9}
+    assert all("usage" not in c for c in asked[:-1]) and asked[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_chat_completion_uses_template(client: httpx.Client) -> None:
@@ -78,7 +82,8 @@ def test_chat_max_tokens_defaults_to_remaining_context(client: httpx.Client) -> 
 
 
 def test_streaming_chat(client: httpx.Client) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         evs = events(r)
@@ -86,10 +91,10 @@ def test_streaming_chat(client: httpx.Client) -> None:
     chunks = evs[:-1]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
     assert len(text) == 3
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_models_endpoint(client: httpx.Client) -> None:

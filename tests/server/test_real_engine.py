@@ -31,12 +31,13 @@ def test_text_completion_stream_matches_non_stream(real_client: httpx.Client) ->
     choice, usage = r.json()["choices"][0], r.json()["usage"]
     assert len(choice["token_ids"]) == 8 and usage["completion_tokens"] == 8
     assert choice["finish_reason"] == "length"
-    with real_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+    with real_client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}) as s:
         evs = events(s)
     assert evs[-1] == "[DONE]"
-    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == choice["text"]
-    assert [t for e in evs[:-1] for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
-    assert evs[-2]["usage"] == usage
+    assert "".join(e["choices"][0]["text"] for e in evs[:-2]) == choice["text"]
+    assert [t for e in evs[:-2] for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert evs[-2]["usage"] == usage and evs[-2]["choices"] == []
 
 
 def test_token_id_prompt_and_seeded_sampling(real_client: httpx.Client) -> None:

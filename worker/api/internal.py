@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdcluster.worker.api.protocol import MAX_STOP_STRINGS
-from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _INTERNAL = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -28,7 +28,22 @@ class Params(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     first_output_index: int = Field(default=0, ge=0)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: Any) -> Any:
+        # JSON object keys are strings: "123" is token 123 (what json.dumps made of the int key)
+        if isinstance(v, dict):
+            return {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 else k: b
+                    for k, b in v.items()}
+        return v
 
     @field_validator("stop")
     @classmethod

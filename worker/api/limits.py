@@ -67,10 +67,13 @@ def check_prompt(prompt_ids: list[int], max_tokens: int | None, limits: ModelLim
     return max_tokens
 
 
-def check_stop_ids(stop_token_ids: list[int], limits: ModelLimits) -> None:
+def check_stop_ids(stop_token_ids: list[int], limits: ModelLimits, logit_bias: dict[int, float] | None = None) -> None:
+    """Token ids the request names (stop ids, logit_bias keys) are in the vocabulary."""
     vocab = limits.vocab_size
     if vocab is not None and any(not 0 <= t < vocab for t in stop_token_ids):
         raise errors.bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    if vocab is not None and any(not 0 <= t < vocab for t in logit_bias or {}):
+        raise errors.bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
 
 
 def check_engine(prompt_ids: list[int], params: SamplingParams,
@@ -92,6 +95,6 @@ def checked_params(req: Any, prompt_ids: list[int], max_tokens: int | None, limi
         params = req.to_sampling_params(limit)
     except ValueError as e:
         raise errors.bad_request(str(e)) from None
-    check_stop_ids(params.stop_token_ids, limits)
+    check_stop_ids(params.stop_token_ids, limits, params.logit_bias)
     check_engine(prompt_ids, params, engine_check)
     return params

@@ -3,9 +3,9 @@
 Validation is strict (no "5" -> 5 coercion, no NaN) because every malformed input must be a
 400 with a clear message, not a surprising generation. Fields no OpenAI or vLLM client uses to
 change the output are ignored, so stock clients (which send e.g. `user`, `store`, `metadata`)
-keep working. Every field that would change the output and is not implemented (n > 1, echo,
-logprobs, penalties, and those in `UNIMPLEMENTED`: tools, response_format, logit_bias, ...) is
-rejected with a 400 naming it when it holds anything but its no-op value, never silently ignored.
+keep working. Every field that would change the output and is not implemented (those in `UNIMPLEMENTED`:
+tools, response_format, ...) is rejected with a 400 naming it when it holds anything but its no-op value,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 128  # prompts x n of one request (OpenAI's bound on n)
 
 # Fields of the OpenAI / vLLM request bodies that would change the output and are not implemented yet, each
 # with the values that change nothing (accepted, since some clients send them by default).
@@ -30,11 +31,7 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
-    "min_tokens": (None, 0),
-    "repetition_penalty": (None, 1, 1.0),
     "length_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "use_beam_search": (None, False),
@@ -64,7 +61,7 @@ def _same(a: Any, b: Any) -> bool:
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = True  # usage is always sent; accepted for client compatibility
+    include_usage: bool = False  # a last chunk with `choices: []` and the usage (OpenAI, vLLM)
 
 
 class _SamplingFields(BaseModel):
@@ -83,9 +80,11 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # pdcluster extensions
     return_token_ids: bool = False
@@ -106,10 +105,16 @@ class _SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return v
+
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @field_validator("stop")
     @classmethod
@@ -121,19 +126,21 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v not in (None, 0.0):
-            raise ValueError("penalties are not supported (only 0)")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 12):
+                raise ValueError(f"logit_bias keys must be token ids (got {k[:20]!r})")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100] (got {b} for {k})")
+        if v and len(v) > 1024:
+            raise ValueError("logit_bias may hold at most 1024 tokens")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs per token (None: no logprobs at all); each endpoint spells it differently."""
+        return None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,6 +155,12 @@ class _SamplingFields(BaseModel):
             stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens or 0,
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.num_logprobs(),
         )
         return params  # api.limits.checked_params validates it (with the engine's own check) once
 
@@ -160,39 +173,53 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_shape(cls, v: Any) -> str | list[int]:
-        # A batch of exactly one prompt is unwrapped; larger batches are not supported (n=1 API).
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
-            v = v[0]
-        if isinstance(v, str):
-            if v == "":
-                raise ValueError("prompt must not be empty")
-            return v
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(t, str | list) for t in v):
-                raise ValueError("a list of several prompts is not supported; send one prompt per request")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-                raise ValueError("prompt must be a string or a list of integer token ids")
-            return list(v)
-        raise ValueError("prompt must be a string or a list of integer token ids")
+    def _prompt_shape(cls, v: Any) -> str | list[int] | list[str | list[int]]:
+        """One prompt (a string or token ids) or a batch of them (a list of strings / of token-id lists)."""
+        if isinstance(v, list) and v and all(isinstance(t, str | list) for t in v):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts in one request")
+            return [_one_prompt(t) for t in v]
+        return _one_prompt(v)
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported (only 1)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported; drop one of them")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only 1, or equal to n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if len(self.prompts()) * self.num_choices() > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
         return self
 
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+
     def prompt_chars(self) -> int:
-        return len(self.prompt) if isinstance(self.prompt, str) else 0
+        return sum(len(p) for p in self.prompts() if isinstance(p, str))
+
+
+def _one_prompt(v: Any) -> str | list[int]:
+    if isinstance(v, str):
+        if v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise ValueError("prompt must be a string, a list of integer token ids, or a list of those")
+        return list(v)
+    raise ValueError("prompt must be a string, a list of integer token ids, or a list of those")
 
 
 class TextPart(BaseModel):
@@ -220,6 +247,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's chat extension (echo the last message): not implemented
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.echo:
+            raise ValueError("echo is not supported on chat completions")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -251,7 +292,7 @@ def _omit_none(v: Any) -> bool:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
@@ -278,7 +319,7 @@ class ChatDelta(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
@@ -286,7 +327,7 @@ class ChatChoice(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 

@@ -1,15 +1,17 @@
 """The one place that shapes generated text into OpenAI responses, for the worker and the router alike: the
-non-streamed body, the SSE chunks (chat's role-only opener, deltas, usage on the final chunk) and the SSE
-response around them (an error event instead of a broken stream, then `data: [DONE]`)."""
+non-streamed body, the SSE chunks (chat's role-only opener, deltas, logprobs, and the usage chunk when asked
+for), the merge of several choices' streams, and the SSE response around them (an error event instead of a broken stream, then `data: [DONE]`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
 Kind = Literal["completions", "chat"]
+T = TypeVar("T")
 
 
 def sse(data: dict[str, Any] | BaseModel) -> str:
@@ -40,9 +43,42 @@ def sse(data: dict[str, Any] | BaseModel) -> str:
     return f"data: {payload}\n\n"
 
 
+def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) of some tokens'
+    entries (see RequestOutput.logprobs); `offset` is where their text starts in the choice's text."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top") or []} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI chat's logprobs object of some tokens' entries."""
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes")}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.get("top") or []]} for e in entries],
+            "refusal": None}
+
+
+@dataclass
+class ChoiceResult:
+    """One whole choice of a non-streamed response."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None = None  # entries, one per token, when asked for
+
+
 @dataclass
 class Shaper:
-    """Shapes one request's output; `n_prompt` and the flags come from the validated request."""
+    """Shapes one request's output; `n_prompt` (all prompts' tokens) and the flags come from the validated
+    request. Choices are numbered by the caller (prompt i, sample j -> i * n + j, as vLLM does)."""
 
     kind: Kind
     model: str
@@ -50,48 +86,114 @@ class Shaper:
     return_token_ids: bool = False
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    include_usage: bool = False  # streaming: a last chunk with `choices: []` and the usage, only when asked
+    logprobs: bool = False
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rid = self.rid or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
 
     def worth_a_chunk(self, text: str, token_ids: list[int], finished: bool) -> bool:
-        return bool(text or finished or (self.return_token_ids and token_ids))
+        return bool(text or finished or ((self.return_token_ids or self.logprobs) and token_ids))
 
-    def opening(self) -> list[str]:
+    def opening(self, choices: int = 1) -> list[str]:
         """Chunks before any token: OpenAI sends chat's role alone first, and clients key off it."""
         if self.kind != "chat":
             return []
-        first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return [sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, choices=[first]))]
+        return [sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created,
+                                        choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+                for i in range(choices)]
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, completion_tokens: int | None) -> str:
-        """One SSE chunk; `completion_tokens` is given on the final chunk only (it carries the usage)."""
+    def _lp(self, index: int, text_before: str, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if entries is None or not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, self._offsets.get(index, 0) + len(text_before))
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None, index: int = 0,
+              logprobs: list[dict[str, Any]] | None = None) -> str:
+        """One SSE chunk of choice `index`."""
         ids = list(token_ids) if self.return_token_ids else None
-        usage = None if completion_tokens is None else Usage.of(self.n_prompt, completion_tokens)
+        lp = self._lp(index, "", logprobs if token_ids else None)
+        self._offsets[index] = self._offsets.get(index, 0) + len(text)
         if self.kind == "chat":
             delta = ChatDelta(content=text) if text else ChatDelta()
-            return sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, usage=usage,
-                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
-                                                                    token_ids=ids)]))
-        return sse(CompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage,
-                                      choices=[CompletionChoice(text=text, finish_reason=finish_reason,
-                                                                token_ids=ids)]))
+            return sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created,
+                                           choices=[ChatChunkChoice(index=index, delta=delta, logprobs=lp,
+                                                                    finish_reason=finish_reason, token_ids=ids)]))
+        return sse(CompletionResponse(id=self.rid, model=self.model, created=self.created,
+                                      choices=[CompletionChoice(index=index, text=text, logprobs=lp,
+                                                                finish_reason=finish_reason, token_ids=ids)]))
 
-    def final(self, text: str, token_ids: list[int], finish_reason: str | None,
-              completion_tokens: int) -> dict[str, Any]:
-        """The whole non-streamed response body."""
-        ids = list(token_ids) if self.return_token_ids else None
+    def usage_chunk(self, completion_tokens: int) -> list[str]:
+        """The stream's last chunk, `choices: []` + usage, when the client asked (stream_options.include_usage)."""
+        if not self.include_usage:
+            return []
+        usage = Usage.of(self.n_prompt, completion_tokens)
+        if self.kind == "chat":
+            return [sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, choices=[],
+                                            usage=usage))]
+        return [sse(CompletionResponse(id=self.rid, model=self.model, created=self.created, choices=[],
+                                       usage=usage))]
+
+    def final(self, choices: list[ChoiceResult], completion_tokens: int, echo: list[str] | None = None) -> dict[str, Any]:
+        """The whole non-streamed response body; `echo[i]` is prepended to choice i's text (completions)."""
         usage = Usage.of(self.n_prompt, completion_tokens)
         body: BaseModel
         if self.kind == "chat":
-            body = ChatCompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage,
-                                          choices=[ChatChoice(message=ChatMessageOut(content=text),
-                                                              finish_reason=finish_reason, token_ids=ids)])
+            body = ChatCompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage, choices=[
+                ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                           logprobs=self._lp(c.index, "", c.logprobs),
+                           token_ids=list(c.token_ids) if self.return_token_ids else None) for c in choices])
         else:
-            body = CompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage,
-                                      choices=[CompletionChoice(text=text, finish_reason=finish_reason,
-                                                                token_ids=ids)])
+            out = []
+            for c in choices:
+                head = echo[c.index] if echo else ""
+                out.append(CompletionChoice(index=c.index, text=head + c.text, finish_reason=c.finish_reason,
+                                            logprobs=self._lp(c.index, head, c.logprobs),
+                                            token_ids=list(c.token_ids) if self.return_token_ids else None))
+            body = CompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage, choices=out)
         return body.model_dump()
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, tagged with the stream's index (n > 1, batched prompts). The
+    first failure ends the merge (and with it the others: every stream is closed on the way out)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for x in only:
+                yield 0, x
+        return
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, s: AsyncIterator[T]) -> None:
+        try:
+            async for x in s:
+                q.put_nowait((i, x))
+            q.put_nowait((i, end))
+        except Exception as e:  # handed to the consumer, which raises it
+            q.put_nowait((i, e))
+        finally:
+            aclose = getattr(s, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, x = await q.get()
+            if x is end:
+                left -= 1
+            elif isinstance(x, Exception):
+                raise x
+            else:
+                yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()  # each closes its stream (aborting its work upstream) as it unwinds
 
 
 def sse_response(events: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]],

@@ -19,7 +19,7 @@ from pdcluster.worker.engine.kv_cache import layer_kv_dtypes
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.outputs import RequestOutput
-from pdcluster.worker.engine.sampler import sample
+from pdcluster.worker.engine.sampler import History, logprobs_of, sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch, Scheduler
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
@@ -190,6 +190,8 @@ class LLMEngine:
             except Exception as e:  # one request's data (e.g. its stop list) must not fail the others
                 outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
                 continue
+            if seq.params.logprobs is not None:
+                out.logprobs = self._logprobs(seq, logits[i], token)
             if self.config.debug_logits:
                 out.extra["logits"] = logits[i].clone()
             if batch.is_prefill:  # the first token: where its TTFT went, and how much came from the cache
@@ -207,18 +209,36 @@ class LLMEngine:
         """One token per sequence; a sequence whose sampling raises gets None (the others still sample).
         The batch is sampled at once; only when that raises is it redone row by row to find the culprit."""
         index = [s.num_output_tokens + s.params.first_output_index for s in seqs]
+        hist = [self._history(s) if s.params.shapes_logits else None for s in seqs]
         try:
-            return list(sample(logits, [s.params for s in seqs], index))
+            return list(sample(logits, [s.params for s in seqs], index, hist))
         except Exception:
             log.exception("sampling the batch failed; retrying row by row")
         out: list[int | None] = []
         for i, s in enumerate(seqs):
             try:
-                out.append(sample(logits[i : i + 1], [s.params], [index[i]])[0])
+                out.append(sample(logits[i : i + 1], [s.params], [index[i]], [hist[i]])[0])
             except Exception:
                 log.exception("request %s: sampling failed", s.request_id)
                 out.append(None)
         return out
+
+    def _history(self, seq: Sequence) -> History:
+        # A resumed request's prompt ends with the output tokens already delivered (first_output_index of them).
+        start = seq.num_prompt_tokens - seq.params.first_output_index
+        p = seq.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        return History(seq.token_ids[:start], seq.token_ids[start:], stop_ids)
+
+    def _logprobs(self, seq: Sequence, row: torch.Tensor, token: int) -> list[dict]:
+        """The OpenAI logprobs entry of one sampled token (token strings from the tokenizer, if any)."""
+        lp, top = logprobs_of(row, token, seq.params.logprobs or 0)
+
+        def entry(t: int, v: float) -> dict:
+            text = self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
+            return {"token_id": t, "token": text or f"token_id:{t}", "logprob": v, "bytes": list(text.encode())}
+
+        return [{**entry(token, lp), "top": [entry(t, v) for t, v in top]}]
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End one request with an error (its blocks come back); the rest of the step goes on."""
@@ -233,14 +253,17 @@ class LLMEngine:
         self.counters["generation_tokens"] += 1
         p = seq.params
         reason: Literal["stop", "length"] | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        # Below min_tokens nothing stops the request but its length (vLLM: EOS / stop ids are masked in the
+        # sampler too; stop strings are not looked for). Counted over the whole output, resumes included.
+        may_stop = seq.num_output_tokens + p.first_output_index >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
         text = ""
         state = self._detok.get(seq.request_id)
         if state is not None:
-            text, hit_stop = state.add(token, p.stop, final=reason is not None)
+            text, hit_stop = state.add(token, p.stop if may_stop else [], final=reason is not None)
             if hit_stop:
                 reason = "stop"
         out = RequestOutput(

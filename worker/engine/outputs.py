@@ -18,4 +18,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
     error: str | None = None  # set when finish_reason == "error"
+    # One entry per new token when the request asked for logprobs: {"token_id", "token", "logprob", "bytes",
+    # "top": [{"token_id", "token", "logprob", "bytes"}, ...]} (plain data: it travels as JSON between workers)
+    logprobs: list[dict] | None = None
     extra: dict = field(default_factory=dict)

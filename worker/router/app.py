@@ -23,7 +23,7 @@ from pdcluster.worker.api import errors
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.protocol import new_id
-from pdcluster.worker.api.shaping import Shaper, sse_response
+from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
@@ -192,7 +192,9 @@ def build_router_app(state: RouterState) -> FastAPI:
                 raise errors.unavailable("no healthy worker could take the request", code="no_workers") from None
             st.metrics.request_accepted(len(tok.prompt_token_ids))
             rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-            chunks = _deadline_chunks(st, rid, tok, tracker)
+            subs = tok.choices()
+            chunks = merge([_deadline_chunks(st, rid if len(subs) == 1 else f"{rid}-{s.index}", s, tracker)
+                            for s in subs])
             if tok.stream:
                 resp = _stream(kind, rid, tok, chunks, tracker)
                 tracker = None  # type: ignore[assignment]  # the stream owns it now
@@ -256,18 +258,14 @@ def build_router_app(state: RouterState) -> FastAPI:
 
 
 async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,
-                   chunks: AsyncIterator[Chunk]) -> JSONResponse:
-    ids: list[int] = []
-    text: list[str] = []
-    reason: str | None = None
+                   chunks: AsyncIterator[tuple[int, Chunk]]) -> JSONResponse:
+    subs = tok.choices()
+    got: list[list[Chunk]] = [[] for _ in subs]
 
     async def gather() -> None:
-        nonlocal reason
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for c in chunks:
-                ids.extend(c.token_ids)
-                text.append(c.text)
-                reason = c.finish_reason if c.finished else reason
+            async for i, c in chunks:
+                got[i].append(c)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -290,26 +288,41 @@ async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,
         work.result()
     except UpstreamError as e:
         raise _upstream(e) from None
-    return JSONResponse(_shaper(kind, rid, tok).final("".join(text), ids, reason, len(ids)))
+    choices = []
+    for s, cs in zip(subs, got, strict=True):
+        ids = [t for c in cs for t in c.token_ids]
+        reason = next((c.finish_reason for c in reversed(cs) if c.finished), None)
+        lps = [e for c in cs for e in c.logprobs or []] if any(c.logprobs for c in cs) else None
+        choices.append(ChoiceResult(s.index, "".join(c.text for c in cs), ids, reason, lps))
+    total = sum(len(c.token_ids) for c in choices)
+    return JSONResponse(_shaper(kind, rid, tok).final(choices, total, [s.echo for s in subs]))
 
 
 def _shaper(kind: str, rid: str, tok: Tokenized) -> Shaper:
-    return Shaper("chat" if kind == "chat" else "completions", tok.model, len(tok.prompt_token_ids),
-                  tok.return_token_ids, rid=rid)
+    n_prompt = sum(len(s.prompt_token_ids) for s in tok.choices() if s.index % max(tok.n, 1) == 0)
+    return Shaper("chat" if kind == "chat" else "completions", tok.model, n_prompt, tok.return_token_ids, rid=rid,
+                  include_usage=tok.include_usage, logprobs=tok.params.get("logprobs") is not None)
 
 
-def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[Chunk], tracker: Tracker) -> StreamingResponse:
+def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[tuple[int, Chunk]],
+            tracker: Tracker) -> StreamingResponse:
     shape = _shaper(kind, rid, tok)
+    subs = tok.choices()
 
     async def events() -> AsyncIterator[str]:
         total = 0
-        for opener in shape.opening():
+        for opener in shape.opening(len(subs)):
             yield opener
-        async for c in chunks:
+        for s in subs:
+            if s.echo:
+                yield shape.chunk(s.echo, [], None, s.index)
+        async for i, c in chunks:
             total += len(c.token_ids)
             if shape.worth_a_chunk(c.text, c.token_ids, c.finished):
-                yield shape.chunk(c.text, c.token_ids, c.finish_reason if c.finished else None,
-                                  total if c.finished else None)
+                yield shape.chunk(c.text, c.token_ids, c.finish_reason if c.finished else None, subs[i].index,
+                                  c.logprobs)
+        for last in shape.usage_chunk(total):
+            yield last
 
     async def cleanup() -> None:
         try:

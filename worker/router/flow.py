@@ -30,6 +30,14 @@ class Tokenized:
     model: str
     stream: bool = False
     return_token_ids: bool = False
+    index: int = 0  # the choice this request produces (prompt i, sample j of n -> i * n + j)
+    echo: str = ""  # text before the choice's text (completions with echo)
+    n: int = 1
+    include_usage: bool = False
+    subs: list[Tokenized] = field(default_factory=list)  # every choice's request (itself when there is one)
+
+    def choices(self) -> list[Tokenized]:
+        return self.subs or [self]
 
 
 @dataclass
@@ -153,6 +161,17 @@ async def _error_of(resp: httpx.Response) -> UpstreamError:
     return UpstreamError(resp.status_code, body)
 
 
+def _tokenized(d: dict[str, Any]) -> Tokenized:
+    """A worker's /internal/tokenize answer; `subs` (one per choice) when the request fans out."""
+    tok = Tokenized(d["prompt_token_ids"], d["params"], d["model"], bool(d.get("stream", False)),
+                    bool(d.get("return_token_ids", False)), n=int(d.get("n", 1)),
+                    include_usage=bool(d.get("include_usage", False)))
+    tok.subs = [Tokenized(s["prompt_token_ids"], s["params"], tok.model, tok.stream, tok.return_token_ids,
+                          index=int(s["index"]), echo=str(s.get("echo") or ""), n=tok.n)
+                for s in d.get("subs") or []]
+    return tok
+
+
 def no_decode_error(waited: float) -> UpstreamError:
     return UpstreamError(503, {"error": {
         "message": f"no healthy decode worker for {waited:.1f} s (died or draining and not back); retry later",
@@ -198,9 +217,7 @@ class Flow:
                 self.pool.mark_failed(w.role, w.url, str(e))
                 continue
             if r.status_code == 200:
-                d = r.json()
-                return Tokenized(d["prompt_token_ids"], d["params"], d["model"], d.get("stream", False),
-                                 d.get("return_token_ids", False))
+                return _tokenized(r.json())
             if r.status_code < 500:
                 raise await _error_of(r)
             self.pool.mark_failed(w.role, w.url, f"HTTP {r.status_code}")
@@ -365,7 +382,7 @@ class Flow:
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
                             yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
-                                        ev.get("finish_reason"))
+                                        ev.get("finish_reason"), ev.get("logprobs"))
                             if completed:
                                 return
                         elif ev.get("event") == "transferred":
@@ -448,7 +465,7 @@ class Flow:
                     if ev.get("finish_reason") == "abort":
                         raise WorkerFailed("decode", w.url, "request aborted by the worker")
                     yield Chunk(list(ev.get("token_ids") or []), ev.get("text") or "", bool(ev.get("finished")),
-                                ev.get("finish_reason"))
+                                ev.get("finish_reason"), ev.get("logprobs"))
                     if ev.get("finished"):
                         return
         except httpx.TransportError as e:

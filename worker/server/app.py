@@ -15,7 +15,8 @@ import dataclasses
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -26,7 +27,7 @@ from pdcluster.worker.api.body import BODY_TIMEOUT_S, MAX_BODY_BYTES, parse_body
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pdcluster.worker.api.shaping import Shaper, sse_response
+from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
 from pdcluster.worker.transfer.secret import check_internal_auth
@@ -137,11 +138,12 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def _collect(request: Request, outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
+async def _collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                   ) -> list[tuple[int, RequestOutput]]:
     """Gather a non-streaming result, aborting the request if the client disconnects meanwhile."""
 
-    async def gather() -> list[RequestOutput]:
-        async with contextlib.aclosing(outputs) as outs:
+    async def gather() -> list[tuple[int, RequestOutput]]:
+        async with contextlib.aclosing(outputs) as outs:  # type: ignore[type-var]
             return [o async for o in outs]
 
     work = asyncio.ensure_future(gather())
@@ -177,13 +179,21 @@ async def _visible(outputs: AsyncIterator[RequestOutput], want_ids: bool) -> Asy
             yield out
 
 
-def _joined(outs: list[RequestOutput], want_ids: bool) -> tuple[str, list[int] | None, RequestOutput]:
-    """A whole non-streamed result: its text, its token ids (when asked for) and the final output."""
+@dataclass
+class _Joined:
+    result: ChoiceResult
+    completion_tokens: int
+
+
+def _joined(index: int, outs: list[RequestOutput]) -> _Joined:
+    """A whole non-streamed choice: its text, token ids, logprobs and finish reason."""
     final = outs[-1] if outs else None
     _check_final(final)
     assert final is not None
-    ids = [t for o in outs for t in o.new_token_ids] if want_ids else None
-    return "".join(o.new_text for o in outs), ids, final
+    ids = [t for o in outs for t in o.new_token_ids]
+    lps = [e for o in outs for e in o.logprobs or []] if any(o.logprobs for o in outs) else None
+    text = "".join(o.new_text for o in outs)
+    return _Joined(ChoiceResult(index, text, ids, final.finish_reason, lps), final.completion_tokens)
 
 
 def _openai_routes() -> APIRouter:
@@ -200,24 +210,44 @@ def _openai_routes() -> APIRouter:
         arrival = time.monotonic()
         w = _worker(request)
         req = await parse_body(request, model)
-        prompt_ids, params = await w.prepare(req)
+        subs = await w.prepare_all(req)
         w.admit()
-        shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name,
-                       len(prompt_ids), req.return_token_ids)
-        outputs = w.run(shape.rid, prompt_ids, params, arrival)
+        n_prompt = sum(len(s.prompt_ids) for s in subs if s.index % req.num_choices() == 0)
+        shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name, n_prompt,
+                       req.return_token_ids, include_usage=req.include_usage(),
+                       logprobs=subs[0].params.logprobs is not None)
+        streams = [w.run(shape.rid if len(subs) == 1 else f"{shape.rid}-{s.index}", s.prompt_ids, s.params, arrival)
+                   for s in subs]
+        want = req.return_token_ids or shape.logprobs
 
         if req.stream:
+            merged = merge([_visible(o, want) for o in streams])
+
             async def events() -> AsyncIterator[str]:
-                for opener in shape.opening():
+                for opener in shape.opening(len(subs)):
                     yield opener
-                async for out in _visible(outputs, req.return_token_ids):
+                for s in subs:
+                    if s.echo:
+                        yield shape.chunk(s.echo, [], None, s.index)
+                total = 0
+                async for i, out in merged:
+                    total += len(out.new_token_ids)
                     yield shape.chunk(out.new_text, out.new_token_ids, out.finish_reason if out.finished else None,
-                                      out.completion_tokens if out.finished else None)
+                                      subs[i].index, out.logprobs)
+                for last in shape.usage_chunk(total):
+                    yield last
 
-            return sse_response(events(), outputs.aclose)
+            async def close_all() -> None:
+                await merged.aclose()
+                for o in streams:
+                    await o.aclose()
 
-        text, ids, final = _joined(await _collect(request, outputs), req.return_token_ids)
-        return JSONResponse(shape.final(text, ids or [], final.finish_reason, final.completion_tokens))
+            return sse_response(events(), close_all)
+
+        results = await _collect(request, merge(streams))
+        choices = [_joined(subs[i].index, [o for j, o in results if j == i]) for i in range(len(subs))]
+        total = sum(c.completion_tokens for c in choices)
+        return JSONResponse(shape.final([c.result for c in choices], total, [s.echo for s in subs]))
 
     @r.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:

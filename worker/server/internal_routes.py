@@ -190,10 +190,13 @@ class Disaggregation:
         async def tokenize(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, TokenizeBody)
             req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
-            ids, params = await w.prepare(req)  # the public routes' checks, once
-            return JSONResponse({"prompt_token_ids": ids, "params": dataclasses.asdict(params),
+            subs = await w.prepare_all(req)  # the public routes' checks, once
+            return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),
                                  "model": w.served_model_name, "stream": req.stream,
-                                 "return_token_ids": req.return_token_ids})
+                                 "return_token_ids": req.return_token_ids, "n": req.num_choices(),
+                                 "include_usage": req.include_usage(),
+                                 "subs": [{"index": s.index, "prompt_token_ids": s.prompt_ids,
+                                           "params": dataclasses.asdict(s.params), "echo": s.echo} for s in subs]})
 
         @r.post("/reserve")
         async def reserve(request: Request) -> JSONResponse:
@@ -278,6 +281,7 @@ class Disaggregation:
             w.metrics.tokens_generated(1)
             held = bool(first.extra.get("kv_held"))
             yield _line({"event": "first_token", "token_id": first.new_token_ids[0], "text": first.new_text,
+                         "logprobs": first.logprobs,
                          "finished": not held, "finish_reason": None if held else first.finish_reason,
                          "prefill_seconds": time.monotonic() - t0})
             if not held:
@@ -322,8 +326,9 @@ class Disaggregation:
             try:
                 async for out in stream:
                     ids, text = out.new_token_ids, out.new_text
+                    lps = out.logprobs
                     if skip_first and ids:  # the router already sent the first token (from prefill)
-                        skip_first, ids, text = False, ids[1:], ""
+                        skip_first, ids, text, lps = False, ids[1:], "", (lps or [])[1:] or None
                     elif ids:
                         now = time.monotonic()
                         w.metrics.observe_tpot((now - last) / len(ids))
@@ -333,7 +338,7 @@ class Disaggregation:
                     if finished:
                         w.metrics.request_finished(out.finish_reason, out.prompt_tokens, out.completion_tokens)
                     if ids or text or finished:
-                        yield _line({"token_ids": ids, "text": text, "finished": finished,
+                        yield _line({"token_ids": ids, "text": text, "finished": finished, "logprobs": lps,
                                      "finish_reason": out.finish_reason, "error": out.error})
                     if finished:
                         return
@@ -351,6 +356,7 @@ class Disaggregation:
                 async for out in outs:
                     if out.new_token_ids or out.new_text or out.finished:
                         yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-                                     "finish_reason": out.finish_reason, "error": out.error})
+                                     "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                                     "error": out.error})
         except errors.APIError as e:
             yield _line({"error": e.message, "finished": True, "finish_reason": "error", "status": e.status})

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from pdcluster.worker.api import errors
 from pdcluster.worker.api import limits as request_limits
+from pdcluster.worker.api.fanout import Sub, expand
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import WorkerMetrics, engine_gauges
 from pdcluster.worker.api.prompting import encode_prompt, render_chat
@@ -183,10 +184,32 @@ class WorkerServer:
             max_tokens = req.requested_max_tokens()
         else:
             request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
-            ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, req.prompt) if isinstance(req.prompt, str)
-                   else list(req.prompt))
+            prompt = req.prompts()[0]
+            ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, prompt) if isinstance(prompt, str)
+                   else list(prompt))
             max_tokens = req.max_tokens
         return ids, request_limits.checked_params(req, ids, max_tokens, self.limits, self.validate)
+
+    async def prepare_all(self, req: CompletionRequest | ChatCompletionRequest) -> list[Sub]:
+        """Every engine request an OpenAI request stands for (each prompt of a batch, times n), each checked
+        like `prepare` checks one (see api.fanout)."""
+        if isinstance(req, ChatCompletionRequest):
+            ids, params = await self.prepare(req)
+            return expand([(ids, params, "")], req.num_choices())
+        self.check_model(req.model)
+        request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
+        prompts = []
+        for prompt in req.prompts():
+            ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, prompt) if isinstance(prompt, str)
+                   else list(prompt))
+            params = request_limits.checked_params(req, ids, req.max_tokens, self.limits, self.validate)
+            echo = "" if not req.echo else prompt if isinstance(prompt, str) else self._decode(ids)
+            prompts.append((ids, params, echo))
+        return expand(prompts, req.num_choices())
+
+    def _decode(self, ids: list[int]) -> str:
+        decode = getattr(self.tokenizer, "decode", None)
+        return str(decode(ids)) if decode is not None else ""
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """Validate token ids and length; return the max_tokens to use (see api.limits)."""
@@ -194,7 +217,7 @@ class WorkerServer:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Stop ids in the vocabulary, then the params' and the engine's own validation, as a 400."""
-        request_limits.check_stop_ids(params.stop_token_ids, self.limits)
+        request_limits.check_stop_ids(params.stop_token_ids, self.limits, params.logit_bias)
         request_limits.check_engine(prompt_ids, params, self.validate)
 
     # ------------------------------------------------------------------ running

@@ -1,0 +1,141 @@
+"""The OpenAI surface with the official `openai` client, on both paths: a worker alone and router -> prefill ->
+KV transfer -> decode. Every feature must give the same answer on both for the same seed (penalties, bias,
+min_tokens, logprobs, n > 1, batched prompts, echo, usage chunk)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..disagg.harness import Cluster, cluster, metric
+
+openai = pytest.importorskip("openai")
+
+IDS = {"return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_dir: Path) -> Iterator[tuple[Any, Any, Cluster]]:
+    """(worker-alone client, router client, cluster): the decode worker serves the API itself too."""
+    with cluster(tiny_model_dir, prefill_blocks=(8,), decode_blocks=(16,), threshold=0) as c:
+        alone = openai.OpenAI(base_url=c.decode[0] + "/v1", api_key="x", max_retries=0, timeout=60)
+        routed = openai.OpenAI(base_url=c.router + "/v1", api_key="x", max_retries=0, timeout=60)
+        yield alone, routed, c
+
+
+def _choices(resp: Any) -> list[dict[str, Any]]:
+    return [c.model_dump() for c in resp.choices]
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x["index"], x.get("text"), x.get("token_ids"), x["finish_reason"]) == (
+            y["index"], y.get("text"), y.get("token_ids"), y["finish_reason"])
+        if x.get("logprobs"):
+            lx, ly = x["logprobs"], y["logprobs"]
+            assert lx["tokens"] == ly["tokens"] and lx["text_offset"] == ly["text_offset"]
+            assert lx["token_logprobs"] == pytest.approx(ly["token_logprobs"], abs=1e-3)
+
+
+COMPLETION_BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("seeded penalties", {"prompt": "the cat sat on", "max_tokens": 8, "temperature": 0.9, "seed": 7,
+                          "presence_penalty": 0.5, "frequency_penalty": 0.7,
+                          "extra_body": {"repetition_penalty": 1.3, "ignore_eos": True, **IDS}}),
+    ("greedy logit_bias", {"prompt": "hello", "max_tokens": 5, "temperature": 0, "logit_bias": {"42": 100},
+                           "extra_body": IDS}),
+    ("n=3 seeded", {"prompt": "once upon", "max_tokens": 6, "n": 3, "seed": 11, "temperature": 1.0,
+                    "extra_body": {"ignore_eos": True, **IDS}}),
+    ("batched prompts x n=2", {"prompt": ["one", "two three"], "n": 2, "max_tokens": 4, "seed": 3,
+                               "extra_body": {"ignore_eos": True, **IDS}}),
+    ("logprobs", {"prompt": "abc", "max_tokens": 5, "temperature": 0, "logprobs": 3,
+                  "extra_body": {"ignore_eos": True, **IDS}}),
+    ("echo", {"prompt": "echo me", "max_tokens": 3, "temperature": 0, "echo": True, "extra_body": IDS}),
+]
+
+
+@pytest.mark.parametrize("body", [b for _, b in COMPLETION_BODIES], ids=[n for n, _ in COMPLETION_BODIES])
+def test_completions_same_on_both_paths(paths: tuple[Any, Any, Cluster], body: dict[str, Any]) -> None:
+    alone, routed, c = paths
+    sent = metric(c.prefill[0], "pdcluster_kv_transfer_bytes_total")
+    a = alone.completions.create(model="tiny", **body)
+    b = routed.completions.create(model="tiny", **body)
+    assert metric(c.prefill[0], "pdcluster_kv_transfer_bytes_total") > sent  # the router path did disaggregate
+    _same(_choices(a), _choices(b))
+    assert a.usage == b.usage
+    n_prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+    assert len(a.choices) == n_prompts * body.get("n", 1)
+    assert [c.index for c in a.choices] == list(range(len(a.choices)))
+
+
+def test_streams_equal_non_streamed_on_both_paths(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    body = {"prompt": ["x y", "z"], "n": 2, "max_tokens": 5, "seed": 5, "extra_body": {"ignore_eos": True, **IDS}}
+    want = _choices(alone.completions.create(model="tiny", **body))
+    for client in (alone, routed):
+        text: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        usage = None
+        for chunk in client.completions.create(model="tiny", stream=True, stream_options={"include_usage": True},
+                                               **body):
+            if not chunk.choices:
+                usage = chunk.usage  # the usage chunk: last, and without choices
+                continue
+            assert chunk.usage is None
+            c = chunk.choices[0]
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+        assert [text[i] for i in range(4)] == [w["text"] for w in want]
+        assert [reasons[i] for i in range(4)] == [w["finish_reason"] for w in want]
+        assert usage is not None and usage.completion_tokens == 20
+    # without include_usage, no usage chunk at all
+    chunks = list(alone.completions.create(model="tiny", prompt="a", max_tokens=2, stream=True))
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+def test_chat_n_and_logprobs_same_on_both_paths(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "seed": 9,
+            "logprobs": True, "top_logprobs": 2, "extra_body": {"ignore_eos": True, **IDS}}
+    a, b = alone.chat.completions.create(model="tiny", **body), routed.chat.completions.create(model="tiny", **body)
+    for x, y in zip(a.choices, b.choices, strict=True):
+        assert x.message.content == y.message.content and x.index == y.index
+        assert [t.token for t in x.logprobs.content] == [t.token for t in y.logprobs.content]
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in x.logprobs.content)
+    assert a.choices[0].message.content != a.choices[1].message.content or a.choices[0].index != 1
+
+
+def test_logit_bias_forces_a_token(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    for client in (alone, routed):
+        r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0.8, seed=1,
+                                      logit_bias={"42": 100}, extra_body=IDS)
+        assert r.model_dump()["choices"][0]["token_ids"] == [42] * 4
+
+
+def test_min_tokens_holds_back_a_stop_token(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    greedy = {"prompt": "stop here", "max_tokens": 6, "temperature": 0}
+    first = alone.completions.create(model="tiny", **greedy, extra_body=IDS).model_dump()["choices"][0]["token_ids"][0]
+    for client in (alone, routed):
+        stopped = client.completions.create(model="tiny", **greedy, extra_body={"stop_token_ids": [first], **IDS})
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.model_dump()["choices"][0]["token_ids"] == [first]
+        held = client.completions.create(model="tiny", **greedy,
+                                         extra_body={"stop_token_ids": [first], "min_tokens": 3, **IDS})
+        ids = held.model_dump()["choices"][0]["token_ids"]
+        assert len(ids) >= 3 and first not in ids[:3]
+
+
+def test_bad_fields_are_openai_errors(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    for client in (alone, routed):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="a", max_tokens=1, extra_body={"guided_regex": "a+"})
+        assert e.value.body["param"] == "guided_regex"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="a", max_tokens=1, logit_bias={"100000": 1})
