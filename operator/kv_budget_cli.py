@@ -7,16 +7,19 @@ import json
 import sys
 
 from pdcluster.operator.planner import DTYPE_BYTES, PlanError, kv_budget
+from pdcluster.worker.api import cli_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, required=True, help="transformer layers")
-    parser.add_argument("--kv-heads", type=int, required=True, help="KV heads per layer (GQA: fewer than heads)")
-    parser.add_argument("--head-dim", type=int, required=True, help="dimension of one head")
-    parser.add_argument("--dtype", required=True, help=f"KV element type: {', '.join(sorted(DTYPE_BYTES))}")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (prompt + output)")
-    parser.add_argument("--batch", type=int, required=True, help="sequences held at once")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # every flag is required (no defaults to show); bad values are refused at parse time, as serve does
+    a = parser.add_argument
+    a("--layers", type=cli_args.positive_int, required=True, help="transformer layers")
+    a("--kv-heads", type=cli_args.positive_int, required=True, help="KV heads per layer (GQA: fewer than heads)")
+    a("--head-dim", type=cli_args.positive_int, required=True, help="dimension of one head")
+    a("--dtype", required=True, type=str.lower, choices=sorted(DTYPE_BYTES), help="KV element type")
+    a("--seq-len", type=cli_args.positive_int, required=True, help="tokens per sequence (prompt + output)")
+    a("--batch", type=cli_args.positive_int, required=True, help="sequences held at once")
+    a("--json", action="store_true", help="print one JSON object (default: text)")
 
 
 def run(args: argparse.Namespace) -> int:

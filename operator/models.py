@@ -14,8 +14,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import ConfigDict, Field, model_validator
+
 from pdcluster import __version__
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pdcluster.operator.pod_spec import (
+    POD_OPTION_RULES,
+    RESERVED_ENV,
+    EnvVar,
+    IntOrString,
+    LocalObjectReference,
+    PodOptions,
+    Resources,
+    SpecModel,
+    Toleration,
+    cel,
+)
 
 API_GROUP = "pdcluster.dev"
 API_VERSION = "v1alpha1"
@@ -36,108 +49,12 @@ KV_TRANSFER_PORT = 9000
 MODEL_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hostpath:///.+|file:///.+|/.+)$"
 
 
-def _cel(rule: str, message: str) -> Any:
-    return {"rule": rule, "message": message}
-
-
-class _Base(BaseModel):
-    # The API server prunes unknown fields; the operator ignores them rather than failing.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-
-IntOrString = int | str
-
-
-class Resources(_Base):
-    """Container resources (a subset of core/v1 ResourceRequirements)."""
-
-    requests: dict[str, IntOrString] = Field(
-        default_factory=dict, description="Minimum resources, e.g. cpu: 4, memory: 64Gi."
-    )
-    limits: dict[str, IntOrString] = Field(
-        default_factory=dict, description="Maximum resources, e.g. nvidia.com/gpu: 1."
-    )
-
-
-class Toleration(_Base):
-    """A core/v1 Toleration."""
-
-    key: str | None = Field(default=None, description="Taint key; empty with operator Exists: every taint.")
-    operator: Literal["Exists", "Equal"] | None = Field(
-        default=None, description="Exists (any value) or Equal (the taint's value equals `value`).")
-    value: str | None = Field(default=None, description="Taint value matched with operator Equal.")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect to match; empty: every effect.")
-    tolerationSeconds: int | None = Field(
-        default=None, description="With effect NoExecute: seconds the pod stays bound after the taint appears.")
-
-
-class EnvVar(_Base):
-    """An environment variable for the pool's containers (core/v1 EnvVar)."""
-
-    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
-    value: str | None = Field(default=None, description="Literal value (mutually exclusive with valueFrom).")
-    valueFrom: dict[str, Any] | None = Field(
-        default=None,
-        description="A core/v1 EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef.",
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> EnvVar:
-        if self.value is not None and self.valueFrom is not None:
-            raise ValueError(f"env {self.name}: value and valueFrom are mutually exclusive")
-        return self
-
-
-class LocalObjectReference(_Base):
-    """A reference to an object in the PDCluster's namespace."""
-
-    name: str = Field(min_length=1, description="Name of the Secret (type kubernetes.io/dockerconfigjson).")
-
-
-# The operator sets these itself; a pool's `env` must not shadow them (the workers and the router read
-# them to label their metrics and to find their config).
-RESERVED_ENV = frozenset({"NODE_NAME", "POD_NAME", "POD_NAMESPACE", "POD_IP", "PDCLUSTER_NAME",
-                          "PDCLUSTER_ROLE", "HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"})
-_POD_OPTION_RULES: Any = [
-    _cel("!has(self.env) || self.env.all(e, !(e.name in " + str(sorted(RESERVED_ENV)).replace("'", '"')
-         + "))", "env must not set a variable the operator sets (" + ", ".join(sorted(RESERVED_ENV)) + ")"),
-    _cel("!has(self.env) || self.env.all(e, !has(e.value) || !has(e.valueFrom))",
-         "env: value and valueFrom are mutually exclusive"),
-]
-
-
-class PodOptions(_Base):
-    """Pod-level settings shared by the prefill, decode and router pools."""
-
-    env: list[EnvVar] = Field(
-        default_factory=list, max_length=256,
-        description="Extra environment variables for the pool's container (after the operator's own; "
-        "the names the operator sets itself are refused).",
-    )
-    affinity: dict[str, Any] = Field(
-        default_factory=dict,
-        description="A core/v1 Affinity (nodeAffinity, podAffinity, podAntiAffinity) for the pool's pods.",
-    )
-    priorityClassName: str | None = Field(
-        default=None, min_length=1, max_length=253,
-        description="PriorityClass of the pool's pods (e.g. keep decode above batch jobs).",
-    )
-    podAnnotations: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra annotations on the pool's pods (the operator's own pdcluster.dev/* and "
-        "prometheus.io/* annotations win on a clash).",
-    )
-    imagePullSecrets: list[LocalObjectReference] = Field(
-        default_factory=list, description="Secrets for pulling `image` from a private registry.",
-    )
-
-    @model_validator(mode="after")
-    def _env_names(self) -> PodOptions:
-        clash = sorted({e.name for e in self.env} & RESERVED_ENV)
-        if clash:
-            raise ValueError(f"env must not set a variable the operator sets: {', '.join(clash)}")
-        return self
+# models.py names (the spec's classes below use them)
+_Base = SpecModel
+_cel = cel
+_POD_OPTION_RULES = POD_OPTION_RULES
+__all__ = ["RESERVED_ENV", "EnvVar", "IntOrString", "LocalObjectReference", "PodOptions", "Resources",
+           "Toleration"]
 
 
 class Model(_Base):

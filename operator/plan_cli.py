@@ -7,25 +7,37 @@ import json
 import sys
 
 from pdcluster.operator.planner import Bounds, PlanError, plan
+from pdcluster.worker.api import cli_args
+
+
+def headroom(text: str) -> float:
+    v = cli_args.positive_float(text)
+    if v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1 (a multiple of the request rate)")
+    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-len", type=float, required=True, help="mean prompt tokens per request (I)")
-    parser.add_argument("--output-len", type=float, required=True, help="mean output tokens per request (O)")
-    parser.add_argument("--prefill-capacity", type=float, required=True,
-                        help="prompt tokens/s one prefill instance sustains (C_p)")
-    parser.add_argument("--decode-capacity", type=float, required=True,
-                        help="output tokens/s one decode instance sustains (C_d)")
-    parser.add_argument("--request-rate", type=float, default=None,
-                        help="requests/s to provision for (λ); without it only the ratio is computed")
-    parser.add_argument("--headroom", type=float, default=1.5, help="provision for this multiple of λ (1.5)")
-    parser.add_argument("--min-prefill", type=int, default=1)
-    parser.add_argument("--max-prefill", type=int, default=None)
-    parser.add_argument("--min-decode", type=int, default=1)
-    parser.add_argument("--max-decode", type=int, default=None)
-    parser.add_argument("--max-total-replicas", type=int, default=None,
-                        help="budget for prefill + decode together (scaled down keeping the ratio)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # Bad numbers are refused at parse time (as `pdcluster serve` does); the cross-flag rules (max >= min,
+    # budget >= the minimums) are the planner's, reported as one `error:` line by run().
+    a = parser.add_argument
+    a("--input-len", type=cli_args.positive_float, required=True, help="mean prompt tokens per request (I)")
+    a("--output-len", type=cli_args.positive_float, required=True, help="mean output tokens per request (O)")
+    a("--prefill-capacity", type=cli_args.positive_float, required=True,
+      help="prompt tokens/s one prefill instance sustains (C_p)")
+    a("--decode-capacity", type=cli_args.positive_float, required=True,
+      help="output tokens/s one decode instance sustains (C_d)")
+    a("--request-rate", type=cli_args.non_negative_float, default=None,
+      help="requests/s to provision for (λ) (default: none, only the ratio is computed)")
+    a("--headroom", type=headroom, default=1.5, help="provision for this multiple of λ (default: %(default)s)")
+    a("--min-prefill", type=cli_args.non_negative_int, default=1, help="fewest prefill replicas (default: %(default)s)")
+    a("--max-prefill", type=cli_args.positive_int, default=None,
+      help="most prefill replicas (default: no limit)")
+    a("--min-decode", type=cli_args.non_negative_int, default=1, help="fewest decode replicas (default: %(default)s)")
+    a("--max-decode", type=cli_args.positive_int, default=None, help="most decode replicas (default: no limit)")
+    a("--max-total-replicas", type=cli_args.positive_int, default=None,
+      help="budget for prefill + decode together, scaled down keeping the ratio (default: no limit)")
+    a("--json", action="store_true", help="print one JSON object (default: text)")
 
 
 def run(args: argparse.Namespace) -> int:

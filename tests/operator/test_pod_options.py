@@ -8,10 +8,11 @@ import copy
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from pdcluster import __version__
 from pdcluster.operator import models, naming, render
 from pdcluster.operator.models import parse_spec
-from pydantic import ValidationError
 
 OWNER = naming.Owner(name="llama", namespace="inference", uid="0000-1111")
 FP = render.secret_fingerprint(b"k" * 32)
