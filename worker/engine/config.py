@@ -1,6 +1,6 @@
 """Model configuration read from a Hugging Face model folder.
 
-Only what the Llama-family decoder needs is kept. Anything we cannot run faithfully is rejected with a
+Only what our decoder needs is kept (family switches live in families.py, RoPE in rope.py). Anything we cannot run faithfully is rejected with a
 ValueError that names the folder and the offending field, so `pdcluster serve` fails loudly instead of
 producing garbage tokens.
 """
@@ -8,16 +8,18 @@ producing garbage tokens.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from pdcluster.worker.engine.families import FAMILIES, Family, MoeSpec, check_unsupported, layer_types, read_moe
+from pdcluster.worker.engine.rope import SUPPORTED_ROPE_TYPES as SUPPORTED_ROPE_TYPES_
+from pdcluster.worker.engine.rope import RopeSpec, read_rope
 
-# Architectures that are a plain pre-norm Llama decoder (RMSNorm, RoPE, SwiGLU, GQA).
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_MODEL_TYPES = set(FAMILIES)
+SUPPORTED_ROPE_TYPES = set(SUPPORTED_ROPE_TYPES_)
+SUPPORTED_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    rope_attention_factor: float = 1.0  # longrope multiplies cos/sin by it
+    local_rope: RopeSpec | None = None  # RoPE of sliding-window layers when it differs (Gemma 3)
+    sliding_window: int | None = None
+    layer_windows: tuple[bool, ...] = ()  # per layer: True = sliding window, empty = none
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scale by this**-0.5, not head_dim**-0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    moe: MoeSpec | None = None
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
 
     @property
     def o_proj_bias(self) -> bool:
         # Llama puts attention_bias on all four projections; Qwen2 only on q/k/v
-        return self.attention_bias and self.model_type != "qwen2"
+        return self.attention_bias and self.family.o_proj_bias
 
     @property
     def q_size(self) -> int:
@@ -54,6 +69,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope(self) -> RopeSpec:
+        return RopeSpec(self.rope_type, self.rope_theta, self.rope_params, self.rope_attention_factor)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_windows and self.layer_windows[layer] else None
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -78,15 +104,17 @@ class ModelConfig:
         where = f"{path}/config.json"
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = " (a multimodal checkpoint: only its text model, gemma3_text, is supported)" if model_type == "gemma3" else ""
             raise ValueError(
-                f"{where}: model_type {model_type!r} is not supported "
+                f"{where}: model_type {model_type!r} is not supported{hint} "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-        if raw.get("mlp_bias"):
-            raise ValueError(f"{where}: mlp_bias=true is not supported")
+        fam = FAMILIES[model_type]
+        check_unsupported(raw, where)
+        # Gemma's MLP reads hidden_activation (hub configs also carry a stale hidden_act)
+        act = (raw.get("hidden_activation") or "gelu_pytorch_tanh") if fam.gemma else raw.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTS:
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTS)})")
 
         def need(key: str) -> Any:
             if key not in raw or raw[key] is None:
@@ -97,6 +125,7 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
+        layers = int(need("num_hidden_layers"))
         if heads % kv_heads:
             raise ValueError(
                 f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -104,14 +133,28 @@ class ModelConfig:
         if head_dim % 2:
             raise ValueError(f"{where}: head_dim={head_dim} must be even for RoPE")
 
-        rope_type, theta, rope_params = _rope(raw, where)
         max_pos = int(raw.get("max_position_embeddings") or 2048)
-        # Mistral's sliding window only matters past the window; cap the usable length there instead of
-        # silently attending further than the model was trained to.
-        window = raw.get("sliding_window")
-        if window and (model_type != "qwen2" or raw.get("use_sliding_window")):
-            max_pos = min(max_pos, int(window))
-        bias = bool(raw.get("attention_bias", model_type == "qwen2"))
+        types = layer_types(raw, fam, layers, where)
+        per_type = fam.gemma and model_type == "gemma3_text"
+        rope_kw: dict[str, Any] = dict(head_dim=head_dim, max_pos=max_pos, default_theta=fam.default_theta)
+        aliases = {"su": "longrope", "yarn": "longrope"} if model_type == "phi3" else None
+        if per_type:
+            rope = read_rope(raw, where, layer_type="full_attention", **{**rope_kw, "default_theta": 1e6})
+            local = read_rope(
+                {**raw, "rope_theta": raw.get("rope_local_base_freq", 10000.0), "rope_scaling": None},
+                where,
+                layer_type="sliding_attention",
+                **rope_kw,
+            )
+        else:
+            rope, local = read_rope(raw, where, aliases=aliases, **rope_kw), None
+        if rope.max_len is not None:
+            # longrope: transformers switches to the long factors once a sequence passes the original length,
+            # re-roping new tokens but not the cached ones (history-dependent, and wrong for a shared prefix).
+            # We serve up to that length with the short factors, exactly as transformers does there.
+            max_pos = min(max_pos, rope.max_len)
+        window = raw.get("sliding_window") if "sliding_attention" in types else None
+        bias = bool(raw.get("attention_bias", fam.qkv_bias_default))
         eos_ids = eos if eos is not None else _as_ids(raw.get("eos_token_id"))
         return cls(
             path=path,
@@ -119,68 +162,42 @@ class ModelConfig:
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope_theta=theta,
-            rope_type=rope_type,
-            rope_params=rope_params,
+            rope_theta=rope.theta,
+            rope_type=rope.rope_type,
+            rope_params=rope.params,
+            rope_attention_factor=rope.attention_factor,
+            local_rope=local,
             attention_bias=bias,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", fam.tie_default)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            hidden_act=SUPPORTED_ACTS[act],
+            sliding_window=int(window) if window else None,
+            layer_windows=tuple(t == "sliding_attention" for t in types) if window else (),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if fam.gemma else None,
+            # Gemma 3's attention ignores attn_logit_softcapping in transformers; so do we
+            attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=_softcap(raw, "final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+            if fam.gemma
+            else None,
+            moe=read_moe(raw, fam, layers, where),
         )
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies, bit-for-bit as transformers computes them (float32)."""
-        dim = self.head_dim
-        inv = 1.0 / (
-            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
-        )
-        p = self.rope_params
-        if self.rope_type == "linear":
-            return inv / p["factor"]
-        if self.rope_type == "llama3":
-            factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-            old = p.get("original_max_position_embeddings") or self.max_position_embeddings
-            lo_wavelen, hi_wavelen = old / lo, old / hi
-            wavelen = 2 * math.pi / inv
-            out = torch.where(wavelen > lo_wavelen, inv / factor, inv)
-            smooth = (old / wavelen - lo) / (hi - lo)
-            smoothed = (1 - smooth) * out / factor + smooth * out
-            medium = ~(wavelen < hi_wavelen) * ~(wavelen > lo_wavelen)
-            return torch.where(medium, smoothed, out)
-        return inv
+        return self.rope.inv_freq(self.head_dim, self.max_position_embeddings)
 
 
-def _rope(raw: dict[str, Any], where: str) -> tuple[str, float, dict[str, Any]]:
-    """Read RoPE from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{where}: per-layer-type rope_parameters are not supported")
-    params = dict(params or {})
-    scaling = raw.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"{where}: rope type {rope_type!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
-    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(
-        rope_type, []
-    )
-    for key in needed:
-        if key not in params:
-            raise ValueError(f"{where}: rope type {rope_type!r} needs {key!r}")
-    return rope_type, float(theta), params
+def _softcap(raw: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = raw.get(key, default)
+    return float(value) if value else None
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import torch
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.loader import load_model, resolve_dtype
-from pdcluster.worker.engine.model import AttnMetadata, PrefillSeq
+from pdcluster.worker.engine.attention import AttnMetadata, PrefillSeq, window_slots
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence
 
@@ -59,7 +59,10 @@ class ModelRunner:
         self.cache = self._new_cache(num_blocks, self.device)
         # CPU + any float layer: those layers' decode attention gathers through per-step slot indices
         # (AttnMetadata); quantized layers use the kernel
-        self.gather_decode = self.device.type == "cpu" and self.cache.has_float_layers
+        # The kernel cannot soft-cap: such layers (Gemma 2) gather every position by slot on any device.
+        self.gather_decode = (self.device.type == "cpu" and self.cache.has_float_layers) or (
+            self.model.needs_full_gather
+        )
         # Swap space never needs more blocks than the device has; allocated on the first swap-out.
         self.num_host_blocks = min(swap_space_bytes // self.block_bytes, num_blocks)
         self._host_cache: PagedKVCache | None = None
@@ -169,7 +172,13 @@ class ModelRunner:
         )
         if self.gather_decode:
             assert md.block_tables is not None and md.seq_lens is not None
-            pos = torch.arange(max(lens))
+            pos = torch.arange(max(lens), device=dev)
             md.gather_slots = md.block_tables.long()[:, pos // bs] * bs + pos % bs  # padding -> block 0
             md.gather_mask = (pos[None, :] < md.seq_lens[:, None])[:, None, None, :]
+        if self.cfg.sliding_window is not None:
+            # the kernel has no window argument: sliding-window layers gather their last `window` slots
+            assert md.block_tables is not None and md.seq_lens is not None
+            md.window_slots, md.window_mask = window_slots(
+                md.block_tables, md.seq_lens, self.cfg.sliding_window, bs
+            )
         return md, torch.tensor([s.last_token_id for s in seqs], device=dev), None
