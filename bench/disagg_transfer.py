@@ -3,10 +3,12 @@
     python -m pdcluster.bench.disagg_transfer [--layers 32 --tokens 2048 --kv-heads 8 --head-dim 128]
         [--overlap-model-layers 8] [--json OUT]
 
-1. Raw TCP: one asyncio connection writing 1 MiB chunks into a reader that discards them (the loopback
-   ceiling for this Python/asyncio stack on this machine).
+1. Paths side by side, per message size (default 1, 16, 64, 256 MiB; `bench/transfer_paths.py`): raw
+   loopback TCP (blocking sockets, recv_into), the TCP backend (the real connector: handshake, GMAC per
+   frame part, ACKs) with fp32 and int8 on the wire, and a NIXL/UCX agent WRITE into another process.
+   Goals (issue 12): TCP backend >= 70 % of raw TCP, NIXL >= raw TCP.
 2. KV transfer: a synthetic model's whole KV (`layers` x [tokens, kv_heads, head_dim] for K and V) through
-   the real connector (framing, HMAC-SHA256, crc32, per-frame ACKs), in fp32, fp16 and int8 on the wire.
+   the real connector, in fp32, fp16 and int8 on the wire.
    "effective" throughput counts the fp16 bytes the KV would occupy in a typical cache, so int8 shows what
    compression buys; "wire" counts bytes actually sent.
 3. Overlap: a real engine prefills a long prompt with the layer hook shipping each layer as it is written;
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdcluster.bench import transfer_paths
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 
 SECRET = b"bench-secret-0123456789abcdef"
@@ -133,6 +137,14 @@ async def overlap(model: Path, prompt_len: int, layerwise: bool) -> dict[str, An
             "tail_over_transfer": med["tail_s"] / med["transfer_s"] if med["transfer_s"] else None}
 
 
+def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
+    """One message size through every path, back to back (same machine state for all)."""
+    return {"mib": nbytes >> 20, "raw": transfer_paths.raw_tcp(nbytes, reps),
+            "tcp_fp32": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "none")),
+            "tcp_int8": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "int8")),
+            "nixl": transfer_paths.nixl_write(nbytes, reps)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
@@ -140,12 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--overlap-prompt", type=int, default=1024)
+    p.add_argument("--sizes-mib", default="1,16,64,256", help="message sizes for the side-by-side table")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out: dict[str, Any] = {"shape": vars(a)}
     total = 2 * a.layers * a.tokens * a.kv_heads * a.head_dim * 4
     out["raw_tcp_GBps"] = asyncio.run(raw_tcp(total))
+    out["paths"] = [paths_row(int(m) << 20, a.reps) for m in a.sizes_mib.split(",") if m]
     out["kv"] = [asyncio.run(kv_transfer(a.layers, a.tokens, a.kv_heads, a.head_dim, c, dt))
                  for c, dt in (("none", torch.float32), ("none", torch.float16), ("int8", torch.float32))]
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096,
                                  tokenizer=False, vocab_size=1024)
         out["overlap"] = [asyncio.run(overlap(model, a.overlap_prompt, lw)) for lw in (True, False)]
-    print(f"raw TCP loopback: {out['raw_tcp_GBps']:.2f} GB/s")
+    print("message   raw TCP   TCP fp32   TCP int8   NIXL WRITE   (GB/s of fp32 KV; TCP as % of raw)")
+    for r in out["paths"]:
+        nixl = f"{r['nixl']:.2f}" if r["nixl"] is not None else "n/a"
+        print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  {r['tcp_fp32']:>6.2f} ({r['tcp_fp32'] / r['raw']:.0%})"
+              f"  {r['tcp_int8']:>6.2f} ({r['tcp_int8'] / r['raw']:.0%})  {nixl:>8}")
+    print(f"raw TCP loopback (asyncio streams): {out['raw_tcp_GBps']:.2f} GB/s")
     for r in out["kv"]:
         print(f"KV {r['dtype']:>8} {r['compression']:>4}: wire {r['wire_GBps']:.2f} GB/s, "
               f"effective (fp16-equivalent) {r['effective_fp16_GBps']:.2f} GB/s, {r['seconds'] * 1000:.0f} ms")

@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdcluster.worker.transfer import handshake
 from pdcluster.worker.transfer.frame import (
     DEFAULT_LIMITS,
@@ -53,8 +55,16 @@ class TransportStats:
     durations: list[float] = field(default_factory=list)  # seconds per completed send; drained by metrics
 
 
-async def read_exact(recv_into: RecvInto, n: int) -> bytearray:
-    buf = bytearray(n)
+def new_buffer(n: int) -> bytearray | memoryview:
+    """A writable buffer of n bytes. Big ones are not zero-filled (bytearray(n) memsets: at GB/s that is a
+    pass over the memory for nothing, as the socket overwrites every byte)."""
+    if n < 1 << 16:
+        return bytearray(n)
+    return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+
+
+async def read_exact(recv_into: RecvInto, n: int) -> bytearray | memoryview:
+    buf = new_buffer(n)
     try:
         await recv_into(memoryview(buf))
     except Closed as e:

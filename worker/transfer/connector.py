@@ -193,7 +193,10 @@ class TCPConnector(KVConnector):
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
                 offset: int) -> list[Frame]:
         tokens = k.shape[0]
-        per_token = 2 * k.shape[1] * k.shape[2] * (1 if self.compression == "int8" else k.element_size()) + 8
+        int8 = self.compression == "int8"
+        # bytes per token on the wire (K and V; int8 adds one f32 scale per head): a layer that fits a frame
+        # goes whole (no split, no reassembly copy on the receiver)
+        per_token = 2 * k.shape[1] * (k.shape[2] * (1 if int8 else k.element_size()) + (4 if int8 else 0))
         step = max(1, self.chunk_bytes // per_token)
         return [codec.encode_layer(request_id, layer, num_layers, k[s:s + step], v[s:s + step],
                                    compression=self.compression, token_start=offset + s)

@@ -1,0 +1,115 @@
+"""Side-by-side throughput of the KV transfer paths for one message size (used by disagg_transfer).
+
+- raw TCP: two blocking sockets over loopback, sendall from one thread, recv_into one buffer in another
+  (the ceiling for any TCP transport on this machine; no Python per byte);
+- TCP backend: the real connector (handshake, GMAC per frame part, ACKs, decode, import) moving one layer
+  whose K+V is the message, fp32 or int8 on the wire;
+- NIXL: a UCX agent WRITE of a registered host buffer into another process's registered buffer (the data
+  plane a NIXL backend uses), timed on the initiator.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+
+SECRET = b"bench-secret-0123456789abcdef"
+HEADS, DIM = 8, 128
+
+
+def raw_tcp(nbytes: int, reps: int) -> float:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    sink = bytearray(nbytes)
+    done = threading.Event()
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        view = memoryview(sink)
+        for _ in range(reps):
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:])
+        conn.sendall(b"k")
+        conn.close()
+        done.set()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    cli = socket.create_connection(("127.0.0.1", port))
+    data = memoryview(bytearray(nbytes))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        cli.sendall(data)
+    cli.recv(1)
+    dt = time.perf_counter() - t0
+    t.join()
+    cli.close()
+    srv.close()
+    return nbytes * reps / dt / 1e9
+
+
+async def tcp_backend(nbytes: int, reps: int, compression: str) -> float:
+    """GB/s of fp32 KV moved (for int8: the fp32 bytes the KV stands for, i.e. what the user gets)."""
+    tokens = max(1, nbytes // (2 * HEADS * DIM * 4))
+    recv = TCPConnector(SECRET, importer=lambda *a: None)
+    port = await recv.listen()
+    send = TCPConnector(SECRET, compression=compression)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
+    best = float("inf")
+    for rep in range(reps):
+        rid = f"b-{compression}-{nbytes}-{rep}"
+        recv.start_load_kv(LoadSpec(rid, 1, tokens, HEADS, DIM))
+        send.start_save(rid, TransferTarget("127.0.0.1", port), 1)
+        t0 = time.perf_counter()
+        send.save_kv_layer(rid, 0, k, v)
+        await send.wait_for_save(rid)
+        await recv.wait_for_load(rid, timeout=120)
+        best = min(best, time.perf_counter() - t0)
+        recv.finish_load(rid)
+    await send.close()
+    await recv.close()
+    return 2 * tokens * HEADS * DIM * 4 / best / 1e9
+
+
+def _nixl_target(nbytes: int, meta_q: Any, done_q: Any) -> None:
+    from pdcluster.worker.transfer.nixl_agent import Agent
+
+    a = Agent("bench-target", nbytes)
+    meta_q.put((a.metadata(), a.base))
+    done_q.get(timeout=300)
+    a.close()
+
+
+def nixl_write(nbytes: int, reps: int) -> float | None:
+    from pdcluster.worker.transfer.nixl_agent import Agent, availability
+
+    if not availability().ok:
+        return None
+    ctx = mp.get_context("spawn")
+    meta_q, done_q = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_nixl_target, args=(nbytes, meta_q, done_q))
+    p.start()
+    try:
+        meta, base = meta_q.get(timeout=120)
+        a = Agent("bench-initiator", nbytes)
+        peer = a.add_remote(meta)
+        a.write(peer, 0, base, nbytes)  # connection set-up is not throughput
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a.write(peer, 0, base, nbytes)
+            best = min(best, time.perf_counter() - t0)
+        a.close()
+        return nbytes / best / 1e9
+    finally:
+        done_q.put(True)
+        p.join(30)
