@@ -59,7 +59,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
     ),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "mixtral-sliding": dict(model_type="mixtral", num_local_experts=3, num_experts_per_tok=2, sliding_window=8),
+    "mixtral-sliding": dict(
+        model_type="mixtral", num_local_experts=3, num_experts_per_tok=2, sliding_window=8
+    ),
     "qwen3_moe": dict(
         model_type="qwen3_moe",
         num_experts=4,
@@ -69,7 +71,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         mlp_only_layers=[1],
     ),
     "qwen3_moe-norm-topk": dict(
-        model_type="qwen3_moe", num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True
+        model_type="qwen3_moe",
+        num_experts=5,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
     ),
 }
 

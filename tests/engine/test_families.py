@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.config import ModelConfig
 
 from .conftest import GREEDY, hf_greedy, prompt_of, run_with_logits
@@ -106,7 +107,9 @@ def test_longrope_serves_up_to_the_original_length(make_engine, tmp_path):
     folder = build_family_model(tmp_path / "phi3", "phi3-longrope")
     cfg = ModelConfig.from_folder(folder)
     assert cfg.rope_type == "longrope" and cfg.max_position_embeddings == 64
-    assert cfg.rope_attention_factor == pytest.approx((1 + torch.log(torch.tensor(4.0)).item() / 4.1588830833596715) ** 0.5)
+    assert cfg.rope_attention_factor == pytest.approx(
+        (1 + torch.log(torch.tensor(4.0)).item() / 4.1588830833596715) ** 0.5
+    )
     engine = make_engine(model=folder)
     assert engine.max_model_len == 64
     with pytest.raises(ValueError, match="64"):

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdcluster.kernels import dequantize_kv, paged_decode_attention
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import RMSNorm
-from torch import nn
 
 
 @dataclass
@@ -196,7 +197,9 @@ class Attention(nn.Module):
                 k_scale=cache.k_scale[self.layer],
                 v_scale=cache.v_scale[self.layer],
             )
-        assert slots is not None and mask is not None, "decode metadata lacks the gather slots this layer needs"
+        assert slots is not None and mask is not None, (
+            "decode metadata lacks the gather slots this layer needs"
+        )
         b, d = q.shape[0], self.head_dim
         k, v = gather_kv(cache, self.layer, slots)  # [seqs, L, kv_heads, d]
         qb, kb, vb = q.view(b, self.num_heads, 1, d), k.transpose(1, 2), v.transpose(1, 2)

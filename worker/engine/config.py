@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pdcluster.worker.engine.families import FAMILIES, Family, MoeSpec, check_unsupported, layer_types, read_moe
+
+from pdcluster.worker.engine.families import (
+    FAMILIES,
+    Family,
+    MoeSpec,
+    check_unsupported,
+    layer_types,
+    read_moe,
+)
 from pdcluster.worker.engine.rope import SUPPORTED_ROPE_TYPES as SUPPORTED_ROPE_TYPES_
 from pdcluster.worker.engine.rope import RopeSpec, read_rope
 
@@ -104,7 +112,11 @@ class ModelConfig:
         where = f"{path}/config.json"
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = " (a multimodal checkpoint: only its text model, gemma3_text, is supported)" if model_type == "gemma3" else ""
+            hint = (
+                " (a multimodal checkpoint: only its text model, gemma3_text, is supported)"
+                if model_type == "gemma3"
+                else ""
+            )
             raise ValueError(
                 f"{where}: model_type {model_type!r} is not supported{hint} "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
@@ -112,9 +124,15 @@ class ModelConfig:
         fam = FAMILIES[model_type]
         check_unsupported(raw, where)
         # Gemma's MLP reads hidden_activation (hub configs also carry a stale hidden_act)
-        act = (raw.get("hidden_activation") or "gelu_pytorch_tanh") if fam.gemma else raw.get("hidden_act", "silu")
+        act = (
+            (raw.get("hidden_activation") or "gelu_pytorch_tanh")
+            if fam.gemma
+            else raw.get("hidden_act", "silu")
+        )
         if act not in SUPPORTED_ACTS:
-            raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTS)})")
+            raise ValueError(
+                f"{where}: hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTS)})"
+            )
 
         def need(key: str) -> Any:
             if key not in raw or raw[key] is None:
@@ -183,8 +201,12 @@ class ModelConfig:
             layer_windows=tuple(t == "sliding_attention" for t in types) if window else (),
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if fam.gemma else None,
             # Gemma 3's attention ignores attn_logit_softcapping in transformers; so do we
-            attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
-            final_logit_softcapping=_softcap(raw, "final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+            attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping", 50.0)
+            if model_type == "gemma2"
+            else None,
+            final_logit_softcapping=_softcap(
+                raw, "final_logit_softcapping", 30.0 if model_type == "gemma2" else None
+            )
             if fam.gemma
             else None,
             moe=read_moe(raw, fam, layers, where),

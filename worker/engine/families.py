@@ -65,7 +65,9 @@ def layer_types(raw: dict[str, Any], fam: Family, num_layers: int, where: str) -
         if given is None:
             # Gemma 2: every other layer from the first; Gemma 3: five local then one global
             pattern = 2 if raw.get("model_type") == "gemma2" else int(raw.get("sliding_window_pattern", 6))
-            given = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+            given = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+            ]
     elif fam.windows == "all" and window:
         # Mistral, Mixtral, Phi-3, Qwen3-MoE: transformers applies sliding_window to every layer
         given = ["sliding_attention"] * num_layers
@@ -107,5 +109,10 @@ def read_moe(raw: dict[str, Any], fam: Family, num_layers: int, where: str) -> M
     step = int(raw.get("decoder_sparse_step", 1))
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     return MoeSpec(
-        experts, top_k, int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)), False, layers
+        experts,
+        top_k,
+        int(raw["moe_intermediate_size"]),
+        bool(raw.get("norm_topk_prob", False)),
+        False,
+        layers,
     )

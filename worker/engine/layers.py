@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pdcluster.worker.engine.families import MoeSpec
 from torch import nn
+
+from pdcluster.worker.engine.families import MoeSpec
 
 
 class RMSNorm(nn.Module):

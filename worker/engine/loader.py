@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.model import DecoderForCausalLM
-from safetensors import safe_open
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -133,7 +134,9 @@ def load_model(
         dst = params[target].data
         if expert is not None:
             if expert >= dst.shape[0]:
-                raise ValueError(f"{folder}: tensor {hf_name!r} names an expert past num_experts={dst.shape[0]}")
+                raise ValueError(
+                    f"{folder}: tensor {hf_name!r} names an expert past num_experts={dst.shape[0]}"
+                )
             dst = dst[expert]
         if offset is not None:
             if offset + tensor.shape[0] <= dst.shape[0]:
@@ -182,7 +185,11 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
 def _mlp_names(cfg: ModelConfig, layer: int, p: str) -> list[str]:
     if cfg.moe is not None and cfg.moe.layers[layer]:
         if cfg.moe.weights_in_fp32:  # Mixtral's names
-            experts = [f"block_sparse_moe.experts.{e}.{w}" for e in range(cfg.moe.num_experts) for w in ("w1", "w2", "w3")]
+            experts = [
+                f"block_sparse_moe.experts.{e}.{w}"
+                for e in range(cfg.moe.num_experts)
+                for w in ("w1", "w2", "w3")
+            ]
             return [p + n + ".weight" for n in ["block_sparse_moe.gate", *experts]]
         parts = ("gate_proj", "up_proj", "down_proj")
         experts = [f"mlp.experts.{e}.{w}" for e in range(cfg.moe.num_experts) for w in parts]

@@ -11,12 +11,13 @@ attention.py, norms and MLPs in layers.py.
 from __future__ import annotations
 
 import torch
-from pdcluster.worker.engine.attention import AttnMetadata, Attention, PrefillSeq
+from torch import nn
+
+from pdcluster.worker.engine.attention import Attention, AttnMetadata, PrefillSeq
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import MLP, RMSNorm, SparseMoE
 from pdcluster.worker.engine.rope import RopeSpec
-from torch import nn
 
 __all__ = ["AttnMetadata", "DecoderForCausalLM", "LlamaForCausalLM", "PrefillSeq"]
 
@@ -45,7 +46,9 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttnMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, md, cache))
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
+            )
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -64,7 +67,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # which layers use the local (sliding-window) RoPE table
-        self.local_rope = [cfg.local_rope is not None and cfg.window_of(i) is not None for i in range(cfg.num_layers)]
+        self.local_rope = [
+            cfg.local_rope is not None and cfg.window_of(i) is not None for i in range(cfg.num_layers)
+        ]
         # cos/sin for every position, computed once in fp32 like transformers, then cast to the model dtype
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)

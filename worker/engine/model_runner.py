@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from pdcluster.worker.engine.attention import AttnMetadata, PrefillSeq, window_slots
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.loader import load_model, resolve_dtype
-from pdcluster.worker.engine.attention import AttnMetadata, PrefillSeq, window_slots
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence
 

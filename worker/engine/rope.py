@@ -99,7 +99,9 @@ def read_rope(
         params["original_max_position_embeddings"] = orig
         for key in ("short_factor", "long_factor"):
             if len(params[key]) != head_dim // 2:
-                raise ValueError(f"{where}: rope {key} has {len(params[key])} entries, head_dim/2 is {head_dim // 2}")
+                raise ValueError(
+                    f"{where}: rope {key} has {len(params[key])} entries, head_dim/2 is {head_dim // 2}"
+                )
         # as transformers: the attention factor follows max_position_embeddings / original unless given
         factor = params.get("attention_factor") or _longrope_attention_factor(
             params.get("factor") or max_pos / orig, orig
