@@ -139,3 +139,48 @@ def test_bad_fields_are_openai_errors(paths: tuple[Any, Any, Cluster]) -> None:
         assert e.value.body["param"] == "guided_regex"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="a", max_tokens=1, logit_bias={"100000": 1})
+
+
+def test_tokenize_detokenize_version_and_model_card(paths: tuple[Any, Any, Cluster]) -> None:
+    import httpx
+
+    _, routed, c = paths
+    for base in (c.decode[0], c.router):
+        t = httpx.post(f"{base}/tokenize", json={"prompt": "hello world"}, timeout=30).json()
+        assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 1024
+        back = httpx.post(f"{base}/detokenize", json={"tokens": t["tokens"]}, timeout=30).json()
+        assert "hello world" in back["prompt"]
+        chat = httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert chat.status_code == 200 and chat.json()["count"] > 0
+        bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert httpx.get(f"{base}/version", timeout=30).json()["version"]
+        missing = httpx.get(f"{base}/no/such/route", timeout=30)
+        err = missing.json()["error"]
+        assert missing.status_code == 404 and err["code"] == "unknown_route" and "/no/such/route" in err["message"]
+    assert routed.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        routed.models.retrieve("gpt-4")
+
+
+def test_api_key_on_the_router() -> None:
+    from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.pool import Pool
+
+    from ..netutil import serve
+
+    state = RouterState(Pool(prefill_urls=[], decode_urls=[], interval=60), max_queue_depth=None, threshold=0,
+                        request_timeout=5, max_retries=0)
+    with serve(build_router_app(state, api_key="sekret")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model="tiny", prompt="a", max_tokens=1)
+        assert e.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+        import httpx
+
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}, timeout=5).status_code == 401  # no key
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:  # past the key check: 503, no workers
+            ok.completions.create(model="tiny", prompt="a", max_tokens=1)
+        assert e.value.status_code == 503
+        assert httpx.get(f"{url}/live", timeout=5).status_code == 200  # probes need no key

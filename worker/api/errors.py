@@ -128,10 +128,15 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         _seen(400)
         return bad_request(message, param=param).response()
 
-    async def _http(_: Request, exc: Exception) -> JSONResponse:
+    async def _http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
-        err = APIError(status, str(exc.detail), code=None, headers=dict(exc.headers or {}))
+        # Our own words, not the framework's ("Not Found"): name the route the client asked for.
+        path = request.url.path[:200]
+        message = {404: f"no route {request.method} {path}",
+                   405: f"method {request.method} is not allowed on {path}"}.get(status, str(exc.detail))
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(status)
+        err = APIError(status, message, code=code, headers=dict(exc.headers or {}))
         return err.response()
 
     async def _unhandled(_: Request, exc: Exception) -> JSONResponse:

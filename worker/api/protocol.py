@@ -367,3 +367,26 @@ class ModelList(BaseModel):
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

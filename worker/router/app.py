@@ -12,6 +12,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -19,7 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdcluster import __version__
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.protocol import new_id
@@ -161,7 +164,7 @@ def _upstream(e: UpstreamError) -> errors.APIError:
     return errors.APIError(e.status, str(err.get("message", e)), code=err.get("code"), param=err.get("param"))
 
 
-def build_router_app(state: RouterState) -> FastAPI:
+def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
@@ -176,6 +179,7 @@ def build_router_app(state: RouterState) -> FastAPI:
     app.state.router = state
     app.state.max_body_bytes = state.max_body_bytes  # read by api.body
     errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
+    install_api_key(app, api_key)
 
     async def handle(request: Request, kind: str) -> Response:
         st = _state(request)
@@ -221,6 +225,36 @@ def build_router_app(state: RouterState) -> FastAPI:
                 if r.status_code == 200:
                     return JSONResponse(r.json())
         raise errors.unavailable("no healthy workers behind the router", code="no_workers")
+
+    async def to_worker(request: Request, method: str, path: str, body: dict[str, Any] | None = None) -> Response:
+        """A public, model-level route answered by any healthy worker (they all serve the same model)."""
+        st = _state(request)
+        for w in [w for w in st.pool.workers.values() if w.healthy]:
+            try:
+                # the client's own key goes along: workers behind a keyed router may require the same key
+                auth = {"Authorization": a} if (a := request.headers.get("authorization")) else {}
+                r = await st.public_client.request(method, f"{w.url}{path}", json=body, headers=auth)
+            except httpx.HTTPError:
+                continue
+            if r.status_code < 500:
+                return JSONResponse(r.json(), status_code=r.status_code)
+        raise errors.unavailable("no healthy workers behind the router", code="no_workers")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await to_worker(request, "GET", f"/v1/models/{quote(model_id, safe='')}")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await to_worker(request, "POST", "/tokenize", await json_object(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await to_worker(request, "POST", "/detokenize", await json_object(request))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/cluster")
     async def cluster(request: Request) -> JSONResponse:

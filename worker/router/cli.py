@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--internal-secret-file", default=None, metavar="PATH",
       help="shared secret (the workers' --kv-transfer-secret-file; else $PDCLUSTER_KV_SECRET) that authenticates "
            "the router's /internal/* calls to workers")
+    a("--api-key", default=None, metavar="KEY",
+      help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
+           "default: no key)")
     a("--cluster-name", default=None, help="value of the `pdcluster` metrics label")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
@@ -54,7 +57,9 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
                         request_timeout=args.request_timeout or None, max_retries=args.max_retries,
                         cluster=args.cluster_name, decode_wait=args.decode_wait)
-    return build_router_app(state)
+    from pdcluster.worker.api import api_key
+
+    return build_router_app(state, api_key=api_key.resolve(getattr(args, "api_key", None)))
 
 
 def run(args: argparse.Namespace) -> int:

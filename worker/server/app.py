@@ -22,11 +22,20 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from pdcluster.worker.api import errors
+from pdcluster import __version__
+from pdcluster.worker.api import errors, limits
 from pdcluster.worker.api.body import BODY_TIMEOUT_S, MAX_BODY_BYTES, parse_body
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
-from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdcluster.worker.api.prompting import encode_text, render_chat
+from pdcluster.worker.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
@@ -205,6 +214,43 @@ def _openai_routes() -> APIRouter:
         return ModelList(
             data=[ModelCard(id=w.served_model_name, root=w.served_model_name, max_model_len=w.limits.max_model_len)]
         )
+
+    @r.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> ModelCard:
+        w = _worker(request)
+        w.check_model(model_id or "?")
+        return ModelCard(id=model_id, root=w.served_model_name, max_model_len=w.limits.max_model_len)
+
+    @r.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @r.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        w = _worker(request)
+        req = await parse_body(request, TokenizeRequest)
+        w.check_model(req.model)
+        if req.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = await asyncio.to_thread(render_chat, w.tokenizer, msgs, req.add_generation_prompt)
+        else:
+            assert req.prompt is not None
+            limits.check_prompt_chars(len(req.prompt), w.limits, "prompt")
+            ids = await asyncio.to_thread(encode_text, w.tokenizer, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": w.limits.max_model_len, "tokens": ids})
+
+    @r.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        w = _worker(request)
+        req = await parse_body(request, DetokenizeRequest)
+        w.check_model(req.model)
+        vocab = w.limits.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
+            raise errors.bad_request(f"tokens must be in [0, {vocab})", param="tokens", code="invalid_token_id")
+        if w.tokenizer is None:
+            raise errors.bad_request("this model has no tokenizer", code="no_tokenizer")
+        return JSONResponse({"prompt": await asyncio.to_thread(w.tokenizer.decode, req.tokens)})
 
     async def handle(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
         arrival = time.monotonic()

@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
     a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    a("--api-key", default=None, metavar="KEY",
+      help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
+           "default: no key). The router calls workers' /internal/* routes, which take the internal token instead")
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
     t.add_argument("--kv-transfer-port", type=_port, default=None)
     t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
@@ -231,6 +234,9 @@ def _run(args: argparse.Namespace) -> int:
         on_shutdown=[disagg.stop, stop],
         internal_secret=disagg.secret,  # /drain and /undrain take the same token as /internal/*
     )
+    from pdcluster.worker.api import api_key
+
+    api_key.install(app, api_key.resolve(args.api_key))
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
     from pdcluster.worker.api.http_limits import uvicorn_options
 
