@@ -53,3 +53,14 @@ def test_engine_streams_text_and_honours_stop_strings(make_engine):
             text_b += out.new_text
             reason = out.finish_reason
     assert text_b == text[:10] and reason == "stop"
+
+
+def test_chat_template_tojson_does_not_html_escape_and_has_strftime_now(tiny_model_dir):
+    from pdcluster.worker.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(tiny_model_dir)
+    tok.chat_template = "{{ messages[0]['content'] | tojson }}|{{ strftime_now('%Y') }}"
+    out = tok.apply_chat_template([{"role": "user", "content": "<a & 'b'> é"}])
+    import datetime
+
+    assert out == f"\"<a & 'b'> é\"|{datetime.datetime.now().year}"  # as transformers renders it

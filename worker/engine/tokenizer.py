@@ -7,6 +7,7 @@ and the engine emits ids only.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,9 @@ class Tokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = raise_exception
-        env.filters.setdefault("tojson", lambda x, **kw: json.dumps(x, **kw))
+        # transformers' semantics: jinja's own tojson HTML-escapes (<, >, &, ') and would change the prompt
+        env.filters["tojson"] = _tojson
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages,
@@ -82,6 +85,11 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_str(value: Any) -> str | None:
