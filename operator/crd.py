@@ -243,6 +243,45 @@ def render_yaml() -> str:
     return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
 
 
+PEERING_GROUP = "kopf.dev"
+
+
+def build_peering_crds() -> list[dict[str, Any]]:
+    """kopf's peering CRDs (ClusterKopfPeering, KopfPeering; kopf does not install them): with two or more
+    operator replicas the chart runs `pdcluster operator --peering NAME`, and kopf keeps each replica's
+    keep-alive (identity -> priority, lifetime, last seen) in the peering object's status."""
+    out = []
+    for kind, scope in (("ClusterKopfPeering", "Cluster"), ("KopfPeering", "Namespaced")):
+        plural = kind.lower() + "s"
+        out.append({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{PEERING_GROUP}"},
+            "spec": {
+                "scope": scope,
+                "group": PEERING_GROUP,
+                "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                "versions": [{
+                    "name": "v1", "served": True, "storage": True,
+                    "schema": {"openAPIV3Schema": {
+                        "type": "object",
+                        "description": f"kopf peering ({scope.lower()}-scoped): live operator replicas.",
+                        "properties": {"status": {
+                            "type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                            "description": "Written by kopf: one entry per operator replica.",
+                        }},
+                    }},
+                }],
+            },
+        })
+    return out
+
+
+def render_peering_yaml() -> str:
+    return HEADER.replace("pdcluster.operator.models", "pdcluster.operator.crd (kopf's peering CRDs)") + (
+        "---\n".join(yaml.safe_dump(d, sort_keys=False, width=100) for d in build_peering_crds()))
+
+
 def main() -> int:
     sys.stdout.write(render_yaml())
     return 0

@@ -7,6 +7,8 @@
 | written | from |
 |---|---|
 | `crds/pdcluster.yaml`, `helm/pdcluster-operator/crds/pdcluster.yaml` | the pydantic models (`operator/crd.py`) |
+| `crds/kopf-peering.yaml`, chart `crds/kopf-peering.yaml` | kopf's peering CRDs (`operator/crd.py`), for HA replicas |
+| chart `README.md` | the chart's `values.yaml` comments (`scripts/chart_readme.py`) |
 | `observability/grafana-dashboard.json`, chart `files/grafana-dashboard.json` | `observability/build_dashboard.py` |
 | chart `files/prometheus-rules.yaml` | `observability/prometheus-rules.yaml` |
 | chart `files/operator-rbac.yaml` (the ClusterRole's rules) | `operator/rbac.yaml` |
@@ -35,6 +37,20 @@ def _crd() -> str:
     return crd.render_yaml()
 
 
+def _peering_crds() -> str:
+    from pdcluster.operator import crd
+
+    return crd.render_peering_yaml()
+
+
+def _chart_readme() -> str:
+    spec = importlib.util.spec_from_file_location("chart_readme", ROOT / "scripts" / "chart_readme.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return str(mod.render(ROOT / CHART))
+
+
 def _dashboard() -> str:
     # observability/ is not a package: load the builder from its file.
     spec = importlib.util.spec_from_file_location("build_dashboard", ROOT / "observability" / "build_dashboard.py")
@@ -57,6 +73,9 @@ def _copy(source: str) -> Callable[[], str]:
 ARTEFACTS: dict[str, Callable[[], str]] = {
     "crds/pdcluster.yaml": _crd,
     f"{CHART}/crds/pdcluster.yaml": _crd,
+    "crds/kopf-peering.yaml": _peering_crds,
+    f"{CHART}/crds/kopf-peering.yaml": _peering_crds,
+    f"{CHART}/README.md": _chart_readme,
     "observability/grafana-dashboard.json": _dashboard,
     f"{CHART}/files/grafana-dashboard.json": _dashboard,
     f"{CHART}/files/prometheus-rules.yaml": _copy("observability/prometheus-rules.yaml"),

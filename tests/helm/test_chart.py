@@ -77,6 +77,8 @@ def test_generated_artefacts_are_unchanged(tmp_path: Path):
     assert cp.returncode == 0, cp.stderr
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert {"crds/pdcluster.yaml", "helm/pdcluster-operator/crds/pdcluster.yaml",
+            "crds/kopf-peering.yaml", "helm/pdcluster-operator/crds/kopf-peering.yaml",
+            "helm/pdcluster-operator/README.md",
             "helm/pdcluster-operator/files/prometheus-rules.yaml",
             "helm/pdcluster-operator/files/grafana-dashboard.json",
             "helm/pdcluster-operator/files/operator-rbac.yaml"} <= set(written)
@@ -138,12 +140,18 @@ def test_helm_template_ci_values(values: Path):
     assert ctr["command"] == ["pdcluster", "operator"]
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    if cfg.get("rbac", {}).get("create", True):
-        assert {"ClusterRole", "ClusterRoleBinding"} <= kinds
-        (crb,) = by_kind(docs, "ClusterRoleBinding")
-        assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
-    else:
+    sa_name = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    namespaced = bool(cfg.get("operator", {}).get("watchNamespaces"))
+    if not cfg.get("rbac", {}).get("create", True):
+        assert not ({"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & kinds)
+    elif namespaced:
         assert not ({"ClusterRole", "ClusterRoleBinding"} & kinds)
+        for rb in by_kind(docs, "RoleBinding"):
+            assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": "pdc-system"}]
+    else:
+        assert not ({"Role", "RoleBinding"} & kinds)
+        for crb in by_kind(docs, "ClusterRoleBinding"):
+            assert crb["subjects"][0]["name"] == sa_name
     if cfg.get("serviceAccount", {}).get("create", True):
         (sa,) = by_kind(docs, "ServiceAccount")
         assert sa["metadata"]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
@@ -177,11 +185,20 @@ def test_monitoring_objects_render_when_enabled():
 @pytest.mark.parametrize(
     "bad,needle",
     [
-        (["--set", "replicaCount=2"], "replicaCount"),
+        (["--set", "replicaCount=-1"], "replicaCount"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "operator.resyncSeconds=0"], "resyncSeconds"),
         (["--set", "metrics.port=0"], "port"),
         (["--set", "unknownKey=1"], "unknownKey"),
+        (["--set", "replicaCount=6"], "replicaCount"),
+        (["--set", "metrics.podMonitor.interval=fast"], "interval"),
+        (["--set", "metrics.podMonitor.bogus=1"], "bogus"),
+        (["--set", "operator.extraEnv[0].nam=X"], "extraEnv"),
+        (["--set", "tolerations[0].operator=Maybe"], "operator"),
+        (["--set", "affinity.nodeAfinity.x=1"], "nodeAfinity"),
+        (["--set", "resources.limits.memory=true"], "memory"),
+        (["--set", "operator.watchNamespaces[0]=Bad_NS"], "watchNamespaces"),
+        (["--set", "podDisruptionBudget.enabled=yes"], "podDisruptionBudget"),
     ],
 )
 def test_values_schema_rejects_bad_values(bad: list[str], needle: str):
@@ -223,7 +240,7 @@ def _operator_rules() -> list[dict]:
 @needs_helm
 def test_cluster_role_is_exactly_what_the_operator_uses():
     wanted = _expand(_operator_rules())
-    (role,) = by_kind(render(), "ClusterRole")
+    (role,) = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == "pdc-pdcluster-operator"]
     granted = _expand(role["rules"])
     for g, res, v in granted | wanted:
         assert "*" not in (g, res, v), "wildcards are not least privilege"

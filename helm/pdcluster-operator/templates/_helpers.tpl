@@ -47,3 +47,13 @@ app.kubernetes.io/part-of: pdcluster
 {{- define "pdcluster-operator.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
+
+{{/* "true" when the operator runs as active/standby replicas through kopf peering (replicaCount >= 2). */}}
+{{- define "pdcluster-operator.ha" -}}
+{{- if ge (int .Values.replicaCount) 2 }}true{{ end }}
+{{- end }}
+
+{{/* The kopf peering object: a ClusterKopfPeering, or a KopfPeering in each watched namespace. */}}
+{{- define "pdcluster-operator.peeringName" -}}
+{{- include "pdcluster-operator.fullname" . }}
+{{- end }}
