@@ -35,4 +35,23 @@ for _ in $(seq 180); do curl -sf http://127.0.0.1:18001/health >/dev/null && bre
 timeout 240 .venv/bin/pdcluster bench --url http://127.0.0.1:18001 --prompt-lens 128,512,2048 \
     --output-lens 16,128 --requests 16 --concurrency 8 --out "$OUT/heatmap-1b" 2>&1 | tail -12 | tee "$OUT/heatmap.log"
 kill -TERM "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null
+echo "== 4. NIXL: register GPU memory and WRITE it between two agents (UCX: NVLink/cuda_ipc or host staging)"
+timeout 120 "$PY" - <<'PY' 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl-gpu.log"
+import time, torch
+from nixl_cu12 import nixl_agent, nixl_agent_config
+a, b = (nixl_agent(n, nixl_agent_config(backends=["UCX"])) for n in ("gpu-a", "gpu-b"))
+for mib in (16, 256):
+    src = torch.full((mib << 20,), 7, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    ra, rb = a.register_memory(src), b.register_memory(dst)
+    peer = a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs(src), b.get_xfer_descs(dst), peer)
+    t0 = time.perf_counter(); st = a.transfer(h)
+    while st == "PROC":
+        st = a.check_xfer_state(h)
+    torch.cuda.synchronize(); dt = time.perf_counter() - t0
+    print(f"nixl VRAM WRITE {mib} MiB: {st} {(mib << 20) / dt / 1e9:.2f} GB/s exact={bool((dst == 7).all())}")
+    a.release_xfer_handle(h); a.remove_remote_agent(peer)
+    a.deregister_memory(ra); b.deregister_memory(rb)
+PY
 echo "== done: $OUT"
