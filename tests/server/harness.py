@@ -33,3 +33,15 @@ def raw_post(base_url: str, path: str, body: dict[str, Any]) -> socket.socket:
     )
     sock.sendall(head.encode() + payload)
     return sock
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample called `name` whose labels include `labels` (others may be present:
+    workers add model_name, Kubernetes adds pdcluster), or None when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
