@@ -221,7 +221,9 @@ def build_crd() -> dict[str, Any]:
                                 "apiVersion": {"type": "string", "description": (
                                     "Versioned schema of this object (pdcluster.dev/v1alpha1).")},
                                 "kind": {"type": "string", "description": "PDCluster."},
-                                "metadata": {"type": "object", "description": "Standard object metadata."},
+                                # the API server refuses anything but `type` here (kubectl explain
+                                # documents ObjectMeta from the built-in schema)
+                                "metadata": {"type": "object"},
                                 "spec": spec_schema(),
                                 "status": _status_schema(),
                             },

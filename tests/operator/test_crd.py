@@ -53,6 +53,10 @@ def test_every_field_has_a_description() -> None:
         nonlocal seen
         for name, sub in (node.get("properties") or {}).items():
             seen += 1
+            if path == "" and name == "metadata":
+                # a real kube-apiserver refuses a CRD whose metadata schema says more than `type: object`
+                assert sub == {"type": "object"}, sub
+                continue
             if not str(sub.get("description", "")).strip():
                 missing.append(f"{path}.{name}")
             visit(sub, f"{path}.{name}")
