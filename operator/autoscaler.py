@@ -1,26 +1,23 @@
 """The autoscaler's pure core: observations + state + policy -> a decision and the next state.
 
-No I/O and no clock: `now` is an argument, state is a plain dataclass that the operator keeps in the
-PDCluster's status (so a restarted operator neither forgets learned capacities nor restarts a
-stabilization window; `status.autoscaler_state` and `status.autoscaler_status` convert). The rules:
+No I/O and no clock: `now` is an argument; the state lives in the PDCluster's status (`status.py`
+converts), so a restarted operator forgets neither capacities nor windows. Rules (docs/operator.md):
 
-- Recommendation per pool from the formula in `planner` (`P = ceil(h·λ·I/C_p)`, `D = ceil(h·λ·O/C_d)`),
-  clamped to the pool bounds and, with `maxTotalReplicas`, scaled down together keeping the ratio.
-  Zero traffic recommends the minimums.
-- Capacities: `spec.autoscaling.capacity` when set; otherwise learned: the per-instance throughput
-  observed while the pool was saturated (its queue non-empty across the whole window) is its capacity,
-  smoothed with an EWMA; an unsaturated pool that served more than the learned capacity raises it
-  (throughput is a lower bound of capacity). A pool whose capacity is unknown is held.
-- Scale up at once (at most `maxScaleUpStep` per decision).
-- Scale down only after recommendations stayed below the current size for
-  `scaleDownStabilizationSeconds`, where "below" means that even the load plus a 10% margin
-  (DOWN_TOLERANCE) fits in one replica less, i.e. the pool minus one still has headroom; the target is
-  the highest load seen in that window (plus the margin), and at most `maxScaleDownStep` replicas go per
-  decision.
-- Wait while a previous change is still rolling out (ready < desired), but not forever: after
-  `rolloutTimeoutSeconds` decide anyway and report the stall (ScalingLimited), so Pending pods (no GPU
-  left) never wedge the autoscaler.
-- No metrics -> hold everything.
+- Need per pool: `max(h·λ·I'/C_p, λ_peak·I'/C_p·b/(b+TTFT))` prefill, `max(h·λ·O/C_d, λ_peak·O/C_d)`
+  decode, where I' = I·(1 - prefix hit rate) and λ_peak the highest `burstWindowSeconds` (b) rate in the
+  window; clamped to the bounds (`maxTotalReplicas` keeps the ratio). Zero traffic -> the minimums.
+- Capacities: the spec's, else learned from saturated windows (EWMA; `autoscaler_rules.learn_capacity`),
+  never from warm-up windows (pods starting, or a window that began before the pool's last change);
+  either one times the SLO correction. Capacity unknown -> hold the pool.
+- SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool grows it
+  by one even when the formula says enough, and cuts its capacity correction (which fades while the SLO
+  is met); once per window after the pool's last change.
+- Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
+  size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
+  the sliding window of that length, and not below the need of bursts that broke the SLO within
+  `burstMemorySeconds`; at most `maxScaleDownStep` per decision.
+- Wait while a change rolls out (ready < desired), but after `rolloutTimeoutSeconds` decide anyway and
+  report the stall (ScalingLimited): Pending pods never wedge the autoscaler. No metrics -> hold.
 """
 
 from __future__ import annotations
@@ -29,9 +26,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdcluster.operator import autoscaler_rules as rules
+from pdcluster.operator.autoscaler_rules import EWMA_ALPHA, learn_capacity  # noqa: F401 (public here)
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
-EWMA_ALPHA = 0.3
 # A recommendation only counts as "lower" when even the load plus 10% fits in one replica less.
 DOWN_TOLERANCE = 0.10
 POOLS = ("prefill", "decode")
@@ -43,6 +41,7 @@ REBALANCE = "Rebalance"
 STEADY = "Steady"
 STABILIZING = "Stabilizing"
 NO_HEADROOM = "NoHeadroomForScaleDown"
+SLO_GUARD = "SLOBreached"  # a pool grown because its latency percentile broke spec.autoscaling.slo
 ROLLOUT = "RolloutInProgress"
 CAPACITY_UNKNOWN = "CapacityUnknown"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
@@ -62,6 +61,13 @@ class Observation:
     decode_tokens_per_instance: float | None = None  # observed output tok/s per decode instance
     prefill_saturated: bool = False  # queue non-empty across the whole window
     decode_saturated: bool = False
+    # Optional (None = series missing or not asked for; the rule that uses it is then skipped):
+    prefix_hit_rate: float | None = None  # share of prompt tokens served from the prefix cache
+    peak_request_rate: float | None = None  # highest short-window (burst) λ within the window
+    ttft_seconds: float | None = None  # observed TTFT at the SLO percentile over the window
+    tpot_seconds: float | None = None  # observed TPOT at the SLO percentile over the window
+    prefill_queue_mean: float | None = None  # requests waiting in the pool, averaged over the window
+    decode_queue_mean: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,16 @@ class Policy:
     rollout_timeout_seconds: float = 600.0
     prefill_capacity: float | None = None  # configured C_p
     decode_capacity: float | None = None  # configured C_d
+    # The metrics window: a window that began before the pool's last change is warm-up (None: unknown, so
+    # only windows while pods are still starting are; spec-built policies always know it).
+    window_seconds: float | None = None
+    burst_window_seconds: float | None = None  # the window of the peak λ (spec.autoscaling.burstWindowSeconds)
+    burst_memory_seconds: float = 3600.0  # how long the need of a burst (peak λ) holds the pool up
+    bursty_ratio: float = 2.0  # a window is bursty when its peak λ is at least this multiple of its mean
+    slo_ttft_seconds: float | None = None  # spec.autoscaling.slo: None = no SLO guard for that pool
+    slo_tpot_seconds: float | None = None
+    slo_percentile: float = 0.99
+    use_prefix_hits: bool = True  # discount I by the observed prefix-cache hit rate
 
     @classmethod
     def from_spec(cls, spec: Any) -> Policy:
@@ -97,15 +113,25 @@ class Policy:
             rollout_timeout_seconds=a.rolloutTimeoutSeconds,
             prefill_capacity=a.capacity.prefillTokensPerSecond,
             decode_capacity=a.capacity.decodeTokensPerSecond,
+            window_seconds=float(a.windowSeconds),
+            burst_window_seconds=float(a.burstWindowSeconds),
+            burst_memory_seconds=float(a.burstMemorySeconds),
+            slo_ttft_seconds=a.slo.ttftSeconds,
+            slo_tpot_seconds=a.slo.tpotSeconds,
+            slo_percentile=a.slo.percentile,
         )
 
 
 @dataclass(frozen=True)
 class PoolState:
     below_since: float | None = None  # when recommendations first fell below the current size
-    max_need: float | None = None  # highest unrounded need (h·λ·len/C) since then
+    max_need: float | None = None  # highest unrounded need (h·λ·len/C) over the last stabilization period
     last_change: float | None = None  # when the operator last changed this pool's size
     learned_capacity: float | None = None
+    recent_needs: tuple[tuple[float, float], ...] = ()  # (time, need) within the stabilization period
+    recent_bursts: tuple[tuple[float, float], ...] = ()  # (time, need of the peak λ) within the burst memory
+    capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
+    slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
 
 
 @dataclass(frozen=True)
@@ -126,6 +152,7 @@ class PoolDecision:
     capacity: float | None
     capacity_source: str  # spec | learned | unknown
     rollout_stalled: bool = False
+    slo_breached: bool = False  # the observed percentile broke this pool's SLO target
 
 
 @dataclass(frozen=True)
@@ -151,26 +178,13 @@ class Decision:
         return d
 
 
-def learn_capacity(previous: float | None, observed: float | None, saturated: bool,
-                   alpha: float = EWMA_ALPHA) -> float | None:
-    """Update a learned per-instance capacity from one window's observed throughput."""
-    if observed is None or not math.isfinite(observed) or observed <= 0:
-        return previous
-    if saturated:
-        return observed if previous is None else previous + alpha * (observed - previous)
-    if previous is not None and observed > previous:
-        # An unsaturated pool served more than we thought it could: capacity is at least that.
-        return observed
-    return previous
-
-
 def _overall_reason(p: PoolDecision, d: PoolDecision) -> str:
     ups = [x for x in (p, d) if x.desired > x.current]
     downs = [x for x in (p, d) if x.desired < x.current]
     if ups and downs:
         return REBALANCE
     if ups:
-        return SCALE_UP
+        return SLO_GUARD if any(x.reason == SLO_GUARD for x in ups) else SCALE_UP
     if downs:
         return SCALE_DOWN
     for reason in _HOLD_PRIORITY:
@@ -179,51 +193,87 @@ def _overall_reason(p: PoolDecision, d: PoolDecision) -> str:
     return STEADY
 
 
+def _learn(policy: Policy, ps: PoolState, view: PoolView, observed: float | None, saturated: bool,
+           now: float) -> PoolState:
+    if rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds):
+        return ps  # a cold-start sample: not evidence of capacity
+    return replace(ps, learned_capacity=learn_capacity(ps.learned_capacity, observed, saturated))
+
+
+def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
+    """(observed percentile, target) per pool: TTFT is prefill's SLO, TPOT decode's."""
+    return {"prefill": (obs.ttft_seconds if obs else None, policy.slo_ttft_seconds),
+            "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
+
+
 def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolView, decode: PoolView,
            now: float) -> Decision:
     views = {"prefill": prefill, "decode": decode}
-    lens = {
-        "prefill": obs.mean_input_tokens if obs else None,
-        "decode": obs.mean_output_tokens if obs else None,
-    }
+    hit = obs.prefix_hit_rate if obs is not None and policy.use_prefix_hits else None
+    mean_in = obs.mean_input_tokens if obs else None
+    lens = {"prefill": rules.prefill_tokens(mean_in, hit) if mean_in is not None else None,
+            "decode": obs.mean_output_tokens if obs else None}
     configured = {"prefill": policy.prefill_capacity, "decode": policy.decode_capacity}
 
-    # 1. Learned capacities (even when this decision holds, the observation is still evidence).
+    # 1. Learned capacities (even when this decision holds, the observation is still evidence), but
+    # never from a window that saw the pool warming up.
     pool_states = {r: state.pool(r) for r in POOLS}
     if obs is not None:
-        pool_states["prefill"] = replace(pool_states["prefill"], learned_capacity=learn_capacity(
-            pool_states["prefill"].learned_capacity, obs.prefill_tokens_per_instance, obs.prefill_saturated))
-        pool_states["decode"] = replace(pool_states["decode"], learned_capacity=learn_capacity(
-            pool_states["decode"].learned_capacity, obs.decode_tokens_per_instance, obs.decode_saturated))
+        pool_states = {
+            "prefill": _learn(policy, pool_states["prefill"], prefill, obs.prefill_tokens_per_instance,
+                              obs.prefill_saturated, now),
+            "decode": _learn(policy, pool_states["decode"], decode, obs.decode_tokens_per_instance,
+                             obs.decode_saturated, now)}
+
+    rate = obs.request_rate if obs else None
+    metrics_ok = obs is not None and rate is not None and (rate == 0 or None not in lens.values())
+
+    # 2. SLO guard: is a percentile broken, and is that news? The percentile covers the whole window, so
+    # a breach counts once the pool's last change has been observed for a window (sooner would count the
+    # same breach twice); only with traffic. While the SLO is met, an earlier correction fades.
+    slo = _slo_targets(policy, obs)
+    breach: dict[str, bool] = {}
+    for r in POOLS:
+        ps, view = pool_states[r], views[r]
+        observed, target = slo[r]
+        broken = bool(metrics_ok and rate and rules.breached(observed, target))
+        # More replicas cure queueing, not a slow request: a breach with (almost) no queue in front of
+        # the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
+        queue = (obs.prefill_queue_mean if r == "prefill" else obs.decode_queue_mean) if obs else None
+        breach[r] = broken and rules.queued(queue) and not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready,
+                                                    policy.window_seconds)
+        if not broken and ps.capacity_scale < 1.0 and rules.comfortable(observed, target):
+            pool_states[r] = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
 
     capacity: dict[str, float | None] = {}
     source: dict[str, str] = {}
     for r in POOLS:
+        ps = pool_states[r]
         if configured[r]:
-            capacity[r], source[r] = configured[r], "spec"
-        elif pool_states[r].learned_capacity:
-            capacity[r], source[r] = pool_states[r].learned_capacity, "learned"
+            capacity[r], source[r] = configured[r] * ps.capacity_scale, "spec"  # type: ignore[operator]
+        elif ps.learned_capacity:
+            capacity[r], source[r] = ps.learned_capacity * ps.capacity_scale, "learned"
         else:
             capacity[r], source[r] = None, "unknown"
 
-    rate = obs.request_rate if obs else None
-    metrics_ok = obs is not None and rate is not None and (
-        rate == 0 or (lens["prefill"] is not None and lens["decode"] is not None)
-    )
+    peak = obs.peak_request_rate if obs else None
     inputs = {
-        "requestRate": rate,
-        "meanInputTokens": lens["prefill"],
+        "requestRate": rate, "peakRequestRate": peak, "meanInputTokens": mean_in, "prefixHitRate": hit,
         "meanOutputTokens": lens["decode"],
-        "prefillCapacity": capacity["prefill"],
-        "decodeCapacity": capacity["decode"],
-        "prefillCapacitySource": source["prefill"],
-        "decodeCapacitySource": source["decode"],
-        "headroom": policy.headroom,
+        "prefillCapacity": capacity["prefill"], "decodeCapacity": capacity["decode"],
+        "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
+        "headroom": policy.headroom, "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0],
     }
 
-    # 2. Raw recommendations (None = cannot compute: hold this pool).
+    # 3. Raw recommendations (None = cannot compute: hold this pool). A burst within the window (peak λ)
+    # must fit without headroom: the headroom covers the mean's noise, the peak is already the worst case.
+    # Bursts recur (the Azure code trace: 10 s bursts minutes apart), and a pod starts long after a burst
+    # is over, so a burst's need (peak λ without headroom) is remembered for `burst_memory_seconds`,
+    # longer than the stabilization.
     need: dict[str, float | None] = {}
+    burst_need: dict[str, float] = {}
     for r in POOLS:
+        burst_need[r] = 0.0
         if not metrics_ok:
             need[r] = None
         elif rate == 0:
@@ -231,7 +281,17 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         elif capacity[r] is None:
             need[r] = None
         else:
-            need[r] = policy.headroom * rate * lens[r] / capacity[r]  # type: ignore[operator]
+            work = lens[r] / capacity[r]  # type: ignore[operator]
+            burst_work = work * rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
+            # Only bursts that hurt are remembered: a window whose peak is far above its mean, with the
+            # SLO broken, or while earlier such bursts are still remembered (bursts absorbed thanks to
+            # the memory keep it alive; otherwise it would lapse and the next burst would hurt again).
+            # A peak close to the mean is Poisson noise, and the edge of a level shift that the pool
+            # absorbed breaks nothing: the ordinary stabilization window holds those.
+            bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
+            if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
+                burst_need[r] = peak * burst_work  # type: ignore[operator]
+            need[r] = max(policy.headroom * rate * work, (peak or 0.0) * burst_work)  # type: ignore[operator]
 
     raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
@@ -241,7 +301,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     }
     limited_by = [x for x in limited_by if not x.startswith("min-")]
 
-    # 3. Stability rules per pool.
+    # 4. Stability rules per pool.
     out: dict[str, PoolDecision] = {}
     for r in POOLS:
         view, ps = views[r], pool_states[r]
@@ -266,10 +326,28 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             assert target is not None
             budget_limited = "max-total-replicas" in limited_by
             load = need[r] or 0.0  # h·λ·len/C: instances needed with headroom, unrounded
+            # The sliding window of needs: scale-down targets the highest need of the last
+            # stabilization period, not the highest since the pool first looked too big.
+            seed = ps.recent_needs or (  # a state written before the window existed: its max counts once
+                ((ps.below_since, ps.max_need),) if ps.below_since is not None and ps.max_need is not None else ())
+            window = rules.NeedWindow(seed).add(now, load, policy.stabilization_seconds)
+            bursts = rules.NeedWindow(ps.recent_bursts).add(now, burst_need[r], policy.burst_memory_seconds)
+            ps = replace(ps, recent_needs=window.as_tuple(), recent_bursts=bursts.as_tuple(),
+                         max_need=max(window.peak() or 0.0, bursts.peak() or 0.0))
+            _, hi = policy.bounds.of(r)
+            guard_up = breach[r] and (hi is None or current < hi) and not budget_limited
+            if guard_up and target <= current:
+                # The SLO is broken although the formula says enough: one more replica now, and the
+                # capacity the formula believes in is corrected for the next decisions. (When the formula
+                # already asks for more, the load explains the breach: no correction.)
+                target = current + 1
+                ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE,
+                                                    ps.capacity_scale * rules.SLO_CAPACITY_CUT),
+                             slo_breaches=ps.slo_breaches + 1)
             if target > current:
                 desired = min(target, current + policy.max_up_step)
-                reason = SCALE_UP
-                ps = replace(ps, below_since=None, max_need=None, last_change=now)
+                reason = SLO_GUARD if guard_up and rec[r] <= current else SCALE_UP  # type: ignore[operator]
+                ps = replace(ps, below_since=None, last_change=now)
             else:
                 # "Lower" needs a margin (DOWN_TOLERANCE) so that noise around a replica boundary
                 # does not count as a lower recommendation.
@@ -277,17 +355,15 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
                 lower = target < current and (budget_limited or with_margin < current)
                 if not lower:
                     reason = STEADY
-                    ps = replace(ps, below_since=None, max_need=None)
+                    ps = replace(ps, below_since=None)
                 else:
                     if ps.below_since is None:
-                        ps = replace(ps, below_since=now, max_need=load)
-                    else:
-                        ps = replace(ps, max_need=max(ps.max_need or 0.0, load))
+                        ps = replace(ps, below_since=now)
                     if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
                         reason = STABILIZING
                     else:
                         lo, _ = policy.bounds.of(r)
-                        # the highest load seen in the window, with the margin, must still fit
+                        # the highest load of the window, with the margin, must still fit
                         floor_ = target if budget_limited else max(
                             target, replicas_for((ps.max_need or 0.0) * (1 + DOWN_TOLERANCE)))
                         desired = max(floor_, current - policy.max_down_step, lo)
@@ -300,7 +376,8 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         # Bounds changed in the spec always apply, even while holding.
         desired = policy.bounds.clamp(r, desired)
         pool_states[r] = ps
-        out[r] = PoolDecision(current, rec[r], desired, reason, capacity[r], source[r], stalled)
+        out[r] = PoolDecision(current, rec[r], desired, reason, capacity[r], source[r], stalled,
+                              slo_breached=rules.breached(*slo[r]))
 
     if any(out[r].rollout_stalled for r in POOLS):
         limited_by = [*limited_by, "rollout-stalled"]

@@ -196,6 +196,19 @@ class Capacity(_Base):
     )
 
 
+class SLO(_Base):
+    ttftSeconds: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="Time-to-first-token target at `percentile`; when broken the prefill pool grows "
+        "even if the formula says it is big enough.",
+    )
+    tpotSeconds: float | None = Field(
+        default=None, gt=0, le=60,
+        description="Time-per-output-token target at `percentile`; when broken the decode pool grows.",
+    )
+    percentile: float = Field(default=0.99, gt=0, lt=1, description="The latency quantile checked (0..1).")
+
+
 class Autoscaling(_Base):
     model_config = ConfigDict(
         json_schema_extra={
@@ -228,6 +241,18 @@ class Autoscaling(_Base):
         description="How long to wait for a previous scale change to become ready before deciding anyway.",
     )
     capacity: Capacity = Field(default_factory=Capacity)
+    slo: SLO = Field(default_factory=SLO, description="Latency targets guarded by the autoscaler.")
+    burstWindowSeconds: int = Field(
+        default=10, ge=0, le=3600,
+        description="Short window for the peak request rate within windowSeconds (a burst must fit "
+        "without headroom; needs a router scrape interval of at most half of it, else 3x it is "
+        "tried); 0 = use the mean rate only.",
+    )
+    burstMemorySeconds: int = Field(
+        default=3600, ge=0, le=86400,
+        description="How long the replicas a burst needed are kept (bursts recur; pods start too late "
+        "for the burst that asked for them).",
+    )
 
     @model_validator(mode="after")
     def _url(self) -> Autoscaling:

@@ -31,6 +31,16 @@ LEARNED_CAPACITY = Gauge(
     "Learned per-instance capacity (prompt tok/s for prefill, output tok/s for decode).",
     ["namespace", "pdcluster", "role"], registry=REGISTRY,
 )
+SLO_SCALE_UPS = Counter(
+    "pdcluster_autoscaler_slo_scale_ups_total",
+    "Pools grown by the SLO guard (an observed latency percentile broke spec.autoscaling.slo).",
+    ["namespace", "pdcluster", "role"], registry=REGISTRY,
+)
+CAPACITY_SCALE = Gauge(
+    "pdcluster_autoscaler_capacity_scale",
+    "SLO correction applied to the per-instance capacity (1 = as configured or learned).",
+    ["namespace", "pdcluster", "role"], registry=REGISTRY,
+)
 DRAINS = Counter(
     "pdcluster_operator_drains_total", "Pods asked to drain before a scale-down, by result.",
     ["result"], registry=REGISTRY,

@@ -12,6 +12,14 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
   number of instances reporting `pdcluster_requests_waiting` for that role
 - saturated: min over the window of sum(pdcluster_requests_waiting{role=...}) > 0, i.e. the queue never
   emptied.
+- queue mean: avg over the window of sum(pdcluster_requests_waiting{role=...}) (the SLO guard grows a
+  pool only when it had a queue to cure)
+- prefix hit rate = rate(pdcluster_prefix_cache_hit_tokens_total{role="prefill"}) / rate(prompt tokens of
+  the prefill workers) (optional: missing on workers without the counter -> no discount)
+- peak λ (with `burst_seconds`): max over the window of the `burst_seconds` request rate, a subquery
+  `max_over_time(sum(rate(...[b]))[w:b/2])`; empty (scrape interval > b/2) -> the same at 3b (optional)
+- TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
+  (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
 The client is synchronous (requests); call `observe` from a thread.
 """
@@ -84,7 +92,8 @@ class PrometheusSource:
                 return v
         return None
 
-    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None) -> Observation:
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None, *,
+                percentile: float | None = None, burst_seconds: int = 0) -> Observation:
         w = f"{int(window_seconds)}s"
         step = f"{max(1, min(15, int(window_seconds) // 10))}s"
         router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
@@ -122,9 +131,33 @@ class PrometheusSource:
                 return None
             return total / n
 
+        def queue_mean(sel: str) -> float | None:
+            return self.scalar(f"avg_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
+
         def saturated(sel: str) -> bool:
             v = self.scalar(f"min_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
             return bool(v is not None and v > 0)
+
+        prefix_hits = self.scalar(f"sum(rate(pdcluster_prefix_cache_hit_tokens_total{prefill}[{w}]))")
+        prefill_prompts = self.scalar(f"sum(rate(pdcluster_prompt_tokens_total{prefill}[{w}]))")
+        hit_rate = (min(1.0, prefix_hits / prefill_prompts)
+                    if prefix_hits is not None and prefill_prompts else None)
+        peak = None
+        # A scrape interval longer than half the burst window leaves rate() empty: then 3x the window.
+        for bs in (int(burst_seconds), 3 * int(burst_seconds)):
+            if peak is not None or not 0 < bs < window_seconds:
+                continue
+            b, sub = f"{bs}s", f"{max(1, bs // 2)}s"
+            peak = self._first(
+                f"max_over_time(sum(rate(pdcluster_requests_total{router}[{b}]))[{w}:{sub}])",
+                f"max_over_time(sum(rate(pdcluster_requests_total{decode}[{b}]))[{w}:{sub}])",
+            )
+
+        def quantile(hist: str) -> float | None:
+            if percentile is None:
+                return None
+            return self._first(*(f"histogram_quantile({percentile:g}, sum by (le) (rate({hist}_bucket{sel}[{w}])))"
+                                 for sel in (router, decode)))
 
         return Observation(
             request_rate=rate,
@@ -134,4 +167,10 @@ class PrometheusSource:
             decode_tokens_per_instance=per_instance("pdcluster_generation_tokens_total", decode, "decode"),
             prefill_saturated=saturated(prefill),
             decode_saturated=saturated(decode),
+            prefix_hit_rate=hit_rate,
+            peak_request_rate=peak,
+            ttft_seconds=quantile("pdcluster_time_to_first_token_seconds"),
+            tpot_seconds=quantile("pdcluster_time_per_output_token_seconds"),
+            prefill_queue_mean=queue_mean(prefill),
+            decode_queue_mean=queue_mean(decode),
         )

@@ -24,12 +24,13 @@ from pdcluster.operator.promsource import MetricsUnavailable
 
 ROLES = naming.WORKER_ROLES
 # condition type -> (the status that deserves a Warning Event, the Event's reason)
-WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimited": ("True", "ScalingLimited")}
+WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimited": ("True", "ScalingLimited"),
+             "SLOMet": ("False", "SLOBreached")}
 
 
 class MetricsSource(Protocol):
-    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None
-                ) -> asc.Observation: ...
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None, *,
+                percentile: float | None = None, burst_seconds: int = 0) -> asc.Observation: ...
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def disabled(spec: PDClusterSpec, resync_seconds: float) -> Step:
         conditions=[
             st.condition("MetricsAvailable", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
             st.condition("ScalingLimited", False, "AutoscalingDisabled", "replicas come from the spec"),
+            st.condition("SLOMet", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
         ],
     )
 
@@ -126,6 +128,26 @@ def scaling_condition(decision: asc.Decision) -> dict[str, Any]:
     return st.condition("ScalingLimited", True, reason, "limited by: " + ", ".join(limits))
 
 
+def slo_condition(spec: PDClusterSpec, decision: asc.Decision) -> dict[str, Any]:
+    """SLOMet: False while an observed latency percentile breaks spec.autoscaling.slo."""
+    slo = spec.autoscaling.slo
+    if slo.ttftSeconds is None and slo.tpotSeconds is None:
+        return st.condition("SLOMet", "Unknown", "NoSLO", "spec.autoscaling.slo sets no target")
+    q = f"p{100 * slo.percentile:g}"
+    ttft, tpot = decision.inputs.get("ttftSeconds"), decision.inputs.get("tpotSeconds")
+    broken = []
+    if decision.prefill.slo_breached:
+        broken.append(f"TTFT {q} {_fmt(ttft, ' s')} > {slo.ttftSeconds:g} s (prefill grows)")
+    if decision.decode.slo_breached:
+        broken.append(f"TPOT {q} {_fmt(tpot, ' s')} > {slo.tpotSeconds:g} s (decode grows)")
+    if broken:
+        return st.condition("SLOMet", False, "SLOBreached", "; ".join(broken))
+    if (slo.ttftSeconds is not None and ttft is None) and (slo.tpotSeconds is not None and tpot is None):
+        return st.condition("SLOMet", "Unknown", "NoLatencySeries", "no latency histogram in the window")
+    return st.condition("SLOMet", True, "WithinSLO",
+                        f"TTFT {q} {_fmt(ttft, ' s')}, TPOT {q} {_fmt(tpot, ' s')} within the targets")
+
+
 def _fmt(x: float | None, unit: str = "") -> str:
     return "n/a" if x is None else f"{x:.4g}{unit}"
 
@@ -152,7 +174,8 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
     return Step(
         desired=desired,
         next_delay=float(spec.autoscaling.intervalSeconds),
-        conditions=[metrics_condition(observed, decision), scaling_condition(decision)],
+        conditions=[metrics_condition(observed, decision), scaling_condition(decision),
+                    slo_condition(spec, decision)],
         autoscaler_status=st.autoscaler_status(decision, st.fmt_time(now)),
         decision=decision,
         scaled_message=scaled_message(decision, base, desired) if decision.changed else None,
@@ -165,7 +188,11 @@ async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec
     url = spec.autoscaling.prometheusUrl or ""
     try:
         source = source_for(url)
-        obs = await asyncio.to_thread(source.observe, cluster, spec.autoscaling.windowSeconds, ready)
+        auto = spec.autoscaling
+        slo_on = auto.slo.ttftSeconds is not None or auto.slo.tpotSeconds is not None
+        obs = await asyncio.to_thread(source.observe, cluster, auto.windowSeconds, ready,
+                                      percentile=auto.slo.percentile if slo_on else None,
+                                      burst_seconds=auto.burstWindowSeconds)
         return Observed(obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={cluster}")
     except MetricsUnavailable as e:
         opmetrics.ERRORS.labels("metrics").inc()
@@ -198,9 +225,12 @@ def record_metrics(owner: naming.Owner, spec: PDClusterSpec, s: Step) -> None:
     if s.decision is not None:
         opmetrics.DECISIONS.labels(owner.namespace, owner.name, s.decision.reason).inc()
         for r in ROLES:
-            cap = s.decision.state.pool(r).learned_capacity
-            if cap:
-                opmetrics.LEARNED_CAPACITY.labels(owner.namespace, owner.name, r).set(cap)
+            ps = s.decision.state.pool(r)
+            if ps.learned_capacity:
+                opmetrics.LEARNED_CAPACITY.labels(owner.namespace, owner.name, r).set(ps.learned_capacity)
+            opmetrics.CAPACITY_SCALE.labels(owner.namespace, owner.name, r).set(ps.capacity_scale)
+            if s.decision.pool(r).reason == asc.SLO_GUARD:
+                opmetrics.SLO_SCALE_UPS.labels(owner.namespace, owner.name, r).inc()
     for r in ROLES:
         opmetrics.DESIRED.labels(owner.namespace, owner.name, r).set(s.desired[r])
     opmetrics.DESIRED.labels(owner.namespace, owner.name, "router").set(spec.router.replicas)

@@ -7,8 +7,9 @@ import datetime as dt
 from typing import Any
 
 from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
+from pdcluster.operator.autoscaler_rules import MAX_NEED_SAMPLES
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet")
 
 
 def fmt_time(epoch: float) -> str:
@@ -158,6 +159,7 @@ def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
     learned = sts.get("learnedCapacity") or {}
     stab = sts.get("stabilization") or {}
     last = sts.get("lastScaleTime") or {}
+    slo = sts.get("slo") or {}
 
     def t(v: Any) -> float | None:
         try:
@@ -167,24 +169,51 @@ def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
 
     def pool(role: str, cap_key: str) -> PoolState:
         s = stab.get(role) or {}
+        g = (slo.get(role) if isinstance(slo, dict) else None) or {}
         cap = learned.get(cap_key)
+        scale = g.get("capacityScale")
+        breaches = g.get("breaches")
         return PoolState(
             below_since=t(s.get("belowSince")),
             max_need=float(s["maxNeed"]) if isinstance(s.get("maxNeed"), int | float) else None,
             last_change=t(last.get(role)),
             learned_capacity=float(cap) if isinstance(cap, int | float) and cap > 0 else None,
+            recent_needs=_needs(s.get("recentNeeds")),
+            recent_bursts=_needs(s.get("recentBursts")),
+            capacity_scale=float(scale) if isinstance(scale, int | float) and 0 < scale <= 1 else 1.0,
+            slo_breaches=breaches if isinstance(breaches, int) and breaches >= 0 else 0,
         )
 
     return State(prefill=pool("prefill", "prefillTokensPerSecond"),
                  decode=pool("decode", "decodeTokensPerSecond"))
 
 
+def _needs(v: Any) -> tuple[tuple[float, float], ...]:
+    """stabilization.<pool>.recentNeeds: [[epoch seconds, need], ...] (bounded; junk entries dropped)."""
+    if not isinstance(v, list):
+        return ()
+    out = []
+    for item in v[:MAX_NEED_SAMPLES]:
+        if (isinstance(item, list) and len(item) == 2 and all(isinstance(x, int | float) for x in item)
+                and item[1] >= 0):
+            out.append((float(item[0]), float(item[1])))
+    return tuple(out)
+
+
 def autoscaler_state_status(state: State) -> dict[str, Any]:
-    """The State as status.autoscaler fields (learnedCapacity, stabilization, lastScaleTime)."""
+    """The State as status.autoscaler fields (learnedCapacity, stabilization, lastScaleTime, slo)."""
     def pool(ps: PoolState) -> dict[str, Any] | None:
-        if ps.below_since is None:
+        if ps.below_since is None and not ps.recent_needs and not ps.recent_bursts:
             return None
-        return {"belowSince": fmt_time(ps.below_since), "maxNeed": ps.max_need}
+        out: dict[str, Any] = {"maxNeed": ps.max_need,
+                               "recentNeeds": [[round(t, 3), round(n, 4)] for t, n in ps.recent_needs],
+                               "recentBursts": [[round(t, 3), round(n, 4)] for t, n in ps.recent_bursts]}
+        if ps.below_since is not None:
+            out["belowSince"] = fmt_time(ps.below_since)
+        return out
+
+    def guard(ps: PoolState) -> dict[str, Any]:
+        return {"capacityScale": round(ps.capacity_scale, 4), "breaches": ps.slo_breaches}
 
     return {
         "learnedCapacity": {
@@ -192,6 +221,7 @@ def autoscaler_state_status(state: State) -> dict[str, Any]:
             "decodeTokensPerSecond": state.decode.learned_capacity,
         },
         "stabilization": {"prefill": pool(state.prefill), "decode": pool(state.decode)},
+        "slo": {"prefill": guard(state.prefill), "decode": guard(state.decode)},
         "lastScaleTime": {
             "prefill": fmt_time(state.prefill.last_change) if state.prefill.last_change else None,
             "decode": fmt_time(state.decode.last_change) if state.decode.last_change else None,
@@ -203,7 +233,7 @@ def decision_record(d: Decision, now: str) -> dict[str, Any]:
     """status.autoscaler.lastDecision: what was decided and from which inputs."""
     def pool(p: PoolDecision) -> dict[str, Any]:
         return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
-                "capacitySource": p.capacity_source}
+                "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
 
     return {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
             "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}

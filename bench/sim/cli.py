@@ -60,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, help="capacities from `pdcluster profile --json` output")
     p.add_argument("--decode-batch", type=int, default=None, help="decode batch limit (default 32)")
     p.add_argument("--pod-start", type=float, default=ServiceModel.pod_start_s, help="pod start delay, s")
+    p.add_argument("--headroom", type=float, default=1.5,
+                   help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
+    p.add_argument("--cold", action="store_true",
+                   help="autoscaled policies start from the formula's size for the first 120 s and an empty "
+                   "state, instead of from a first pass over the trace (the default: the hour before "
+                   "looked like this one)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="no prefix caching in the prefill instances (default: an LRU of 500k tokens each)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
 
 
@@ -74,10 +82,23 @@ def _model(args: argparse.Namespace) -> ServiceModel:
         if v is not None and not v > 0:
             raise UsageError(f"{flag} must be > 0 (got {v})")
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
-                        pod_start_s=args.pod_start)
+                        pod_start_s=args.pod_start, prefix_cache_tokens=0 if args.no_prefix_cache else
+                        ServiceModel.prefix_cache_tokens)
 
 
-def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str]) -> tuple[dict, dict[str, RunResult]]:
+def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
+               headroom: float = 1.5) -> RunResult:
+    """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
+    starts from (the hour before looked like this one; see policies.carry_over)."""
+    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom)
+    if primed:
+        first = simulate(trace, model, policy)
+        policy = pol.carry_over(policy, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
+    return simulate(trace, model, policy)
+
+
+def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
+            headroom: float = 1.5) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 
@@ -95,7 +116,7 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str]) ->
             s = pol.make(name, model.prefill_tps, model.decode_tps)
             runs[name] = static(s.prefill, s.decode)
         else:
-            runs[name] = simulate(trace, model, pol.make(name, model.prefill_tps, model.decode_tps, trace=trace))
+            runs[name] = run_policy(trace, model, slo, name, primed, headroom)
     summaries = {n: policy_summary(r, slo) for n, r in runs.items()}
     if "static-best" in runs:
         best = runs["static-best"]
@@ -111,18 +132,22 @@ def run(args: argparse.Namespace) -> int:
         for n in names:
             if n != "static-best":
                 pol.make(n, 1.0, 1.0)  # validates the name
+        if not 1.0 <= args.headroom <= 10.0:
+            raise UsageError(f"--headroom must be in [1, 10] (got {args.headroom})")
         if not args.speedup > 0:
             raise UsageError(f"--speedup must be > 0 (got {args.speedup})")
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_target)
         model = _model(args)
         trace = tr.scale_time(tr.read_trace(args.trace), args.speedup)
+        if args.policy is None and any(r.hash_ids for r in trace.requests[:100]):
+            names.insert(1, "pdcluster-no-prefix")  # prefix reuse in the trace: show what the discount does
         if len(trace.requests) < 2 or trace.duration_s <= 0:
             raise UsageError(f"{args.trace}: the trace needs at least two requests over a positive span")
         args.out.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    summaries, runs = run_all(trace, model, slo, names)
+    summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom)
     elapsed = time.perf_counter() - t0
     doc = {
         "trace": trace_summary(trace),
@@ -132,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                   "slo_tpot_s": slo.tpot_s, "slo_target": slo.target, "prefill_capacity": model.prefill_tps,
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
                   "pod_start_s": model.pod_start_s, "max_queue_depth": model.max_queue_depth,
+                  "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
+                  "burst_window_s": pol.BURST_S, "headroom": args.headroom,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))

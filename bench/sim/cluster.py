@@ -3,7 +3,10 @@
 - Router: admits a request while fewer than `max_queue_depth` requests wait for their first token (the
   router's own bound), else rejects it (a 429: counted, never lost, and an SLO miss).
 - Prefill: one FCFS queue in front of the pool (the router sends to the least-loaded worker, which a
-  shared queue approximates); an instance serves one prompt at a time at `prefill_tps`.
+  shared queue approximates); an instance serves one prompt at a time at `prefill_tps`. With `hash_ids`
+  (Mooncake) each instance keeps an LRU prefix cache of `prefix_cache_tokens`: the leading blocks it
+  already holds are hits (counted as pdcluster_prefix_cache_hit_tokens_total) and only the rest is
+  computed. The router is not prefix-aware, so a hit needs the same instance (or a shared system prefix).
 - KV transfer: `transfer_s(prompt tokens)` after prefill, then the request waits for a decode slot.
 - Decode: continuous batching up to `decode_batch`; the first token streams when the request joins a
   batch (so a decode shortage shows in TTFT, as it does behind the real router), the rest at the
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdcluster.bench.sim.model import ServiceModel
@@ -28,7 +32,7 @@ ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = ran
 
 
 class Instance:
-    __slots__ = ("role", "created", "ready", "draining", "ended", "busy", "n", "v", "last", "fin", "ver")
+    __slots__ = ("role", "created", "ready", "draining", "ended", "busy", "n", "v", "last", "fin", "ver", "cache")
 
     def __init__(self, role: str, created: float) -> None:
         self.role, self.created = role, created
@@ -37,6 +41,7 @@ class Instance:
         self.busy: int | None = None  # prefill: the request being prefilled
         self.n, self.v, self.last, self.ver = 0, 0.0, created, 0  # decode: batch, virtual tokens, clock
         self.fin: list[tuple[float, int]] = []  # decode: (virtual finish, request)
+        self.cache: OrderedDict[int, None] = OrderedDict()  # prefill: prefix blocks held, LRU order
 
     @property
     def serving(self) -> bool:
@@ -77,6 +82,7 @@ class RunResult:
     timeline: list[tuple[float, int, int, int, int, float]]  # t, P desired, D desired, P ready, D ready, λ
     generated_tokens: float
     prefilled_tokens: int
+    prefix_hit_tokens: int = 0
 
 
 class Cluster:
@@ -100,7 +106,11 @@ class Cluster:
         self.dhead = 0
         self.pending_first = 0
         self.c = Counters()
-        self.sampler = Sampler(window_s)
+        core = getattr(policy, "core", None)
+        self.sampler = Sampler(window_s, burst_s=getattr(policy, "burst_s", 0.0),
+                               percentile=getattr(core, "slo_percentile", None))
+        self.block_tokens = trace.block_tokens
+        self.cache_blocks = model.prefix_cache_tokens // max(1, trace.block_tokens)
         self.scale_events = 0
         self.timeline: list[tuple[float, int, int, int, int, float]] = []
 
@@ -138,8 +148,26 @@ class Cluster:
                 rid = self.pqueue[self.phead]
                 self.phead += 1
                 inst.busy = rid
-                self.c.prefill_tokens += self.reqs[rid].input_tokens
-                self.push(now + self.reqs[rid].input_tokens / self.m.prefill_tps, PREFILL_DONE, inst, rid)
+                r = self.reqs[rid]
+                self.c.prefill_tokens += r.input_tokens
+                hit = self.prefix_hits(inst, r.hash_ids, r.input_tokens)
+                self.c.prefix_hit_tokens += hit
+                self.push(now + (r.input_tokens - hit) / self.m.prefill_tps, PREFILL_DONE, inst, rid)
+
+    def prefix_hits(self, inst: Instance, blocks: tuple[int, ...] | None, tokens: int) -> int:
+        """Tokens of the prompt's leading blocks this instance holds; then it holds all of them (LRU)."""
+        if not blocks or self.cache_blocks <= 0:
+            return 0
+        cache, n = inst.cache, 0
+        while n < len(blocks) and blocks[n] in cache:
+            n += 1
+        for b in blocks:
+            cache[b] = None
+            cache.move_to_end(b)
+        while len(cache) > self.cache_blocks:
+            cache.popitem(last=False)
+        # the last token is always computed (its logits start decoding), as in the engine
+        return min(n * self.block_tokens, tokens - 1)
 
     # ---- decode -----------------------------------------------------------------------------------
     def advance(self, d: Instance, now: float) -> None:
@@ -163,6 +191,7 @@ class Cluster:
             rid = self.dqueue[self.dhead]
             self.dhead += 1
             self.first[rid] = now
+            self.sampler.ttft.append((now, now - self.reqs[rid].t))
             self.pending_first -= 1
             self.c.generated += 1  # the first token
             if self.out[rid] == 1:
@@ -180,6 +209,7 @@ class Cluster:
         while d.fin and d.fin[0][0] <= d.v + 1e-9:
             _, rid = heapq.heappop(d.fin)
             self.done[rid] = now
+            self.sampler.tpot.append((now, (now - self.first[rid]) / (self.out[rid] - 1)))  # type: ignore[operator]
             d.n -= 1
         if d.n == 0:
             d.v = 0.0  # keep the virtual clock small (float precision over long runs)
@@ -242,6 +272,7 @@ class Cluster:
                     continue
                 self.pending_first += 1
                 self.c.admitted += 1
+                self.sampler.admit_times.append(now)
                 self.c.prompt_tokens += self.reqs[b].input_tokens
                 self.pqueue.append(b)
                 self.prefill_dispatch(now)
@@ -285,6 +316,7 @@ class Cluster:
             scale_events=self.scale_events,
             max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
+            prefix_hit_tokens=self.c.prefix_hit_tokens,
         )
 
 

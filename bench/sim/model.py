@@ -25,6 +25,9 @@ class ServiceModel:
     kv_transfer_tps: float = 200_000.0  # prompt tokens whose KV moves per second between instances
     kv_transfer_base_s: float = 0.005  # per-transfer setup (connection, metadata)
     max_queue_depth: int = 256  # the router's default bound on requests waiting for a first token
+    # Prefix cache per prefill instance (tokens of KV kept for reuse; 0 = no prefix caching). 500k tokens is
+    # ~60 GB of bf16 KV for an 8B GQA model (128 KiB/token): what one 80-141 GB GPU keeps beside weights.
+    prefix_cache_tokens: int = 500_000
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "kv_transfer_tps"):

@@ -6,14 +6,22 @@ per-instance throughput = the pool's token rate divided by the instances reporti
 the pool's waiting queue stayed non-empty at every sample of the window (`min_over_time(...[w:step])`,
 step = min(15 s, window/10)). Counters are sampled at each autoscaler tick, so a window is exact when it
 is a multiple of the interval (the defaults: 120 s and 30 s).
+
+The optional observations the same way: the prefix-cache hit rate = hit tokens / prompt tokens of the
+prefill pool over the window; the peak λ = the highest `burst_s` request rate at sub-steps of `burst_s/2`
+within the window (the `max_over_time(rate(...[b])[w:b/2])` subquery); TTFT/TPOT at a percentile =
+`histogram_quantile` over the router's histogram buckets (`worker/api/metrics.py`) filled by the requests
+observed within the window, interpolated inside a bucket as Prometheus does.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from pdcluster.operator.autoscaler import Observation
+from pdcluster.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
 
 @dataclass
@@ -22,9 +30,28 @@ class Counters:
     prompt_tokens: int = 0  # pdcluster_prompt_tokens_total{role="router"}
     prefill_tokens: int = 0  # pdcluster_prompt_tokens_total{role="prefill"} (at prefill start)
     generated: float = 0.0  # pdcluster_generation_tokens_total (fluid: fractional between events)
+    prefix_hit_tokens: int = 0  # pdcluster_prefix_cache_hit_tokens_total{role="prefill"}
 
-    def snapshot(self) -> tuple[int, int, int, float]:
-        return (self.admitted, self.prompt_tokens, self.prefill_tokens, self.generated)
+    def snapshot(self) -> tuple[int, int, int, float, int]:
+        return (self.admitted, self.prompt_tokens, self.prefill_tokens, self.generated, self.prefix_hit_tokens)
+
+
+def histogram_quantile(q: float, buckets: tuple[float, ...], values: list[float]) -> float | None:
+    """Prometheus's histogram_quantile over `values` bucketed by upper bounds `buckets` (+Inf implied)."""
+    if not values:
+        return None
+    counts = [0] * (len(buckets) + 1)
+    for v in values:
+        counts[bisect.bisect_left(buckets, v)] += 1
+    rank, cum = q * len(values), 0
+    for i, c in enumerate(counts):
+        if cum + c >= rank and c:
+            if i == len(buckets):
+                return buckets[-1]  # the +Inf bucket: Prometheus answers the highest finite bound
+            lo = buckets[i - 1] if i else 0.0
+            return lo + (buckets[i] - lo) * (rank - cum) / c
+        cum += c
+    return buckets[-1]
 
 
 @dataclass(frozen=True)
@@ -42,8 +69,13 @@ class PolicyInput:
 @dataclass
 class Sampler:
     window_s: float
+    burst_s: float = 0.0  # 0 = no peak λ
+    percentile: float | None = None  # None = no latency quantiles
     times: list[float] = field(default_factory=list)
-    snaps: list[tuple[int, int, int, float]] = field(default_factory=list)
+    snaps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    admit_times: list[float] = field(default_factory=list)
+    ttft: list[tuple[float, float]] = field(default_factory=list)  # (when observed, seconds), in time order
+    tpot: list[tuple[float, float]] = field(default_factory=list)
     qtimes: list[float] = field(default_factory=list)
     pq: list[int] = field(default_factory=list)
     dq: list[int] = field(default_factory=list)
@@ -72,6 +104,27 @@ class Sampler:
             return None
         return span, tuple(b - a for a, b in zip(self.snaps[j], self.snaps[-1], strict=True))
 
+    def peak_rate(self, now: float) -> float | None:
+        if not self.burst_s or self.burst_s >= self.window_s:
+            return None
+        sub, best, t = self.burst_s / 2, 0.0, now
+        while t > now - self.window_s + 1e-9:
+            n = bisect.bisect_right(self.admit_times, t) - bisect.bisect_right(self.admit_times, t - self.burst_s)
+            best = max(best, n / self.burst_s)
+            t -= sub
+        return best
+
+    def quantile(self, now: float, samples: list[tuple[float, float]], buckets: tuple[float, ...]) -> float | None:
+        if self.percentile is None:
+            return None
+        j = bisect.bisect_right(samples, (now - self.window_s, math.inf))  # (now - w, now], as PromQL
+        return histogram_quantile(self.percentile, buckets, [v for _, v in samples[j:]])
+
+    def _queue_mean(self, now: float, queue: list[int]) -> float | None:
+        j = bisect.bisect_left(self.qtimes, now - self.window_s - 1e-9)
+        vals = queue[j:]
+        return sum(vals) / len(vals) if vals else None
+
     def _saturated(self, now: float, queue: list[int]) -> bool:
         j = bisect.bisect_left(self.qtimes, now - self.window_s - 1e-9)
         vals = queue[j:]
@@ -81,7 +134,7 @@ class Sampler:
         d = self._delta(now)
         if d is None:
             return None  # no series yet: the autoscaler holds (MetricsUnavailable)
-        span, (adm, prompt, prefilled, gen) = d
+        span, (adm, prompt, prefilled, gen, hits) = d
         rate = adm / span
         return Observation(
             request_rate=rate,
@@ -91,6 +144,12 @@ class Sampler:
             decode_tokens_per_instance=gen / span / decode_reporting if decode_reporting else None,
             prefill_saturated=self._saturated(now, self.pq),
             decode_saturated=self._saturated(now, self.dq),
+            prefix_hit_rate=hits / prefilled if prefilled else None,
+            peak_request_rate=self.peak_rate(now),
+            ttft_seconds=self.quantile(now, self.ttft, TTFT_BUCKETS),
+            tpot_seconds=self.quantile(now, self.tpot, TPOT_BUCKETS),
+            prefill_queue_mean=self._queue_mean(now, self.pq),
+            decode_queue_mean=self._queue_mean(now, self.dq),
         )
 
     def utilisation(self, now: float, role: str, reporting: int, capacity: float) -> float | None:
@@ -98,6 +157,6 @@ class Sampler:
         d = self._delta(now)
         if d is None or not reporting:
             return None
-        span, (_, _, prefilled, gen) = d
+        span, (_, _, prefilled, gen, _) = d
         tokens = prefilled if role == "prefill" else gen
         return min(1.0, tokens / span / (reporting * capacity))

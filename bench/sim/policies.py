@@ -1,8 +1,12 @@
 """Scaling policies compared by the simulator.
 
 - `pdcluster`: the operator's own core, `pdcluster.operator.autoscaler.decide`, with its State carried
-  from tick to tick (stabilization windows, step limits, rollout waits, learned capacities) and the
-  spec's capacities (what `pdcluster profile` writes into spec.autoscaling.capacity).
+  from tick to tick (stabilization windows, step limits, rollout waits, learned capacities), the
+  spec's capacities (what `pdcluster profile` writes into spec.autoscaling.capacity), the SLO guard
+  (spec.autoscaling.slo = the simulation's SLO), the peak λ over `burstWindowSeconds` and the prefix-hit
+  discount: the defaults a PDCluster gets.
+- `pdcluster-no-prefix`: the same without the prefix-hit discount of I (not in the default set: to show
+  what the discount is worth on a trace with prefix reuse).
 - `no-headroom`: the same core at headroom 1.0.
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
@@ -13,8 +17,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
 from pdcluster.operator.autoscaler import Policy as CorePolicy
@@ -22,6 +27,8 @@ from pdcluster.operator.autoscaler import PoolView, State, decide
 from pdcluster.operator.planner import Bounds, plan
 
 NAMES = ("pdcluster", "no-headroom", "independent", "static-1:1", "static-best")
+EXTRA = ("pdcluster-no-prefix",)
+BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
 
 
 @dataclass
@@ -47,6 +54,7 @@ class Core:
     core: CorePolicy
     name: str = "pdcluster"
     start: tuple[int, int] | None = None  # sizes at t=0 (None: the minimums)
+    burst_s: float = BURST_S  # the metrics source's peak-λ window (0: mean λ only)
     state: State = field(default_factory=State)
     decisions: list[str] = field(default_factory=list)
 
@@ -54,12 +62,39 @@ class Core:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
 
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
-        d = decide(self.core, self.state, inp.observation,
+        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        d = decide(core, self.state, inp.observation,
                    PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
                    PoolView(inp.decode_current, inp.decode_ready, since=0.0), inp.now)
         self.state = d.state
         self.decisions.append(d.reason)
         return d.prefill.desired, d.decode.desired
+
+
+def _shift_pool(ps, dt: float):
+    def f(x: float | None) -> float | None:
+        return None if x is None else x - dt
+
+    return replace(ps, below_since=f(ps.below_since), last_change=f(ps.last_change),
+                   recent_needs=tuple((t - dt, n) for t, n in ps.recent_needs),
+                   recent_bursts=tuple((t - dt, n) for t, n in ps.recent_bursts))
+
+
+def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
+    """The policy as it stands after a previous pass over a trace of `duration_s`: its state with times
+    moved back by the duration (the next pass starts at 0) and the sizes it ended with.
+
+    A trace cut from a longer day does not start from an autoscaler that has never seen the traffic:
+    priming with a pass over the same trace stands for "the previous hour looked like this one"."""
+    if isinstance(policy, Core):
+        state = State(prefill=_shift_pool(policy.state.prefill, duration_s),
+                      decode=_shift_pool(policy.state.decode, duration_s))
+        return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state)
+    if isinstance(policy, Independent):
+        hist = {r: [(t - duration_s, n) for t, n in h] for r, h in policy.history.items()}
+        return Independent(policy.bounds, policy.target, policy.tolerance, policy.stabilization_s,
+                           policy.max_up_step, policy.max_down_step, policy.name, sizes, hist)
+    return policy
 
 
 @dataclass
@@ -100,10 +135,12 @@ class Independent:
 
 
 def core_policy(prefill_tps: float, decode_tps: float, headroom: float = 1.5,
-                bounds: Bounds | None = None) -> CorePolicy:
-    """The autoscaler policy a PDCluster with default autoscaling and profiled capacities gets."""
+                bounds: Bounds | None = None, slo: SLO | None = None, use_prefix_hits: bool = True) -> CorePolicy:
+    """The autoscaler policy a PDCluster with default autoscaling, profiled capacities and `slo` gets."""
     return CorePolicy(headroom=headroom, bounds=bounds or Bounds(), prefill_capacity=prefill_tps,
-                      decode_capacity=decode_tps)
+                      decode_capacity=decode_tps, slo_ttft_seconds=slo.ttft_s if slo else None,
+                      slo_tpot_seconds=slo.tpot_s if slo else None, slo_percentile=slo.target if slo else 0.99,
+                      use_prefix_hits=use_prefix_hits)
 
 
 def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: float,
@@ -120,21 +157,25 @@ def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: fl
 
 
 def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
-         trace: Trace | None = None):
-    """A policy by name; with `trace`, autoscaled policies start warm (see `warm_start`)."""
+         trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5):
+    """A policy by name; with `trace`, autoscaled policies start warm (see `warm_start`); with `slo`, the
+    operator's core guards it (spec.autoscaling.slo); `headroom` is the pdcluster policies'."""
     bounds = bounds or Bounds()
 
     def start(h: float) -> tuple[int, int] | None:
         return warm_start(trace, prefill_tps, decode_tps, h) if trace is not None else None
 
     if name == "pdcluster":
-        return Core(core_policy(prefill_tps, decode_tps, 1.5, bounds), "pdcluster", start(1.5))
+        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), "pdcluster", start(headroom))
+    if name == "pdcluster-no-prefix":
+        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo, use_prefix_hits=False),
+                    "pdcluster-no-prefix", start(headroom))
     if name == "no-headroom":
-        return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds), "no-headroom", start(1.0))
+        return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0))
     if name == "independent":
         return Independent(bounds, start=start(1.5))
     if name.startswith("static-") and ":" in name:
         p, _, d = name[len("static-"):].partition(":")
         if p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1:
             return Static(int(p), int(d))
-    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(NAMES)}, or static-P:D)")
+    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(NAMES + EXTRA)}, or static-P:D)")

@@ -46,6 +46,7 @@ def policy_summary(r: RunResult, slo: SLO) -> dict:
         "max_prefill": r.max_prefill,
         "max_decode": r.max_decode,
         "rejected": sum(r.rejected),
+        "prefix_hit_rate": r.prefix_hit_tokens / r.prefilled_tokens if r.prefilled_tokens else 0.0,
     }
 
 

@@ -43,7 +43,8 @@ def written(out: rec.Outcome) -> dict[str, str]:
 class BusySource:
     """Far more traffic than maxReplicas can serve: the autoscaler is pinned at the bounds."""
 
-    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None) -> asc.Observation:
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None,
+                **_: object) -> asc.Observation:
         return asc.Observation(request_rate=100.0, mean_input_tokens=1000.0, mean_output_tokens=200.0)
 
 
@@ -51,7 +52,8 @@ async def test_conditions_of_a_static_pdcluster_are_exported() -> None:
     out = await rec.reconcile(_ctx(FakeKube(), []), make_body(name="static"), "create")
     assert exported("static") == written(out)
     assert exported("static") == {"Ready": "False", "Progressing": "True", "Degraded": "False",
-                                  "MetricsAvailable": "Unknown", "ScalingLimited": "False"}
+                                  "MetricsAvailable": "Unknown", "ScalingLimited": "False",
+                                  "SLOMet": "Unknown"}
     assert gauge("static", "MetricsAvailable", "Unknown") == 1.0
     assert gauge("static", "MetricsAvailable", "True") == 0.0
     assert gauge("static", "MetricsAvailable", "False") == 0.0

@@ -16,7 +16,7 @@ import pytest
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(
 
 RATE = 4.0  # requests/s
 IN, OUT = 2048, 512
+HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix cache
+# TTFT histogram of the router: per request, 60% under 0.5 s, 30% in (0.5, 1], 10% in (1, 5]
+TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
 
 
 def _free_port() -> int:
@@ -54,6 +57,14 @@ class Workload:
         yield counter("pdcluster_generation_tokens_total", "generated tokens", [
             (["demo", "router", "r0"], RATE * OUT * t),
             (["demo", "decode", "d0"], RATE * OUT * t / 2), (["demo", "decode", "d1"], RATE * OUT * t / 2)])
+        yield counter("pdcluster_prefix_cache_hit_tokens_total", "prefix hits", [
+            (["demo", "prefill", "p0"], HIT * RATE * IN * t / 2), (["demo", "prefill", "p1"], HIT * RATE * IN * t / 2)])
+        h = HistogramMetricFamily("pdcluster_time_to_first_token_seconds", "ttft",
+                                  labels=["pdcluster", "role", "worker"])
+        n = RATE * t
+        h.add_metric(["demo", "router", "r0"], [(str(le), share * n) for le, share in TTFT] + [("+Inf", n)],
+                     sum_value=n)
+        yield h
         g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):
             g.add_metric(["demo", "prefill", w], 3)  # the prefill queue never empties: saturated
@@ -145,6 +156,20 @@ def test_decision_learns_the_saturated_pool_from_prometheus(prometheus: str) -> 
     assert d.prefill.capacity_source == "learned"
     # 1.5 * 4 req/s * 2048 / 4096 = 3 instances; decode 1.5 * 4 * 512 / 2000 = 1.54 -> 2
     assert d.prefill.recommended == 3 and d.decode.recommended == 2
+
+
+def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
+    source = PrometheusSource(prometheus)
+    _observe_when_ready(source)
+    o = source.observe("demo", window_seconds=WINDOW, percentile=0.95, burst_seconds=2)
+    assert o.prefix_hit_rate == pytest.approx(HIT, rel=0.05)
+    # p95 falls in the (1, 5] bucket, halfway through its 10%: Prometheus interpolates to 3 s
+    assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)
+    assert o.tpot_seconds is None  # no TPOT histogram exported: the guard for decode is skipped
+    assert o.peak_request_rate == pytest.approx(RATE, rel=0.2)  # a steady rate: the peak is the mean
+    # without the SLO guard or a burst window, those queries are not asked
+    o = source.observe("demo", window_seconds=WINDOW)
+    assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None
 
 
 def test_missing_series_and_unreachable_server(prometheus: str) -> None:

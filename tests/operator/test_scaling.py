@@ -28,7 +28,8 @@ class FixedSource:
     def __init__(self, obs: asc.Observation | None) -> None:
         self.obs, self.calls = obs, 0
 
-    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None) -> asc.Observation:
+    def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None,
+                **_: object) -> asc.Observation:
         self.calls += 1
         if self.obs is None:
             raise RuntimeError("down")
@@ -64,7 +65,7 @@ async def test_disabled_uses_the_spec_replicas() -> None:
     s = await scaling.step(spec, {}, pools(None, None), NOW, cluster="demo", source_for=lambda u: FixedSource(None),
                            resync_seconds=60)
     assert s.desired == {"prefill": 1, "decode": 2} and s.decision is None and s.autoscaler_status == {}
-    assert [c["reason"] for c in s.conditions] == ["AutoscalingDisabled", "AutoscalingDisabled"]
+    assert [c["reason"] for c in s.conditions] == ["AutoscalingDisabled"] * 3
 
 
 def test_base_starts_from_the_recorded_desired_count_within_the_current_bounds() -> None:
@@ -97,7 +98,8 @@ async def test_due_evaluates_records_state_and_asks_for_a_scaled_event() -> None
     assert s.scaled_message and s.scaled_message.startswith("prefill 1->3, decode 2->3 (ScaleUp")
     assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)
     assert s.autoscaler_status["lastDecision"]["prefill"]["desired"] == 3
-    assert {c["type"]: c["status"] for c in s.conditions} == {"MetricsAvailable": "True", "ScalingLimited": "False"}
+    assert {c["type"]: c["status"] for c in s.conditions} == {"MetricsAvailable": "True", "ScalingLimited": "False",
+                                                              "SLOMet": "Unknown"}
     assert s.next_delay == spec.autoscaling.intervalSeconds
 
 
@@ -105,7 +107,7 @@ async def test_unreachable_metrics_hold_and_say_why() -> None:
     s = await scaling.step(auto_spec(), {}, pools(2, 2), NOW, cluster="demo",
                            source_for=lambda u: FixedSource(None), resync_seconds=60)
     assert s.desired == {"prefill": 2, "decode": 2} and s.scaled_message is None
-    (metrics, _) = s.conditions
+    (metrics, _, _) = s.conditions
     assert (metrics["status"], metrics["reason"]) == ("False", "PrometheusUnreachable")
 
 

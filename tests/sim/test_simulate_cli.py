@@ -32,7 +32,10 @@ def test_summary_schema_and_plots(tmp_path, small_trace, capsys):
     doc = json.loads((out / "summary.json").read_text())
     assert set(doc["trace"]) >= {"requests", "duration_s", "mean_input_tokens", "mean_output_tokens"}
     assert doc["trace"]["requests"] == 600
-    assert set(doc["policies"]) == {"pdcluster", "no-headroom", "independent", "static-1:1", "static-best"}
+    # the trace has hash_ids (prefix reuse): the default set adds the pdcluster policy without the discount
+    assert set(doc["policies"]) == {"pdcluster", "pdcluster-no-prefix", "no-headroom", "independent",
+                                    "static-1:1", "static-best"}
+    assert doc["setup"]["primed"] is True and doc["policies"]["pdcluster"]["prefix_hit_rate"] > 0
     for name, p in doc["policies"].items():
         assert POLICY_KEYS <= set(p), name
         assert 0.0 <= p["slo_attainment"] <= 1.0
@@ -55,6 +58,15 @@ def test_policy_subset_and_speedup(tmp_path, small_trace):
     assert not (out / "replicas.png").exists()
 
 
+def test_cold_start_and_headroom_are_recorded(tmp_path, small_trace):
+    out = tmp_path / "c"
+    assert main(["simulate", "--trace", str(small_trace), "--out", str(out), "--policy", "pdcluster",
+                 "--cold", "--headroom", "1.2", "--no-prefix-cache", "--no-plots"]) == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["setup"]["primed"] is False and doc["setup"]["headroom"] == 1.2
+    assert doc["setup"]["prefix_cache_tokens"] == 0 and doc["policies"]["pdcluster"]["prefix_hit_rate"] == 0
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--trace", "/nonexistent/x.csv"], "no such file"),
     (["--trace", "{wrong}", "--policy", "hpa"], "unknown policy"),
@@ -63,6 +75,7 @@ def test_policy_subset_and_speedup(tmp_path, small_trace):
     (["--trace", "{trace}", "--speedup", "fast"], "invalid float value"),
     (["--trace", "{trace}", "--prefill-capacity", "-5"], "--prefill-capacity must be > 0"),
     (["--trace", "{trace}", "--slo-ttft", "0"], "SLO"),
+    (["--trace", "{trace}", "--headroom", "0.5"], "--headroom must be in [1, 10]"),
     (["--trace", "{trace}", "--bogus"], "unrecognized arguments"),
     (["--trace", "{trace}", "--profile", "/nonexistent.json"], "no such profile"),
 ])

@@ -83,11 +83,9 @@ def test_operator_core_follows_the_ramp_up_and_back_down():
     assert "RolloutInProgress" in core.decisions  # pods take pod_start_s: decide waits for them
 
 
-@pytest.mark.xfail(strict=True, reason="operator defect found by the simulator: decide() keeps the "
-                   "stabilization window's max_need from `below_since` on and never slides it, so after the "
-                   "first ScaleDown the plateau's tail holds the pool (NoHeadroomForScaleDown) for as long as "
-                   "load stays low; fix in operator/autoscaler.py, then drop this marker")
 def test_operator_core_returns_to_the_minimum_after_the_plateau():
+    # Regression (found by the simulator): decide() kept the stabilization window's max from `below_since`
+    # on and never slid it, so the plateau's tail held 3 prefill instances for as long as load stayed low.
     trace = synthetic(ramp, 2400)
     core = pol.make("pdcluster", M.prefill_tps, M.decode_tps)
     r = simulate(trace, M, core)

@@ -1,0 +1,114 @@
+"""The autoscaler's small pure rules, kept apart from `decide` so each one is testable alone.
+
+- `learn_capacity`: per-instance capacity from one window's throughput (EWMA while saturated).
+- `warming_up`: whether a window's throughput sample is a cold-start sample (skipped for learning).
+- `NeedWindow`: the sliding window of recent needs behind scale-down stabilization (bounded size).
+- `slo_breaches`: which pool the observed latency percentiles say is too small.
+- `prefill_tokens`: the formula's I discounted by the observed prefix-cache hit rate.
+- `burst_spread`: how much of a burst's peak rate the pool must serve within the TTFT target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+EWMA_ALPHA = 0.3
+# The window of needs kept in status.autoscaler is bounded: samples share fixed time buckets of
+# keep/(MAX_NEED_SAMPLES-1) seconds, each bucket keeping its largest need at its latest time (a peak then
+# lives at most one bucket longer than the window: scale-down only ever gets more conservative).
+MAX_NEED_SAMPLES = 32
+# On an SLO breach the capacity the formula uses is cut by this factor (not below MIN_CAPACITY_SCALE of
+# the configured/learned value); while the SLO is met it recovers by CAPACITY_RECOVERY per decision, so a
+# correction fades over tens of minutes, not at the next quiet tick, and a breach that more replicas did
+# not cure (one huge prompt is slow on any pool size) does not keep the pool large for good.
+SLO_CAPACITY_CUT = 0.85
+MIN_CAPACITY_SCALE = 0.4
+CAPACITY_RECOVERY = 0.01
+SLO_COMFORT = 1.0  # "met": a correction fades whenever the percentile is within the target
+GUARD_MIN_QUEUE = 0.5  # requests waiting on average over the window before the SLO guard grows a pool
+MAX_PREFIX_HIT = 0.95  # never trust a hit rate that would make prefill free
+
+
+def learn_capacity(previous: float | None, observed: float | None, saturated: bool,
+                   alpha: float = EWMA_ALPHA) -> float | None:
+    """Update a learned per-instance capacity from one window's observed throughput."""
+    if observed is None or not math.isfinite(observed) or observed <= 0:
+        return previous
+    if saturated:
+        return observed if previous is None else previous + alpha * (observed - previous)
+    if previous is not None and observed > previous:
+        # An unsaturated pool served more than we thought it could: capacity is at least that.
+        return observed
+    return previous
+
+
+def warming_up(now: float, last_change: float | None, since: float | None, current: int, ready: int,
+               window_seconds: float | None) -> bool:
+    """A throughput sample taken while instances were starting is not evidence of capacity.
+
+    A fresh pod serves slowly at first (weights paging in, kernels compiling, CUDA graphs captured) and a
+    pod that is not ready yet reports nothing while the queue grows: either way a saturated window
+    measures the warm-up, not the steady state, and learning from it over-scales the pool (Dynamo's
+    planner, #12430). So a window that began before the pool's last change (or its creation) finished,
+    or any window while the pool is still rolling out, teaches nothing.
+    """
+    if ready < current:
+        return True
+    ref = last_change if last_change is not None else since
+    return ref is not None and window_seconds is not None and now - ref < window_seconds
+
+
+def prefill_tokens(mean_input: float, hit_rate: float | None) -> float:
+    """Prompt tokens per request that prefill actually computes: the uncached share of I."""
+    if hit_rate is None or not math.isfinite(hit_rate) or hit_rate <= 0:
+        return mean_input
+    return mean_input * (1.0 - min(hit_rate, MAX_PREFIX_HIT))
+
+
+def burst_spread(role: str, burst_window: float | None, ttft_target: float | None) -> float:
+    """Share of a burst's rate a pool must serve: prompts arriving over b seconds may finish over b + the
+    TTFT target, so prefill needs b/(b+TTFT) of the peak rate; decode (and prefill without a TTFT target
+    or a known burst window) all of it."""
+    if role != "prefill" or not burst_window or not ttft_target:
+        return 1.0
+    return burst_window / (burst_window + ttft_target)
+
+
+def breached(observed: float | None, target: float | None) -> bool:
+    return target is not None and observed is not None and math.isfinite(observed) and observed > target
+
+
+def queued(queue_mean: float | None) -> bool:
+    """Whether the pool had a queue worth curing (unknown: trust the percentile)."""
+    return queue_mean is None or queue_mean >= GUARD_MIN_QUEUE
+
+
+def comfortable(observed: float | None, target: float | None) -> bool:
+    return target is None or observed is None or observed <= SLO_COMFORT * target
+
+
+class NeedWindow:
+    """Recent (time, need) samples within the stabilization period, oldest first."""
+
+    def __init__(self, samples: Iterable[tuple[float, float]] = ()) -> None:
+        self.samples = sorted((float(t), float(n)) for t, n in samples)
+
+    def add(self, now: float, need: float, keep_seconds: float) -> NeedWindow:
+        kept = [(t, n) for t, n in self.samples if now - t < keep_seconds and t <= now]
+        kept.append((now, need))
+        if len(kept) <= MAX_NEED_SAMPLES:
+            return NeedWindow(kept)
+        width = keep_seconds / (MAX_NEED_SAMPLES - 1)
+        buckets: dict[int, tuple[float, float]] = {}
+        for t, n in kept:
+            k = math.floor(t / width)
+            t0, n0 = buckets.get(k, (t, n))
+            buckets[k] = (max(t0, t), max(n0, n))
+        return NeedWindow(list(buckets.values())[-MAX_NEED_SAMPLES:])
+
+    def peak(self) -> float | None:
+        return max((n for _, n in self.samples), default=None)
+
+    def as_tuple(self) -> tuple[tuple[float, float], ...]:
+        return tuple(self.samples)

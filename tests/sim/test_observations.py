@@ -1,0 +1,77 @@
+"""What the simulated Prometheus shows the autoscaler beyond λ/I/O: latency quantiles, peak λ, prefix hits;
+and the priming pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.bench.sim import policies as pol
+from pdcluster.bench.sim.cluster import simulate
+from pdcluster.bench.sim.model import SLO, ServiceModel
+from pdcluster.bench.sim.observe import Counters, Sampler, histogram_quantile
+from pdcluster.bench.trace import Request, Trace
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    buckets = (0.5, 1.0, 5.0)
+    values = [0.1] * 60 + [0.7] * 30 + [2.0] * 10
+    # rank 95 of 100 lies halfway through the (1, 5] bucket's 10 observations
+    assert histogram_quantile(0.95, buckets, values) == pytest.approx(3.0)
+    assert histogram_quantile(0.5, buckets, values) == pytest.approx(0.5 * 50 / 60)
+    assert histogram_quantile(0.99, buckets, [9.0] * 5) == 5.0  # +Inf bucket: the highest finite bound
+    assert histogram_quantile(0.99, buckets, []) is None
+
+
+def test_sampler_peak_rate_and_windowed_quantiles() -> None:
+    s = Sampler(window_s=120, burst_s=10, percentile=0.99)
+    s.admit_times = [float(t) for t in range(0, 100, 10)] + [100 + i / 10 for i in range(50)]  # 5 s burst
+    assert s.peak_rate(120.0) == pytest.approx(5.0)  # 50 requests in the 10 s window
+    s.ttft = [(10.0, 30.0), (119.0, 0.2)]
+    c = Counters(admitted=60, prompt_tokens=6000, prefill_tokens=6000, generated=600.0, prefix_hit_tokens=1500)
+    s.record_counters(0.0, Counters())
+    s.record_counters(120.0, c)
+    s.record_queues(120.0, 0, 0)
+    o = s.observation(130.0, 1, 1)
+    assert o is not None and o.prefix_hit_rate == pytest.approx(0.25)
+    assert o.ttft_seconds is not None and o.ttft_seconds < 1.0  # the 30 s TTFT at t=10 left the window
+    assert o.tpot_seconds is None  # no TPOT observed in the window
+
+
+def _shared_prefix_trace(n: int = 40) -> Trace:
+    # every request repeats the same 8 blocks of 512 tokens, then 1 block of its own
+    reqs = tuple(Request(i * 2.0, 9 * 512, 4, tuple(range(8)) + (1000 + i,)) for i in range(n))
+    return Trace(reqs, "mooncake", "test")
+
+
+def test_prefix_cache_hits_shorten_prefill_and_conserve_tokens() -> None:
+    trace = _shared_prefix_trace()
+    with_cache = simulate(trace, ServiceModel(), pol.Static(1, 1))
+    without = simulate(trace, ServiceModel(prefix_cache_tokens=0), pol.Static(1, 1))
+    # after the first request, 8 of 9 blocks hit
+    assert with_cache.prefix_hit_tokens == 8 * 512 * (len(trace.requests) - 1)
+    assert without.prefix_hit_tokens == 0
+    # prompt tokens are counted whole either way (as pdcluster_prompt_tokens_total does)
+    assert with_cache.prefilled_tokens == without.prefilled_tokens == 9 * 512 * len(trace.requests)
+    ttft = lambda r: sum(f - a for f, a in zip(r.first_token, r.arrival, strict=True))  # noqa: E731
+    assert ttft(with_cache) < ttft(without)
+
+
+def test_a_tiny_cache_evicts() -> None:
+    trace = _shared_prefix_trace()
+    r = simulate(trace, ServiceModel(prefix_cache_tokens=4 * 512), pol.Static(1, 1))
+    assert r.prefix_hit_tokens < 8 * 512 * (len(trace.requests) - 1)
+
+
+def test_priming_carries_state_and_sizes_back_in_time() -> None:
+    m = ServiceModel()
+    reqs = tuple(sorted([Request(float(t), 2000, 50) for t in range(0, 1500)] + [
+        Request(600 + t / 20, 2000, 50) for t in range(600)], key=lambda r: r.t))  # 1 req/s, a 30 s burst
+    trace = Trace(reqs, "azure", "test")
+    first = pol.make("pdcluster", m.prefill_tps, m.decode_tps, trace=trace, slo=SLO(ttft_s=2.0))
+    r = simulate(trace, m, first)
+    primed = pol.carry_over(first, trace.duration_s, (r.timeline[-1][1], r.timeline[-1][2]))
+    assert primed.initial() == (r.timeline[-1][1], r.timeline[-1][2])
+    lc = first.state.prefill.last_change
+    assert lc is not None and primed.state.prefill.last_change == pytest.approx(lc - trace.duration_s)
+    assert all(t < 0 for t, _ in primed.state.prefill.recent_needs)
+    assert primed.core == first.core and primed.decisions == []
