@@ -47,20 +47,34 @@ demo-model: setup
 	$(PY) -m pdcluster.bench.train_demo_model
 
 # The e2e suite needs a real control plane: built from the Go module proxy on first use (slow, cached
-# in ~/.cache/pdcluster keyed by version), started on loopback, torn down afterwards.
+# in ~/.cache/pdcluster keyed by version), started on loopback, torn down afterwards. As root, the cluster
+# also gets one real node (kubelet + containerd, e2e/node.sh) running the images e2e/images.sh builds with
+# buildah; `PDCLUSTER_REAL_NODE=0` keeps kwok nodes only. docs/e2e.md says what each step costs.
 E2E_PYTEST_FLAGS ?= -q -p no:cacheprovider -o timeout=600
+REAL_NODE := $(shell if [ "$${PDCLUSTER_REAL_NODE:-$$( [ $$(id -u) = 0 ] && echo 1 || echo 0)}" = 1 ]; then echo 1; else echo 0; fi)
 e2e-build:
 	@e2e/build.sh all
 
-cluster-up: e2e-build
-	@e2e/cluster.sh up
+# the real node's packages (Debian), kubelet + CoreDNS (Go proxy) and the images (buildah)
+e2e-node:
+	@e2e/node-deps.sh
+	@e2e/build.sh node
+	@e2e/images.sh all
+
+images:
+	@e2e/node-deps.sh
+	@e2e/images.sh all
+
+cluster-up: e2e-build $(if $(filter 1,$(REAL_NODE)),e2e-node)
+	@PDCLUSTER_REAL_NODE=$(REAL_NODE) e2e/cluster.sh up
 
 cluster-down:
 	@e2e/cluster.sh down
 
-e2e: setup-test e2e-build
-	@e2e/cluster.sh up >/dev/null || { e2e/cluster.sh down; exit 1; }
+e2e: setup-test e2e-build $(if $(filter 1,$(REAL_NODE)),e2e-node)
+	@PDCLUSTER_REAL_NODE=$(REAL_NODE) e2e/cluster.sh up >/dev/null || { e2e/cluster.sh down; exit 1; }
 	@rc=0; $(PYTEST) $(E2E_PYTEST_FLAGS) e2e || rc=$$?; \
+	  if [ "$(REAL_NODE)" = 1 ]; then $(PYTEST) $(E2E_PYTEST_FLAGS) e2e/realnode || rc=$$?; fi; \
 	  if [ -z "$$PDCLUSTER_E2E_KEEP" ]; then e2e/cluster.sh down; fi; exit $$rc
 
 e2e-kind:

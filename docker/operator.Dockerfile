@@ -9,18 +9,26 @@ ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.9
 
 FROM ${UV_IMAGE} AS uv
 
+# The pinned requirements, exported from uv.lock: the dependency layer below is keyed on this file's
+# content only, so an edit of pyproject.toml that changes no dependency (a new sub-package) reuses it.
+FROM ${PYTHON_IMAGE} AS lock
+COPY pyproject.toml uv.lock /src/
+RUN --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    cd /src && uv export --frozen --no-dev --no-emit-project --format requirements-txt -o /requirements.txt
+
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-operator" \
       org.opencontainers.image.description="Kubernetes operator for prefill/decode-disaggregated LLM inference"
 ARG UV_CACHE_DIR=/root/.cache/uv
-ARG UV_PROJECT_ENVIRONMENT=/opt/pdcluster UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
+ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
     UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_SYSTEM_CERTS=1 UV_NO_PROGRESS=1
 WORKDIR /src
-# dependencies first (from the lock alone), sources after: a source change rebuilds only the last layers
-COPY pyproject.toml uv.lock ./
+# dependencies first (exported from uv.lock), sources after: a source change rebuilds only the last layers
+COPY --from=lock /requirements.txt ./
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
-    uv sync --frozen --no-dev --no-install-project
+    uv venv /opt/pdcluster && uv pip install --python /opt/pdcluster/bin/python --no-deps -r requirements.txt
+COPY pyproject.toml uv.lock ./
 COPY README.md ./
 COPY src ./src
 COPY operator ./operator
@@ -29,10 +37,14 @@ COPY kernels ./kernels
 COPY bench ./bench
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
-    uv sync --frozen --no-dev --no-editable \
+    uv pip install --python /opt/pdcluster/bin/python --no-deps . \
  && cd /tmp && /opt/pdcluster/bin/python -c "import pdcluster.operator.cli" \
  && ! /opt/pdcluster/bin/python -c "import torch" 2>/dev/null \
  && /opt/pdcluster/bin/pdcluster operator --help >/dev/null
+# A passwd entry for the unprivileged user: Python's getpass.getuser() (kopf's peer identity, torch's
+# cache paths) raises KeyError for a uid without one (found by the first run on a real kubelet).
+RUN groupadd --gid 65532 pdcluster \
+ && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 WORKDIR /tmp
 # an unprivileged user; the chart runs the pod as 65532 with a read-only root filesystem

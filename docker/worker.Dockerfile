@@ -10,12 +10,19 @@
 #   UV_IMAGE      where the uv binary comes from (/uv in the image), pinned to the uv that wrote uv.lock
 #   UV_CACHE_DIR  the uv cache the installs read and fill: a BuildKit cache mount by default; e2e/images.sh
 #                 bind-mounts the host's uv cache here, so a cold image build downloads nothing twice.
-# Layers: the dependencies (torch, ~5 GB) are installed from pyproject.toml + uv.lock alone, before any
+# Layers: the dependencies (torch, ~5 GB) are installed from the requirements exported from uv.lock, before any
 # source is copied, so a change to the Python sources rebuilds only the small layers after them.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.9
 
 FROM ${UV_IMAGE} AS uv
+
+# The pinned requirements, exported from uv.lock: the dependency layer below is keyed on this file's
+# content only, so an edit of pyproject.toml that changes no dependency (a new sub-package) reuses it.
+FROM ${PYTHON_IMAGE} AS lock
+COPY pyproject.toml uv.lock /src/
+RUN --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
+    cd /src && uv export --frozen --no-dev --extra worker --no-emit-project --format requirements-txt -o /requirements.txt
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-worker" \
@@ -28,13 +35,14 @@ ARG UV_CACHE_DIR=/root/.cache/uv
 # build-time only (ARGs are not kept in the image): the venv at /opt/pdcluster on the base's python3.11,
 # files copied out of the cache (it may be another filesystem), bytecode compiled now because the pods run
 # with a read-only root filesystem; UV_SYSTEM_CERTS: trust the base's CA store (and any proxy CA in it).
-ARG UV_PROJECT_ENVIRONMENT=/opt/pdcluster UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
+ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
     UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_SYSTEM_CERTS=1 UV_NO_PROGRESS=1
 WORKDIR /src
-COPY pyproject.toml uv.lock ./
+COPY --from=lock /requirements.txt ./
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
-    uv sync --frozen --no-dev --extra worker --no-install-project
+    uv venv /opt/pdcluster && uv pip install --python /opt/pdcluster/bin/python --no-deps -r requirements.txt
+COPY pyproject.toml uv.lock ./
 COPY README.md ./
 COPY src ./src
 COPY operator ./operator
@@ -43,7 +51,7 @@ COPY kernels ./kernels
 COPY bench ./bench
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
-    uv sync --frozen --no-dev --extra worker --no-editable \
+    uv pip install --python /opt/pdcluster/bin/python --no-deps . \
  && /opt/pdcluster/bin/pdcluster serve --help >/dev/null
 # The tiny demo model at /models/demo (random weights, fixed seed): examples/pdcluster-cpu.yaml serves
 # file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.)
@@ -51,6 +59,10 @@ RUN cd /tmp && /opt/pdcluster/bin/python -c "from pathlib import Path; import sh
 from pdcluster.worker.local.launcher import ensure_demo_model; \
 shutil.copytree(ensure_demo_model(Path('/tmp/demo-cache')), '/models/demo')" \
  && rm -rf /tmp/demo-cache
+# A passwd entry for the unprivileged user: Python's getpass.getuser() (kopf's peer identity, torch's
+# cache paths) raises KeyError for a uid without one (found by the first run on a real kubelet).
+RUN groupadd --gid 65532 pdcluster \
+ && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false HOME=/tmp TRITON_CACHE_DIR=/tmp/triton \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility

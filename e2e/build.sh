@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build (once) the binaries of the local control plane from the Go module proxy and cache them by version:
 #   ${PDCLUSTER_CACHE:-~/.cache/pdcluster}/bin/{etcd,kube-apiserver,kube-controller-manager,kube-scheduler,kubectl,kwok,helm}-<version>
+# and, for the real node (target `node`), kubelet-<version> and coredns-<version>.
 # Versions come from e2e/versions.env. A binary already in the cache is not rebuilt, so a warm run takes
 # well under a second.
 #
-# usage: e2e/build.sh [all|k8s|etcd|kwok|helm|kubectl]...   (default: all)
+# usage: e2e/build.sh [all|k8s|etcd|kwok|helm|kubectl|node]...   (default: all; `node` = kubelet + coredns)
 #        e2e/build.sh --print-bin-dir                       (print the cache bin dir and exit)
 #
 # Environment: PDCLUSTER_CACHE, GO (go binary; default: go on PATH, else /usr/local/go/bin/go),
@@ -51,8 +52,9 @@ new_wrapper() {
   echo "$dir"
 }
 
-build_k8s() {
+build_k8s() {  # [component...] (default: the control plane and kubectl)
   local want=(kube-apiserver kube-controller-manager kube-scheduler kubectl) missing=() c
+  [[ $# -gt 0 ]] && want=("$@")
   for c in "${want[@]}"; do have "$c" "$K8S_VERSION" || missing+=("$c"); done
   if [[ ${#missing[@]} -eq 0 ]]; then log "kubernetes $K8S_VERSION: cached"; return; fi
   local t0=$SECONDS staging_ver="v0.${K8S_VERSION#v1.}" dir gomod
@@ -70,7 +72,8 @@ build_k8s() {
      && gob get "k8s.io/kubernetes@$K8S_VERSION" 2>&1 | quiet \
      && gob get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
           "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
-          "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" 2>&1 | quiet \
+          "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" \
+          "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" 2>&1 | quiet \
      && grep -q "k8s.io/kubernetes $K8S_VERSION" go.mod) \
     || { echo "build.sh: resolving k8s.io/kubernetes@$K8S_VERSION failed (see above)" >&2; exit 1; }
   log "kubernetes $K8S_VERSION: resolved in $((SECONDS - t0))s"
@@ -129,6 +132,10 @@ build_kwok() {
   mv -f "$stages.tmp" "$stages"
   log "kwok $KWOK_VERSION: stages written to $stages"
 }
+# CoreDNS for the real node's pods (the operator's router finds workers by headless-Service DNS names);
+# its main package is the module root.
+build_coredns() { go_install coredns github.com/coredns/coredns "$COREDNS_VERSION"; }
+
 build_helm() {
   # Stamp helm's version and its default Kubernetes version (what `helm template` and `helm lint` assume
   # without a cluster; unstamped it is v1.20) to the Kubernetes we pin, as helm's own release build does.
@@ -147,6 +154,7 @@ for t in "${targets[@]}"; do
     etcd) build_etcd ;;
     kwok) build_kwok ;;
     helm) build_helm ;;
+    node) build_k8s kubelet; build_coredns ;;
     *) echo "build.sh: unknown target $t" >&2; exit 2 ;;
   esac
 done

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# A real Kubernetes control plane on loopback, with kwok simulating nodes and pods.
+# A real Kubernetes control plane on loopback, with kwok simulating nodes and pods, and one real node
+# (kubelet + containerd on a bridge of its own, e2e/node.sh) when run as root with the node's packages.
 #
 #   e2e/cluster.sh up       build (first time; cached by version), start etcd, kube-apiserver,
 #                           kube-controller-manager, kube-scheduler and kwok, create fake GPU nodes;
 #                           idempotent: a running cluster is reused. Last line: `export KUBECONFIG=<path>`.
 #   e2e/cluster.sh down     stop every process `up` started (by pid) and delete the cluster's state.
 #   e2e/cluster.sh status   which components run (exit 0 when the API server is ready).
+#   e2e/cluster.sh routes   assert that every pod/service address of the real node routes via its bridge.
 #   e2e/cluster.sh env      print `export KUBECONFIG=...` and `export PATH=<bin dir>:$PATH`.
 #
 # Nothing listens off loopback: every component binds 127.0.0.1. Certificates and the service-account key
 # pair are generated with openssl in the state dir; RBAC is on.
 # Environment: PDCLUSTER_CACHE (binaries; default ~/.cache/pdcluster), PDCLUSTER_CLUSTER_DIR (state; default
 # $PDCLUSTER_CACHE/cluster), PDCLUSTER_PORT_BASE (default 26400: etcd +0/+1, apiserver +43, kcm +57,
-# scheduler +59, kwok +80), PDCLUSTER_FAKE_NODES (default 3), PDCLUSTER_NODE_GPUS (default 8).
+# scheduler +59, kwok +80, kubelet health +48, CoreDNS health +53), PDCLUSTER_FAKE_NODES (default 3),
+# PDCLUSTER_NODE_GPUS (default 8), PDCLUSTER_REAL_NODE (1: the real node, 0: kwok only; default 1 when root
+# and containerd is installed), PDCLUSTER_NODE_NET (default 10.213: bridge 10.213.0.1/24, Services
+# 10.213.128.0/20).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -27,8 +32,22 @@ ETCD_PORT=$((PORT_BASE + 0)); ETCD_PEER_PORT=$((PORT_BASE + 1)); API_PORT=$((POR
 KCM_PORT=$((PORT_BASE + 57)); SCHED_PORT=$((PORT_BASE + 59)); KWOK_PORT=$((PORT_BASE + 80))
 NODES="${PDCLUSTER_FAKE_NODES:-3}"
 GPUS="${PDCLUSTER_NODE_GPUS:-8}"
-SERVICE_CIDR=127.96.0.0/16    # loopback ranges: nothing in this cluster may ever send traffic off the machine
-POD_CIDR=127.244.0.0/16      # (the operator POSTs /drain to pod IPs; kwok pods get these)
+POD_CIDR=127.244.0.0/16      # kwok pods: loopback, so nothing may ever send their traffic off the machine
+                             # (the operator POSTs /drain to pod IPs)
+if [[ -z "${PDCLUSTER_REAL_NODE:-}" ]]; then
+  if [[ $EUID -eq 0 ]] && command -v containerd >/dev/null 2>&1; then PDCLUSTER_REAL_NODE=1; else PDCLUSTER_REAL_NODE=0; fi
+fi
+REAL_NODE="$PDCLUSTER_REAL_NODE"
+NODE_NET="${PDCLUSTER_NODE_NET:-10.213}"
+if [[ "$REAL_NODE" == 1 ]]; then
+  # pods of the real node need Service addresses that are not loopback (127/8 never leaves a pod's own
+  # netns): a range routed to the node's bridge only (e2e/node.sh checks the routes before any traffic)
+  SERVICE_CIDR="$NODE_NET.128.0/20"; KUBERNETES_SVC_IP="$NODE_NET.128.1"
+else
+  SERVICE_CIDR=127.96.0.0/16; KUBERNETES_SVC_IP=127.96.0.1
+fi
+export DIR BIN API_PORT PORT_BASE SERVICE_CIDR KUBERNETES_SVC_IP KUBECONFIG_PATH="$DIR/admin.kubeconfig"
+export NODE_BRIDGE="${PDCLUSTER_NODE_BRIDGE:-pdc0}" NODE_IP="$NODE_NET.0.1" NODE_POD_CIDR="$NODE_NET.0.0/24"
 KUBECONFIG_PATH="$DIR/admin.kubeconfig"
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
@@ -96,7 +115,7 @@ gen_pki() {
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:127.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,IP:127.96.0.1,IP:$KUBERNETES_SVC_IP,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
     cat > client.ext <<EOF
 basicConstraints=CA:FALSE
@@ -116,6 +135,11 @@ EOF
     sign controller-manager "/O=system:masters/CN=system:kube-controller-manager" client.ext
     sign scheduler "/O=system:masters/CN=system:kube-scheduler" client.ext
     sign kwok "/O=system:masters/CN=kwok" client.ext
+    # the real node: the kubelet as a node (Node authorizer), the API server's client cert for the kubelet
+    # (logs, exec, port-forward), CoreDNS (reads Services and EndpointSlices)
+    sign kubelet "/O=system:nodes/CN=system:node:${PDCLUSTER_NODE_NAME:-pdc-node-0}" client.ext
+    sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" client.ext
+    sign coredns "/O=system:masters/CN=coredns" client.ext
     touch .done
   )
 }
@@ -204,8 +228,10 @@ up() {
   "$HERE/build.sh" all >&2
   mkdir -p "$DIR"
   link_tools
-  if api_ready && pid_alive kube-controller-manager && pid_alive kube-scheduler && pid_alive kwok; then
+  if api_ready && pid_alive kube-controller-manager && pid_alive kube-scheduler && pid_alive kwok \
+     && { [[ "$REAL_NODE" != 1 ]] || "$HERE/node.sh" status | grep -q "kubelet: running"; }; then
     log "cluster already running (reused)"
+    if [[ "$REAL_NODE" == 1 ]]; then "$HERE/node.sh" import; fi
     echo "export KUBECONFIG=$KUBECONFIG_PATH"
     return 0
   fi
@@ -214,6 +240,8 @@ up() {
   write_kubeconfig "$DIR/controller-manager.kubeconfig" controller-manager
   write_kubeconfig "$DIR/scheduler.kubeconfig" scheduler
   write_kubeconfig "$DIR/kwok.kubeconfig" kwok
+  write_kubeconfig "$DIR/kubelet.kubeconfig" kubelet
+  write_kubeconfig "$DIR/coredns.kubeconfig" coredns
 
   start etcd --name pdcluster-e2e --data-dir "$DIR/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
@@ -231,7 +259,11 @@ up() {
     --client-ca-file "$DIR/pki/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
-    --authorization-mode RBAC --anonymous-auth=false \
+    --authorization-mode Node,RBAC --anonymous-auth=false \
+    --enable-admission-plugins PodNodeSelector,PodTolerationRestriction \
+    --kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$DIR/pki/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP \
     --service-cluster-ip-range "$SERVICE_CIDR" --allow-privileged=true \
     --enable-priority-and-fairness=false --profiling=false \
     --endpoint-reconciler-type none
@@ -264,6 +296,7 @@ up() {
     || die "kube-controller-manager did not create the default ServiceAccount; see $DIR/logs/kube-controller-manager.log"
   fake_nodes
   wait_for "fake nodes" 60 nodes_ready || die "kwok did not mark nodes Ready; see $DIR/logs/kwok.log"
+  if [[ "$REAL_NODE" == 1 ]]; then "$HERE/node.sh" up || die "the real node did not come up (PDCLUSTER_REAL_NODE=0: kwok only)"; fi
   log "cluster up in $((SECONDS - t0))s (API https://127.0.0.1:$API_PORT, logs in $DIR/logs)"
   echo "export KUBECONFIG=$KUBECONFIG_PATH"
 }
@@ -276,6 +309,8 @@ nodes_ready() {
 
 down() {
   local i
+  # the node first: its kubelet needs the API server to stop its pods
+  if [[ -d "$DIR/node" ]]; then "$HERE/node.sh" down || log "node.sh down failed (see above)"; fi
   for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop "${COMPONENTS[$i]}"; done
   # state (etcd data) goes too: the next `up` starts from an empty cluster. Certificates are cheap to remake.
   rm -rf "$DIR/etcd" "$DIR/run" "$DIR/pki" "$DIR"/*.kubeconfig
@@ -287,6 +322,7 @@ status() {
   for c in "${COMPONENTS[@]}"; do
     if pid_alive "$c"; then echo "$c: running (pid $(cat "$DIR/run/$c.pid"))"; else echo "$c: stopped"; fi
   done
+  [[ -d "$DIR/node" ]] && "$HERE/node.sh" status
   if api_ready; then echo "apiserver: ready (https://127.0.0.1:$API_PORT)"; else echo "apiserver: not ready"; rc=1; fi
   return $rc
 }
@@ -295,6 +331,7 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   status) status ;;
+  routes) "$HERE/node.sh" routes ;;
   env) link_tools; echo "export PATH=$DIR/bin:\$PATH"; echo "export KUBECONFIG=$KUBECONFIG_PATH" ;;
   *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
 esac

@@ -1,0 +1,81 @@
+"""Fixtures of the real-node scenarios: the node (Ready, routes checked), the chart installed with its
+operator running as a real pod on that node, and one namespace holding examples/pdcluster-cpu.yaml.
+
+Run as their own session (`pytest e2e/realnode`, `make e2e` does): the kwok suite runs the operator as a
+local process watching every namespace, which would reconcile these PDClusters a second time.
+Scenario files share one PDCluster and run in file order (10 operator, 11 apply, 12 completion, 13 scale,
+14 container kill, 15 delete)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # test modules import node_e2e
+
+from node_e2e import NODE_NAME, assert_routes, create_pinned_namespace  # noqa: E402
+from pdc_e2e import CHART, EXAMPLE, HELM, Kube, wait_until  # noqa: E402
+
+OPERATOR_NS = "pdc-real-system"
+RELEASE = "pdc-real"
+KEEP = bool(os.environ.get("PDCLUSTER_E2E_KEEP"))
+
+
+@pytest.fixture(scope="session")
+def real_node(kube: Kube) -> str:
+    node = kube.get("node", NODE_NAME, "")
+    if node is None:
+        pytest.fail(f"no real node {NODE_NAME}: the cluster runs kwok nodes only (PDCLUSTER_REAL_NODE=0, not "
+                    "root, or e2e/node-deps.sh not run); see docs/e2e.md")
+    wait_until(f"node {NODE_NAME} Ready", lambda: any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (kube.get("node", NODE_NAME, "") or {}).get("status", {}).get("conditions", [])), timeout=120)
+    assert_routes()  # before any traffic to a pod or service address
+    return NODE_NAME
+
+
+@pytest.fixture(scope="session")
+def real_operator(kube: Kube, real_node: str) -> Iterator[dict[str, Any]]:
+    """`helm install` of the chart with its defaults (image pdcluster/operator:<appVersion>, IfNotPresent)."""
+    if kube.get("namespace", OPERATOR_NS, "") is None:
+        create_pinned_namespace(kube, OPERATOR_NS)
+    extra = []
+    if os.environ.get("PDCLUSTER_E2E_CRD"):  # another CRD than the chart's (debugging only, as in e2e/)
+        kube.run("apply", "--server-side", "--force-conflicts", "-f", os.environ["PDCLUSTER_E2E_CRD"])
+        extra = ["--skip-crds"]
+    cp = subprocess.run([str(HELM), "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS,
+                         "--wait", "--timeout", "300s", "--kubeconfig", kube.kubeconfig, *extra],
+                        capture_output=True, text=True, timeout=360)
+    if cp.returncode != 0:
+        dump = kube.run("get", "pods,events", "-n", OPERATOR_NS, "-o", "wide", check=False).stdout
+        pytest.fail(f"helm install failed:\n{cp.stderr}\n{cp.stdout}\n{dump}")
+    (dep,) = kube.json("get", "deployment", "-n", OPERATOR_NS, "-l",
+                       f"app.kubernetes.io/instance={RELEASE}")["items"]
+    yield {"namespace": OPERATOR_NS, "deployment": dep["metadata"]["name"],
+           "selector": ",".join(f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())}
+    if not KEEP:
+        subprocess.run([str(HELM), "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait",
+                        "--kubeconfig", kube.kubeconfig], capture_output=True, text=True, timeout=180)
+        kube.run("delete", "namespace", OPERATOR_NS, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def app_ns(kube: Kube, real_node: str) -> Iterator[str]:
+    name = f"real-{uuid.uuid4().hex[:6]}"
+    create_pinned_namespace(kube, name)
+    yield name
+    if not KEEP:
+        kube.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def example_name() -> str:
+    return str(yaml.safe_load(Path(EXAMPLE).read_text())["metadata"]["name"])

@@ -1,0 +1,47 @@
+"""Real-node scenario 1: `helm install` of the chart: the operator runs as a real pod from the operator
+image, under the chart's ServiceAccount, non-root with a read-only root filesystem, and passes its probes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from node_e2e import NODE_NAME, dump, ready
+from pdc_e2e import Kube, wait_until
+
+
+def _operator_pod(kube: Kube, op: dict[str, Any]) -> dict[str, Any]:
+    items = kube.json("get", "pods", "-n", op["namespace"], "-l", op["selector"])["items"]
+    assert len(items) == 1, [p["metadata"]["name"] for p in items]
+    return items[0]
+
+
+def test_operator_pod_runs_on_the_real_node(kube: Kube, real_operator: dict[str, Any]):
+    pod = wait_until("the operator pod Ready", lambda: (p := _operator_pod(kube, real_operator)) and ready(p) and p,
+                     timeout=180)
+    ns, name = real_operator["namespace"], pod["metadata"]["name"]
+    try:
+        assert pod["spec"]["nodeName"] == NODE_NAME
+        (cs,) = pod["status"]["containerStatuses"]
+        assert cs["ready"] and cs["state"].get("running"), cs
+        assert cs["image"].endswith("pdcluster/operator:0.1.0"), cs["image"]
+        sa = pod["spec"]["serviceAccountName"]
+        assert sa != "default"
+        # what the kubelet actually started: uid, read-only root, the ServiceAccount token mounted
+        uid = kube.run("exec", "-n", ns, name, "--", "python3.11", "-c", "import os; print(os.getuid())").stdout
+        assert uid.strip() == "65532", uid
+        ro = kube.run("exec", "-n", ns, name, "--", "python3.11", "-c",
+                      "import os\ntry:\n open('/opt/x','w')\nexcept OSError as e:\n print(e.errno)",
+                      check=False).stdout
+        assert ro.strip() == "30", f"root filesystem is writable (or other error): {ro!r}"  # EROFS
+        tok = kube.run("exec", "-n", ns, name, "--", "python3.11", "-c",
+                       "print(len(open('/var/run/secrets/kubernetes.io/serviceaccount/token').read()))").stdout
+        assert int(tok) > 100
+        # probes pass and keep passing: Ready, never restarted
+        pod = _operator_pod(kube, real_operator)
+        assert ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        # the operator talks to the API server from inside the pod (the `kubernetes` Service)
+        log = kube.run("logs", "-n", ns, name, "--tail=200").stdout
+        assert "Traceback" not in log, log[-3000:]
+    except AssertionError:
+        print(dump(kube, ns))
+        raise
