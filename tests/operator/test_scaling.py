@@ -130,3 +130,30 @@ async def test_reconcile_survives_a_numeric_last_evaluation_time() -> None:
     out = await rec.reconcile(ctx, body, "resync")
     assert out.decision is not None  # treated as never evaluated: evaluated now
     assert out.status["autoscaler"]["lastEvaluationTime"] != 12345
+
+
+async def test_slo_guard_is_asked_for_the_percentile_and_reported_in_a_condition() -> None:
+    spec = auto_spec(slo={"ttftSeconds": 2.0, "percentile": 0.95})
+    asked: dict[str, Any] = {}
+
+    class Source(FixedSource):
+        def observe(self, cluster, window_seconds, ready=None, **kw):  # type: ignore[override]
+            asked.update(kw)
+            return super().observe(cluster, window_seconds, ready)
+
+    # 10 req/s x 2000 / 10000 x 1.5 = 3 prefill: enough by the formula, but TTFT p95 is 6 s with a queue
+    o = asc.Observation(10.0, 2000.0, 400.0, ttft_seconds=6.0, prefill_queue_mean=4.0)
+    s = await scaling.step(spec, {}, pools(3, 3), NOW, cluster="demo", source_for=lambda u: Source(o),
+                           resync_seconds=60)
+    assert asked == {"percentile": 0.95, "burst_seconds": 10}
+    assert s.desired["prefill"] == 4 and s.decision is not None and s.decision.reason == asc.SLO_GUARD
+    slo = next(c for c in s.conditions if c["type"] == "SLOMet")
+    assert (slo["status"], slo["reason"]) == ("False", "SLOBreached") and "TTFT p95 6 s > 2 s" in slo["message"]
+    assert s.autoscaler_status["slo"]["prefill"] == {"capacityScale": 0.85, "breaches": 1}
+    assert scaling.WARN_WHEN["SLOMet"] == ("False", "SLOBreached")
+    # without targets the percentile is not asked for, and SLOMet is Unknown
+    asked.clear()
+    s = await scaling.step(auto_spec(), {}, pools(3, 3), NOW, cluster="demo",
+                           source_for=lambda u: Source(asc.Observation(10.0, 2000.0, 400.0)), resync_seconds=60)
+    assert asked["percentile"] is None
+    assert next(c for c in s.conditions if c["type"] == "SLOMet")["status"] == "Unknown"
