@@ -224,3 +224,20 @@ def test_a_breach_without_a_queue_grows_nothing() -> None:
     assert dec.state.prefill.capacity_scale == 1.0
     o = obs(4, ttft_seconds=6.0, prefill_queue_mean=3.0)
     assert asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0).prefill.desired == 4
+
+
+def test_the_guard_never_piles_replicas_onto_pending_pods() -> None:
+    # The SLO is broken and the new pod stays Pending (no GPU left): past the rollout timeout the autoscaler
+    # still decides (no wedge) on the formula, but the guard does not add to pods that never started.
+    pol = policy(slo_ttft_seconds=2.0, rollout_timeout_seconds=600)
+    o = obs(4, ttft_seconds=9.0, prefill_queue_mean=5.0)
+    dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
+    assert dec.prefill.desired == 4
+    stuck = asc.PoolView(4, 3)
+    dec = asc.decide(pol, dec.state, o, stuck, asc.PoolView(3, 3), 1300.0)
+    assert dec.prefill.reason == asc.ROLLOUT and dec.prefill.desired == 4
+    dec = asc.decide(pol, dec.state, obs(12, ttft_seconds=9.0, prefill_queue_mean=5.0), stuck,
+                     asc.PoolView(3, 3), 1700.0)
+    assert "rollout-stalled" in dec.limited_by and dec.prefill.reason == asc.SCALE_UP  # the formula: 3.6 -> 4+
+    dec = asc.decide(pol, dec.state, o, asc.PoolView(dec.prefill.desired, 3), asc.PoolView(3, 3), 2400.0)
+    assert dec.prefill.reason != asc.SLO_GUARD and dec.state.prefill.slo_breaches == 1

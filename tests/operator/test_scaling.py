@@ -157,3 +157,18 @@ async def test_slo_guard_is_asked_for_the_percentile_and_reported_in_a_condition
                            source_for=lambda u: Source(asc.Observation(10.0, 2000.0, 400.0)), resync_seconds=60)
     assert asked["percentile"] is None
     assert next(c for c in s.conditions if c["type"] == "SLOMet")["status"] == "Unknown"
+
+
+async def test_slo_guard_metrics_are_exported() -> None:
+    from pdcluster.operator import naming, opmetrics
+
+    spec = auto_spec(slo={"ttftSeconds": 2.0})
+    o = asc.Observation(10.0, 2000.0, 400.0, ttft_seconds=6.0, prefill_queue_mean=4.0)
+    s = await scaling.step(spec, {}, pools(3, 3), NOW, cluster="sloguard", source_for=lambda u: FixedSource(o),
+                           resync_seconds=60)
+    scaling.record_metrics(naming.Owner("sloguard", "ns", "uid"), spec, s)
+    reg = opmetrics.REGISTRY
+    labels = {"namespace": "ns", "pdcluster": "sloguard", "role": "prefill"}
+    assert reg.get_sample_value("pdcluster_autoscaler_slo_scale_ups_total", labels) == 1.0
+    assert reg.get_sample_value("pdcluster_autoscaler_capacity_scale", labels) == pytest.approx(0.85)
+    assert reg.get_sample_value("pdcluster_autoscaler_capacity_scale", {**labels, "role": "decode"}) == 1.0
