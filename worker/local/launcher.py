@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from pdcluster.worker.api import cli_args as types
+from pdcluster.worker.api import tracing
 from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
 
 log = logging.getLogger("pdcluster.up")
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --autoscale: a pool shrinks only after it was oversized this long (the CRD's default)")
     a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
     a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
+    tracing.add_argument(parser)  # passed on to the router and every worker (each exports its own spans)
 
 
 def cache_dir(arg: str | None) -> Path:
@@ -84,7 +86,13 @@ def ensure_demo_model(cache: Path) -> Path:
 def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> list[str]:
     return [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--role", role, "--port", str(port),
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
-            "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning"]
+            "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
+            *_otlp(args)]
+
+
+def _otlp(args: argparse.Namespace) -> list[str]:
+    endpoint = getattr(args, "otlp_endpoint", None)
+    return ["--otlp-endpoint", endpoint] if endpoint else []
 
 
 def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
@@ -92,7 +100,7 @@ def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) 
            "--disaggregation-threshold", str(args.disaggregation_threshold),
            "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
            "--decode-wait", str(args.decode_wait), "--routing", args.routing,
-           "--health-interval", "0.5", "--log-level", "warning"]
+           "--health-interval", "0.5", "--log-level", "warning", *_otlp(args)]
     if prefill:
         cmd += ["--prefill", *prefill]
     return cmd + ["--decode", *decode]

@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdcluster import __version__
-from pdcluster.worker.api import errors
+from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
@@ -180,6 +180,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     app.state.max_body_bytes = state.max_body_bytes  # read by api.body
     errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
     install_api_key(app, api_key)
+    tracing.install(app)  # a span per POST when tracing is configured; the request's trace root
 
     async def handle(request: Request, kind: str) -> Response:
         st = _state(request)
@@ -187,9 +188,10 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         body = await json_object(request)  # capped while reading; hostile JSON is a 400 here, not a 500 later
         st.admit()
         tracker = Tracker(st, arrival)
+        span = tracing.span_of(request)  # its traceparent goes on every /internal/* call made for this request
         try:
             try:
-                tok = await st.flow.tokenize(kind, body)
+                tok = await st.flow.tokenize(kind, body, span)
             except UpstreamError as e:
                 raise _upstream(e) from None
             except NoCapacity:
@@ -197,6 +199,9 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
             st.metrics.request_accepted(len(tok.prompt_token_ids))
             rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
             subs = tok.choices()
+            span.set({"pdcluster.request_id": rid, "gen_ai.request.model": tok.model})
+            for s in subs:
+                s.trace = span
             chunks = merge([_deadline_chunks(st, rid if len(subs) == 1 else f"{rid}-{s.index}", s, tracker)
                             for s in subs])
             if tok.stream:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from pdcluster.worker.api import tracing
 from pdcluster.worker.api.cli_args import port, worker_url
 
 
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
            "default: no key)")
     a("--cluster-name", default=None, help="value of the `pdcluster` metrics label")
+    tracing.add_argument(parser)
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -77,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
     from pdcluster.worker.transfer.secret import SecretError
 
     try:
+        tracing.configure("router", getattr(args, "otlp_endpoint", None), cluster=args.cluster_name)
         app = build(args)
-    except (SecretError, OSError) as e:
+    except (SecretError, OSError, ValueError) as e:
         print(f"pdcluster router: error: {e}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("router on http://%s:%d (prefill %s, decode %s)", args.host, args.port,

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from pdcluster.worker.api import tracing
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker
 
@@ -35,6 +36,7 @@ class Tokenized:
     n: int = 1
     include_usage: bool = False
     subs: list[Tokenized] = field(default_factory=list)  # every choice's request (itself when there is one)
+    trace: tracing.Span = tracing.NO_SPAN  # the request's span (api/tracing.py): parent of its phases and calls
 
     def choices(self) -> list[Tokenized]:
         return self.subs or [self]
@@ -54,8 +56,9 @@ class Timeline:
     that just ended in pdcluster_request_phase_seconds. Prefill queue/compute are the prefilling worker's to
     observe: the router cannot tell them apart."""
 
-    def __init__(self, arrival: float, metrics: Any = None) -> None:
-        self.arrival, self.metrics = arrival, metrics
+    def __init__(self, arrival: float, metrics: Any = None, trace: tracing.Span = tracing.NO_SPAN) -> None:
+        self.arrival, self.trace = arrival, trace
+        self.metrics = tracing.observed(metrics, trace)  # phases also become spans of `trace` when tracing is on
         self.dispatched: float | None = None  # first worker call of the first attempt: router queue ends
         self.first_token: float | None = None
         self.transferred: float | None = None
@@ -207,12 +210,13 @@ class Flow:
         self.pool.remember(w, prompt)
 
     # ------------------------------------------------------------------ tokenize
-    async def tokenize(self, kind: str, body: dict[str, Any]) -> Tokenized:
+    async def tokenize(self, kind: str, body: dict[str, Any], trace: tracing.Span = tracing.NO_SPAN) -> Tokenized:
         """Validation and tokenization happen on a worker (it owns the tokenizer and the model limits)."""
         candidates = [w for w in self.pool.pool("decode") + self.pool.pool("prefill") if w.healthy]
         for w in sorted(candidates, key=lambda w: w.in_flight):
             try:
-                r = await self.client.post(f"{w.url}/internal/tokenize", json={"kind": kind, "body": body})
+                r = await self.client.post(f"{w.url}/internal/tokenize", json={"kind": kind, "body": body},
+                                           headers=trace.headers)
             except httpx.TransportError as e:
                 self.pool.mark_failed(w.role, w.url, str(e))
                 continue
@@ -226,7 +230,7 @@ class Flow:
     # ------------------------------------------------------------------ the request
     async def run(self, rid: str, tok: Tokenized, arrival: float | None = None) -> AsyncIterator[Chunk]:
         prompt, params = tok.prompt_token_ids, tok.params
-        tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics)
+        tl = Timeline(arrival if arrival is not None else time.monotonic(), self.metrics, tok.trace)
         sent: list[int] = []
         failures = 0
         excluded: set[str] = set()  # workers that failed this request: avoided while others are healthy
@@ -269,6 +273,7 @@ class Flow:
                 self.retries += 1
                 excluded.add(e.url)
                 log.warning("request %s attempt %d failed: %s", rid, attempt, e)
+                tl.trace.event("attempt_failed", {"pdcluster.attempt": attempt, "error": str(e)[:200]})
                 if failures > self.max_retries:
                     raise UpstreamError(502, {"error": {
                         "message": f"request failed on {failures} worker pairs; last error: {e}",
@@ -291,7 +296,7 @@ class Flow:
 
     # ------------------------------------------------------------------ one attempt, disaggregated
     async def _reserve(self, arid: str, prompt: list[int], params: dict[str, Any], prefer_node: str | None,
-                       excluded: set[str]) -> tuple[Worker, int]:
+                       excluded: set[str], headers: Any = None) -> tuple[Worker, int]:
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded)
         if not ranked:
             raise NoHealthyDecode("no healthy decode worker")
@@ -301,7 +306,7 @@ class Flow:
             w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
             ok = False
             try:
-                r = await self.client.post(f"{w.url}/internal/reserve",
+                r = await self.client.post(f"{w.url}/internal/reserve", headers=headers,
                                            json={"request_id": arid, "prompt_token_ids": prompt, "params": params})
                 ok = r.status_code == 200
             except httpx.TransportError as e:
@@ -347,7 +352,7 @@ class Flow:
             return
         p = self.pool.get("prefill", pv.url)
         try:
-            d, port = await self._reserve(arid, prompt, params, p.node, excluded)
+            d, port = await self._reserve(arid, prompt, params, p.node, excluded, tl.trace.headers)
         except NoTransferPath:
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
@@ -364,7 +369,8 @@ class Flow:
                     "target": {"host": d.host, "port": port}}
             try:
                 tl.mark("dispatched", "router_queue", tl.arrival)
-                async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body) as resp:
+                async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body,
+                                              headers=tl.trace.headers) as resp:
                     if resp.status_code != 200:
                         err = await _error_of(resp)
                         if err.body.get("error", {}).get("code") == "no_transfer":  # misconfigured: skip it
@@ -404,7 +410,8 @@ class Flow:
                 raise WorkerFailed("prefill", p.url, "prefill stream ended without a first token")
             stage.move("decode")
             async for c in self._decode_stream(d, "/internal/decode",
-                                               {"request_id": arid, "first_token_id": int(first["token_id"])}):
+                                               {"request_id": arid, "first_token_id": int(first["token_id"])},
+                                               tl.trace.headers):
                 tl.mark("decoding", "decode_queue", tl.transferred)
                 completed = completed or c.finished  # before the yield: the consumer stops at the last one
                 yield c
@@ -436,7 +443,7 @@ class Flow:
             try:
                 with self.stages.enter("decode"):
                     tl.mark("dispatched", "router_queue", tl.arrival)
-                    async for c in self._decode_stream(w, "/internal/generate", body):
+                    async for c in self._decode_stream(w, "/internal/generate", body, tl.trace.headers):
                         if c.token_ids:
                             tl.mark("first_token")
                         yield c
@@ -447,9 +454,10 @@ class Flow:
                 w.in_flight -= 1
         raise NoCapacity("every decode worker is full")
 
-    async def _decode_stream(self, w: Worker, path: str, body: dict[str, Any]) -> AsyncIterator[Chunk]:
+    async def _decode_stream(self, w: Worker, path: str, body: dict[str, Any],
+                             headers: Any = None) -> AsyncIterator[Chunk]:
         try:
-            async with self.client.stream("POST", f"{w.url}{path}", json=body) as resp:
+            async with self.client.stream("POST", f"{w.url}{path}", json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     err = await _error_of(resp)
                     if resp.status_code in (429, 503):

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from pdcluster import __version__
-from pdcluster.worker.api import errors, limits
+from pdcluster.worker.api import errors, limits, tracing
 from pdcluster.worker.api.body import BODY_TIMEOUT_S, MAX_BODY_BYTES, parse_body
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
@@ -112,6 +112,7 @@ def build_app(
             metrics.rejected("invalid")
 
     errors.install_error_handlers(app, on_error=count_invalid)
+    tracing.install(app)  # a span per POST when tracing is configured (api/tracing.py)
     app.include_router(_openai_routes())
     app.include_router(_ops_routes())
     for r in routers:
@@ -262,8 +263,8 @@ def _openai_routes() -> APIRouter:
         shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name, n_prompt,
                        req.return_token_ids, include_usage=req.include_usage(),
                        logprobs=subs[0].params.logprobs is not None)
-        streams = [w.run(shape.rid if len(subs) == 1 else f"{shape.rid}-{s.index}", s.prompt_ids, s.params, arrival)
-                   for s in subs]
+        streams = [w.run(shape.rid if len(subs) == 1 else f"{shape.rid}-{s.index}", s.prompt_ids, s.params, arrival,
+                         span=tracing.span_of(request)) for s in subs]
         want = req.return_token_ids or shape.logprobs
 
         if req.stream:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pdcluster.worker.api import tracing
 from pdcluster.worker.engine.options import ENGINE_OPTIONS, Option
 
 log = logging.getLogger("pdcluster.serve")
@@ -111,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--api-key", default=None, metavar="KEY",
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
            "default: no key). The router calls workers' /internal/* routes, which take the internal token instead")
+    tracing.add_argument(parser)
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
     t.add_argument("--kv-transfer-port", type=_port, default=None)
     t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
@@ -189,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     folder = check_model_folder(args.model)
     transfer = transfer_options(args)
     check_port_free(args.host, args.port)
+    tracing.configure(args.role, getattr(args, "otlp_endpoint", None))  # a bad $OTEL_* endpoint: ValueError, exit 2
     if args.full_precision_layers and args.kv_cache_dtype == "auto":
         log.warning("--full-precision-layers has no effect with --kv-cache-dtype auto")
 

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from pdcluster.worker.api import errors
+from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.body import json_object, validate
 from pdcluster.worker.api.internal import (
     CancelBody,
@@ -232,7 +232,8 @@ class Disaggregation:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             w.admit()
             rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
-            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target), media_type=NDJSON)
+            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request)),
+                                     media_type=NDJSON)
 
         @r.post("/decode")
         async def decode(request: Request) -> StreamingResponse:
@@ -240,7 +241,7 @@ class Disaggregation:
             rid, first = data.request_id, data.first_token_id
             if me.connector is None or rid not in dict(me.connector.pending_loads()):
                 raise errors.APIError(409, f"no reservation for {rid} (expired or cancelled)", code="no_reservation")
-            return StreamingResponse(me._decode_stream(w, rid, first), media_type=NDJSON)
+            return StreamingResponse(me._decode_stream(w, rid, first, tracing.span_of(request)), media_type=NDJSON)
 
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
@@ -248,15 +249,18 @@ class Disaggregation:
             ids, params = checked(w, data)
             w.admit()
             rid = data.request_id
-            return StreamingResponse(me._generate_stream(w, rid, ids, params), media_type=NDJSON)
+            return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
+                                     media_type=NDJSON)
 
         return r
 
     # ------------------------------------------------------------------ streams
     async def _prefill_stream(self, w: WorkerServer, rid: str, ids: list[int], params: SamplingParams,
-                              target: TransferTarget) -> AsyncIterator[bytes]:
+                              target: TransferTarget, span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
         assert self.connector is not None
         conn = self.connector
+        span.set({"pdcluster.request_id": rid, "pdcluster.prompt_tokens": len(ids)})
+        phases = tracing.observed(w.metrics, span)  # the metrics, plus phase spans when tracing is on
         t0 = time.monotonic()
         conn.start_save(rid, target, self.num_layers)
         w.metrics.request_accepted(len(ids))
@@ -277,7 +281,7 @@ class Disaggregation:
                 yield _line({"event": "error", "stage": "prefill", "message": reason})
                 return
             w.metrics.observe_ttft(time.monotonic() - t0)
-            observe_prefill(w.metrics, first, t0, time.monotonic())
+            observe_prefill(phases, first, t0, time.monotonic())
             w.metrics.tokens_generated(1)
             held = bool(first.extra.get("kv_held"))
             yield _line({"event": "first_token", "token_id": first.new_token_ids[0], "text": first.new_text,
@@ -293,7 +297,7 @@ class Disaggregation:
                 w.metrics.kv_transfer_failed()
                 yield _line({"event": "error", "stage": "transfer", "message": str(e)})
                 return
-            w.metrics.kv_transfer(res.bytes, res.seconds)
+            phases.kv_transfer(res.bytes, res.seconds)
             done = True
             # tail = what layer-wise pipelining could not hide: transfer time left after prefill ended
             yield _line({"event": "transferred", "seconds": res.seconds, "bytes": res.bytes,
@@ -303,13 +307,17 @@ class Disaggregation:
                 self._detach(conn.abort_save(rid))
             self._detach(self.engine.release(rid))
 
-    async def _decode_stream(self, w: WorkerServer, rid: str, first: int) -> AsyncIterator[bytes]:
+    async def _decode_stream(self, w: WorkerServer, rid: str, first: int,
+                             span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
         assert self.connector is not None
         committed, finished = False, False
         w.in_flight += 1
+        span.set({"pdcluster.request_id": rid})
+        t0 = time.monotonic()
         try:
             try:
                 await self.connector.wait_for_load(rid, timeout=self.timeout)
+                span.phase("kv_wait", time.monotonic() - t0)  # the KV still in flight when decode was asked
             except (TransferError, TimeoutError) as e:
                 w.metrics.kv_transfer_failed()
                 yield _line({"error": f"kv load failed: {e}", "finished": True, "finish_reason": "error"})
@@ -323,6 +331,7 @@ class Disaggregation:
             committed = True
             w.metrics.kv_transfer(*self.connector.finish_load(rid))
             skip_first, last = True, time.monotonic()
+            t_decode = last
             try:
                 async for out in stream:
                     ids, text = out.new_token_ids, out.new_text
@@ -336,7 +345,9 @@ class Disaggregation:
                         last = now
                     finished = out.finished
                     if finished:
-                        w.metrics.request_finished(out.finish_reason, out.prompt_tokens, out.completion_tokens)
+                        span.phase("decode", time.monotonic() - t_decode)
+                        tracing.observed(w.metrics, span).request_finished(out.finish_reason, out.prompt_tokens,
+                                                                           out.completion_tokens)
                     if ids or text or finished:
                         yield _line({"token_ids": ids, "text": text, "finished": finished, "logprobs": lps,
                                      "finish_reason": out.finish_reason, "error": out.error})
@@ -349,10 +360,11 @@ class Disaggregation:
             if not committed:
                 self._detach(self._cancel(rid))
 
-    async def _generate_stream(self, w: WorkerServer, rid: str, ids: list[int],
-                               params: SamplingParams) -> AsyncIterator[bytes]:
+    async def _generate_stream(self, w: WorkerServer, rid: str, ids: list[int], params: SamplingParams,
+                               span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
+        span.set({"pdcluster.request_id": rid, "pdcluster.prompt_tokens": len(ids)})
         try:
-            async with contextlib.aclosing(w.run(rid, ids, params)) as outs:
+            async with contextlib.aclosing(w.run(rid, ids, params, span=span)) as outs:
                 async for out in outs:
                     if out.new_token_ids or out.new_text or out.finished:
                         yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,

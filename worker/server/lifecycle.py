@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from pdcluster.worker.api import errors
+from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api import limits as request_limits
 from pdcluster.worker.api.fanout import Sub, expand
 from pdcluster.worker.api.limits import ModelLimits
@@ -222,7 +222,8 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ running
     def run(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
+        span: tracing.Span = tracing.NO_SPAN,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the engine's outputs, with deadline, metrics, and abort on any early exit.
 
@@ -237,7 +238,7 @@ class WorkerServer:
         self.pending += 1
         self._idle.clear()
         started = [False]
-        stream = self._run(started, request_id, prompt_ids, params, arrival or time.monotonic())
+        stream = self._run(started, request_id, prompt_ids, params, arrival or time.monotonic(), span)
         weakref.finalize(stream, self._release_unstarted, started)
         return stream
 
@@ -254,7 +255,8 @@ class WorkerServer:
             self._idle.set()
 
     async def _run(
-        self, started: list[bool], request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self, started: list[bool], request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
+        span: tracing.Span = tracing.NO_SPAN,
     ) -> AsyncGenerator[RequestOutput, None]:
         if started[0]:  # already released by the finalizer: cannot happen while we are referenced
             return
@@ -267,6 +269,7 @@ class WorkerServer:
         last = arrival
         first_at: float | None = None
         stream: AsyncIterator[RequestOutput] | None = None
+        phases = tracing.observed(self.metrics, span)  # the metrics, plus phase spans when tracing is on
         try:
             stream = self.engine.generate(request_id, prompt_ids, params)
             while not finished:
@@ -290,7 +293,7 @@ class WorkerServer:
                         waiting_first = False
                         self.pending -= 1
                         self.metrics.observe_ttft(now - arrival)
-                        observe_prefill(self.metrics, out, arrival, now)
+                        observe_prefill(phases, out, arrival, now)
                         first_at = now
                     else:
                         self.metrics.observe_tpot((now - last) / n)
@@ -299,8 +302,8 @@ class WorkerServer:
                 finished = out.finished
                 if finished:
                     if first_at is not None:
-                        self.metrics.phase("decode", now - first_at)
-                    self.metrics.request_finished(out.finish_reason, len(prompt_ids), out.completion_tokens,
+                        phases.phase("decode", now - first_at)
+                    phases.request_finished(out.finish_reason, len(prompt_ids), out.completion_tokens,
                                                   now - arrival)
                 yield out
         finally:
