@@ -52,8 +52,9 @@ def test_apply_cpu_example(kube: Kube, operator: Operator, namespace: str, diag:
     # printer columns
     table = kube.run("get", "pdc", name, "-n", namespace).stdout.splitlines()
     header, row = table[0].split(), table[1].split()
-    assert header[:6] == ["NAME", "PREFILL", "DECODE", "RATIO", "READY", "AGE"], header
+    assert header[:7] == ["NAME", "PREFILL", "DECODE", "RATIO", "READY", "DEGRADED", "AGE"], header
     assert row[0] == name and row[1] == str(st["prefill"]["replicas"]) and row[4] == "True", row
+    assert row[5] == "Reconciled", row  # the Degraded reason while healthy
 
     # events from the operator on the PDCluster
     def events() -> list[dict]:
