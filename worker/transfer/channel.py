@@ -32,7 +32,7 @@ from pdcluster.worker.transfer.sockio import Closed, Conn
 
 # Status codes that a retry on the same receiver cannot fix.
 FATAL = {ErrorCode.UNKNOWN_REQUEST, ErrorCode.SHAPE_MISMATCH, ErrorCode.UNAUTHENTICATED,
-         ErrorCode.BAD_VERSION, ErrorCode.TOO_LARGE}
+         ErrorCode.BAD_VERSION, ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED}
 
 FrameHandler = Callable[[Frame], Awaitable[ErrorCode]]
 RecvInto = Callable[[memoryview], Awaitable[None]]

@@ -56,17 +56,27 @@ def encode_layer(
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim], got {tuple(k.shape)}/{tuple(v.shape)}")
     tokens, heads, dim = k.shape
-    k, v = k.detach().cpu(), v.detach().cpu()
     common = dict(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
                   token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim)
+    dtype, flags, payload, scales = wire_tensors(k, v, compression)
+    return Frame(**common, dtype=dtype, flags=flags,  # type: ignore[arg-type]
+                 scales=_raw(*scales) if scales else b"", payload=_raw(*payload))
+
+
+def wire_tensors(k: torch.Tensor, v: torch.Tensor,
+                 compression: str = "none") -> tuple[DType, int, list[torch.Tensor], list[torch.Tensor]]:
+    """(dtype, flags, payload tensors, scale tensors) of one layer as the wire carries it: K then V codes (or
+    values), then K then V float32 scales when int8. Shared by LAYER frames and NIXL staging."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    k, v = k.detach().cpu(), v.detach().cpu()
     if compression == "int8":
         qk, sk = quantize_kv(k, bits=8)
         qv, sv = quantize_kv(v, bits=8)
-        return Frame(**common, dtype=DType.I8, flags=FLAG_INT8,  # type: ignore[arg-type]
-                     scales=_raw(sk, sv), payload=_raw(qk, qv))
+        return DType.I8, FLAG_INT8, [qk, qv], [sk, sv]
     if k.dtype not in WIRE_OF or k.dtype == torch.int8:
         k, v = k.float(), v.float()
-    return Frame(**common, dtype=WIRE_OF[k.dtype], payload=_raw(k, v.to(k.dtype)))  # type: ignore[arg-type]
+    return WIRE_OF[k.dtype], 0, [k, v.to(k.dtype)], []
 
 
 def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

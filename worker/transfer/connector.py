@@ -29,7 +29,7 @@ import torch
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
-from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError, TransportStats
+from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class TCPConnector(KVConnector):
             load.error = "sender aborted the transfer"
             load.changed.set()
             return ErrorCode.OK
-        if frame.kind != Kind.LAYER:
+        if frame.kind not in (Kind.LAYER, Kind.STAGED):
             return ErrorCode.BAD_HEADER
         s = load.spec
         if (frame.num_layers, frame.kv_heads, frame.head_dim) != (s.num_layers, s.kv_heads, s.head_dim) \
@@ -288,13 +288,16 @@ class TCPConnector(KVConnector):
             return ErrorCode.SHAPE_MISMATCH
         if frame.layer in load.loaded:
             return ErrorCode.OK  # a resend after reconnect: already imported
-        if len(frame.payload) > 256 * 1024:  # dequantize/copy off the event loop (torch releases the GIL)
-            k, v = await asyncio.to_thread(codec.decode_layer, frame)
-        else:
-            k, v = codec.decode_layer(frame)
+        try:
+            k, v, nbytes = await self._decode(frame)
+        except TransferError as e:  # e.g. a staged layer whose MAC fails: this load is over
+            if e.code in FATAL:
+                load.error = str(e)
+                load.changed.set()
+            return e.code or ErrorCode.INTERNAL
         if frame.request_id not in self._loads:  # cancelled while decoding
             return ErrorCode.UNKNOWN_REQUEST
-        load.bytes += len(frame.payload) + len(frame.scales)
+        load.bytes += nbytes
         parts = load.chunks.setdefault(frame.layer, {})
         parts[frame.token_start] = (k, v)
         if sum(p[0].shape[0] for p in parts.values()) < s.num_tokens:
@@ -318,6 +321,17 @@ class TCPConnector(KVConnector):
             self._recvd.add(frame.request_id)
         load.changed.set()
         return ErrorCode.OK
+
+    async def _decode(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K and V of one data frame, plus its bytes moved. This backend takes LAYER frames only."""
+        if frame.kind != Kind.LAYER:
+            raise TransferError("a STAGED (NIXL) frame reached a TCP-only receiver: run both sides with the "
+                                "same --kv-transfer-backend", ErrorCode.UNSUPPORTED)
+        if len(frame.payload) > 256 * 1024:  # dequantize/copy off the event loop (torch releases the GIL)
+            k, v = await asyncio.to_thread(codec.decode_layer, frame)
+        else:
+            k, v = codec.decode_layer(frame)
+        return k, v, len(frame.payload) + len(frame.scales)
 
     # ------------------------------------------------------------------ both
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -16,7 +16,10 @@ Frame layout — all integers big-endian::
     0      4     magic            b"PDKV"
     4      1     version          3 (2 had per-frame HMAC-SHA256 + crc32, 1 no header MAC)
     5      1     kind             1 = LAYER (KV for one layer), 2 = ACK (receiver -> sender),
-                                  3 = ABORT (sender gives up; receiver drops the partial import)
+                                  3 = ABORT (sender gives up; receiver drops the partial import),
+                                  4 = STAGED (the layer lies in the sender's NIXL-registered staging
+                                  memory; the payload is a descriptor, `nixl_wire.py`, and the
+                                  receiver READs the bytes itself, then checks their MAC)
     6      1     flags            bit 0: payload is int8 with per-vector float32 scales
     7      1     dtype            1 f32, 2 f16, 3 bf16, 4 int8
     8      2     request_id_len   1..128
@@ -60,6 +63,7 @@ PREAMBLE_SIZE = HEADER_SIZE + TAG_SIZE  # 52: all a reader takes for a frame bef
 TRAILER_SIZE = 2 * TAG_SIZE
 _SEQ = struct.Struct(">4sQ")  # the 12-byte GCM nonce: label + sequence number on this connection+direction
 MAX_REQUEST_ID = 128
+MAX_DESCRIPTOR = 16 * 1024  # a STAGED frame's payload: addresses, MAC and the sender's agent metadata (~0.5 KiB)
 FLAG_INT8 = 0x01
 KNOWN_FLAGS = FLAG_INT8
 
@@ -68,6 +72,7 @@ class Kind(IntEnum):
     LAYER = 1
     ACK = 2
     ABORT = 3
+    STAGED = 4
 
 
 class DType(IntEnum):
@@ -94,6 +99,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_REQUEST = 8  # no reservation for this request id (expired, cancelled, never made)
     SHAPE_MISMATCH = 9  # frame does not fit the receiver's model (layers, heads, head_dim, tokens)
     INTERNAL = 10
+    UNSUPPORTED = 11  # a STAGED frame at a receiver without NIXL (the two sides run different backends)
 
 
 class FrameError(Exception):
@@ -167,7 +173,7 @@ class Header:
 def expected_lengths(kind: Kind, flags: int, dtype: DType, tokens: int, heads: int, dim: int) -> tuple[int, int]:
     """(scales_len, payload_len) a well-formed frame must declare; the parser accepts nothing else."""
     if kind != Kind.LAYER:
-        return 0, 0
+        return 0, 0  # STAGED: the descriptor's length varies (checked by parse_header)
     vectors = tokens * heads
     if flags & FLAG_INT8:
         return 2 * vectors * 4, 2 * vectors * dim * ITEMSIZE[DType.I8]
@@ -196,7 +202,7 @@ def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
         raise FrameError(ErrorCode.BAD_HEADER, f"token range [{t0}, {t1})")
     if heads > limits.max_kv_heads or dim > limits.max_head_dim or num_layers > limits.max_layers:
         raise FrameError(ErrorCode.BAD_HEADER, "shape exceeds limits")
-    if kind_e == Kind.LAYER:
+    if kind_e in (Kind.LAYER, Kind.STAGED):
         if not (layer < num_layers and heads > 0 and dim > 0 and t1 > t0):
             raise FrameError(ErrorCode.BAD_HEADER, "layer frame with empty shape or layer out of range")
         if bool(flags & FLAG_INT8) != (dtype_e == DType.I8):
@@ -204,7 +210,10 @@ def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
     if kind_e != Kind.ACK and status != 0:
         raise FrameError(ErrorCode.BAD_HEADER, "status is only meaningful on ACK")
     want_scales, want_payload = expected_lengths(kind_e, flags, dtype_e, t1 - t0, heads, dim)
-    if (scales_len, payload_len) != (want_scales, want_payload):
+    if kind_e == Kind.STAGED:
+        if scales_len != 0 or not 0 < payload_len <= MAX_DESCRIPTOR:
+            raise FrameError(ErrorCode.BAD_HEADER, f"staged descriptor of {scales_len}/{payload_len} bytes")
+    elif (scales_len, payload_len) != (want_scales, want_payload):
         raise FrameError(ErrorCode.BAD_HEADER, f"lengths {scales_len}/{payload_len} do not match the shape")
     hdr = Header(kind_e, flags, dtype_e, rid_len, layer, num_layers, t0, t1, heads, dim, status,
                  scales_len, payload_len)

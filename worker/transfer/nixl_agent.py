@@ -7,7 +7,9 @@ memory, DRAM segments); GPU memory is registered the same way where CUDA is pres
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,6 +52,8 @@ class Agent:
         self.buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
         self._reg: Any = self._agent.register_memory(self.buffer)
         self._remotes: set[str] = set()
+        self._lock = threading.Lock()
+        self.mem_type = "VRAM" if self.buffer.is_cuda else "DRAM"
 
     @property
     def base(self) -> int:
@@ -60,36 +64,72 @@ class Agent:
         return bytes(self._agent.get_agent_metadata())
 
     def add_remote(self, metadata: bytes) -> str:
-        name = self._agent.add_remote_agent(metadata)
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._remotes.add(name)
         return name
 
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer (it died, or its transfers failed): a later one with new metadata is added afresh."""
+        with self._lock:
+            if name in self._remotes:
+                self._remotes.discard(name)
+                with contextlib.suppress(Exception):  # already gone on the nixl side
+                    self._agent.remove_remote_agent(name)
+
+    @property
+    def remote_count(self) -> int:
+        return len(self._remotes)
+
+    def has_remote(self, name: str) -> bool:
+        return name in self._remotes
+
     def write(self, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int = 0,
               timeout: float = 30.0) -> None:
         """Blocking WRITE of local buffer[local_off:+nbytes] to the peer's address (call on a worker thread)."""
-        src = self._agent.get_xfer_descs([(self.base + local_off, nbytes, 0)], "DRAM")
-        dst = self._agent.get_xfer_descs([(remote_addr, nbytes, remote_dev)], "DRAM")
-        handle = self._agent.initialize_xfer("WRITE", src, dst, remote)
+        self._xfer("WRITE", remote, local_off, remote_addr, nbytes, remote_dev, timeout)
+
+    def read(self, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int = 0,
+             timeout: float = 30.0) -> None:
+        """Blocking READ of the peer's [remote_addr, +nbytes) into local buffer[local_off:] (worker thread).
+        NIXL refuses a range outside the peer's registrations (nixlNotFoundError) before anything moves."""
+        self._xfer("READ", remote, local_off, remote_addr, nbytes, remote_dev, timeout)
+
+    def _xfer(self, op: str, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int,
+              timeout: float) -> None:
+        if not 0 <= local_off <= self.buffer.numel() - nbytes:
+            raise ValueError(f"local range [{local_off}, +{nbytes}) is outside the staging buffer")
+        # One call at a time into the agent (its thread-safety depends on the build's sync mode); the
+        # polling loop runs unlocked, so concurrent transfers still overlap on the wire.
+        with self._lock:
+            src = self._agent.get_xfer_descs([(self.base + local_off, nbytes, 0)], self.mem_type)
+            dst = self._agent.get_xfer_descs([(remote_addr, nbytes, remote_dev)], self.mem_type)
+            handle = self._agent.initialize_xfer(op, src, dst, remote)
         try:
-            state = self._agent.transfer(handle)
+            with self._lock:
+                state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"nixl write of {nbytes} bytes to {remote} timed out")
-                state = self._agent.check_xfer_state(handle)
+                    raise TimeoutError(f"nixl {op} of {nbytes} bytes with {remote} timed out")
+                time.sleep(0)  # yield the GIL to the threads that keep the transfer going
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                raise OSError(f"nixl write to {remote} failed ({state})")
+                raise OSError(f"nixl {op} with {remote} failed ({state})")
         finally:
-            self._agent.release_xfer_handle(handle)
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
 
     def close(self) -> None:
         for name in list(self._remotes):
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception:  # the peer may be gone already
-                pass
-        self._remotes.clear()
-        if self._reg is not None:
-            self._agent.deregister_memory(self._reg)
-            self._reg = None
+            self.remove_remote(name)
+        with self._lock:
+            if self._reg is not None:
+                self._agent.deregister_memory(self._reg)
+                self._reg = None
+
+    @property
+    def registered(self) -> bool:
+        return self._reg is not None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from pdcluster.worker.transfer.channel import FATAL, Channel, TransferError, TransportStats, open_channel
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, FrameError, Kind, Limits
@@ -38,6 +39,7 @@ class Outbox:
         self._task: asyncio.Task[None] | None = None
         self._started = 0.0
         self.request_id = ""
+        self.on_ack: Callable[[Frame], None] | None = None  # a frame the receiver accepted (NIXL: free its staging)
         self.attempts = 0
         self.total_bytes = 0
 
@@ -147,4 +149,6 @@ class Outbox:
                 if code in FATAL:
                     raise TransferError(f"receiver refused layer {frame.layer}: {code.name}", code)
                 raise FrameError(code, f"receiver reported {code.name} for layer {frame.layer}")
-            self._frames.pop((frame.layer, frame.token_start), None)
+            done = self._frames.pop((frame.layer, frame.token_start), None)
+            if done is not None and self.on_ack is not None:
+                self.on_ack(done)

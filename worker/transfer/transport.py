@@ -198,7 +198,7 @@ class KVServer:
         except Exception:  # a bug in one transfer must not take the listener down
             log.exception("kv transfer: handler failed for %s layer %d", frame.request_id, frame.layer)
             status = ErrorCode.INTERNAL
-        if frame.kind == Kind.LAYER:
+        if frame.kind in (Kind.LAYER, Kind.STAGED):  # data frames are acknowledged; ABORT is not
             reply = Frame(kind=Kind.ACK, request_id=frame.request_id, layer=frame.layer,
                           token_start=frame.token_start, token_end=frame.token_end, status=int(status))
             with contextlib.suppress(OSError):

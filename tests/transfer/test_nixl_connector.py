@@ -1,0 +1,175 @@
+"""The NIXL backend's connector in one process (two agents over UCX): layers staged, described over the
+authenticated channel, read and MAC-checked by the receiver; staging and peers released on every path.
+Skipped, with the reason, only where nixl does not load."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.frame import Frame, Kind
+from pdcluster.worker.transfer.nixl_agent import availability
+from pdcluster.worker.transfer.transport import TransferError
+
+AVAILABLE = availability()
+pytestmark = pytest.mark.skipif(not AVAILABLE.ok, reason=AVAILABLE.reason)
+
+SECRET = b"n" * 32
+LAYERS, TOKENS, HEADS, DIM = 3, 13, 2, 8
+
+
+def kv(layer: int, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(layer)
+    return torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
+
+
+def nixl(**kw: Any) -> Any:
+    from pdcluster.worker.transfer.nixl_connector import NixlConnector
+
+    return NixlConnector(SECRET, staging_bytes=kw.pop("staging_bytes", 1 << 20), **kw)
+
+
+async def pair(send_kw: dict[str, Any] | None = None, recv: Any = None) -> tuple[Any, Any, dict, TransferTarget]:
+    got: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    recv = recv or nixl()
+    recv.importer = lambda r, i, k, v: got.__setitem__((r, i), (k, v))
+    port = await recv.listen()
+    return nixl(**(send_kw or {})), recv, got, TransferTarget("127.0.0.1", port)
+
+
+def assert_released(*conns: Any) -> None:
+    for c in conns:
+        if hasattr(c, "registrations"):
+            r = c.registrations()
+            assert (r["staging_regions"], r["staging_used_bytes"], r["outgoing"]) == (0, 0, 0), r
+
+
+async def close(*conns: Any) -> None:
+    for c in conns:
+        await c.close()
+        if hasattr(c, "registrations"):
+            assert c.registrations()["registered"] == 0 and c.registrations()["remote_agents"] == 0
+
+
+async def run(send: Any, recv: Any, target: TransferTarget, rid: str, layers: int = LAYERS,
+              chunks: tuple[int, ...] = (TOKENS,)) -> Any:
+    recv.start_load_kv(LoadSpec(rid, layers, sum(chunks), HEADS, DIM))
+    send.start_save(rid, target, layers)
+    for i in range(layers):
+        k, v = kv(i, sum(chunks))
+        start = 0
+        for n in chunks:  # chunked prefill: one save per chunk and layer
+            send.save_kv_layer(rid, i, k[start:start + n], v[start:start + n], token_start=start)
+            start += n
+    res = await send.wait_for_save(rid)
+    await recv.wait_for_load(rid, timeout=10)
+    return res
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_staged_layers_arrive_exact_or_within_int8(compression: str) -> None:
+    send, recv, got, target = await pair({"compression": compression})
+    staged: list[Frame] = []
+    orig = send._frames
+    send._frames = lambda *a: [f for f in orig(*a) if staged.append(f) is None]  # record what went out
+    res = await run(send, recv, target, "r1", chunks=(5, 8))
+    assert staged and all(f.kind == Kind.STAGED for f in staged)  # bytes over NIXL, not in frames
+    for i in range(LAYERS):
+        k, v = kv(i)
+        tol = 0 if compression == "none" else 0.05
+        assert torch.allclose(got[("r1", i)][0], k, atol=tol) and torch.allclose(got[("r1", i)][1], v, atol=tol)
+    per_token = 2 * HEADS * (DIM * 4 if compression == "none" else DIM + 4)
+    assert res.bytes == LAYERS * TOKENS * per_token  # staged bytes, not descriptor bytes
+    assert_released(send, recv)
+    assert recv.registrations()["remote_agents"] == 1  # the sender's agent, added once, kept for reuse
+    await close(send, recv)
+
+
+async def test_tampered_staging_is_not_imported() -> None:
+    """NIXL's data plane is unauthenticated: bytes changed after staging fail the MAC at the receiver."""
+    send, recv, got, target = await pair()
+    orig = send._frames
+
+    def tamper(*a: Any) -> list[Frame]:
+        frames = orig(*a)
+        send.agent.buffer[:64] ^= 0xFF  # what a peer on the fabric could do to the registered region
+        return frames
+
+    send._frames = tamper
+    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("t", target, LAYERS)
+    send.save_kv_layer("t", 0, *kv(0))
+    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+        await send.wait_for_save("t")
+    with pytest.raises(TransferError, match="MAC"):
+        await recv.wait_for_load("t", timeout=5)
+    assert not got
+    recv.cancel_load("t")
+    assert_released(send, recv)
+    await close(send, recv)
+
+
+async def test_full_staging_falls_back_to_tcp_frames() -> None:
+    layer_bytes = 2 * TOKENS * HEADS * DIM * 4
+    send, recv, got, target = await pair({"staging_bytes": layer_bytes + 64})  # room for one layer only
+    await run(send, recv, target, "f")
+    assert send.fallback_layers >= 1
+    assert all(torch.equal(got[("f", i)][0], kv(i)[0]) for i in range(LAYERS))
+    assert_released(send, recv)
+    await close(send, recv)
+
+
+async def test_tcp_receiver_refuses_staged_frames_clearly() -> None:
+    tcp = TCPConnector(SECRET)
+    send, recv, _, target = await pair(recv=tcp)
+    tcp.start_load_kv(LoadSpec("m", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("m", target, LAYERS)
+    send.save_kv_layer("m", 0, *kv(0))
+    with pytest.raises(TransferError, match="UNSUPPORTED"):
+        await send.wait_for_save("m")
+    with pytest.raises(TransferError, match="same --kv-transfer-backend"):
+        await tcp.wait_for_load("m", timeout=5)
+    assert_released(send)
+    await close(send, tcp)
+
+
+async def test_dead_receiver_releases_staging() -> None:
+    """Decode death: the sender's transfer fails after its retries and frees every staged region."""
+    send, recv, _, target = await pair({"timeout": 3.0, "max_retries": 1})
+    recv.start_load_kv(LoadSpec("d", LAYERS, TOKENS, HEADS, DIM))
+    await recv.close()
+    send.start_save("d", target, LAYERS)
+    for i in range(LAYERS):
+        send.save_kv_layer("d", i, *kv(i))
+    with pytest.raises(TransferError):
+        await send.wait_for_save("d")
+    assert_released(send)
+    await close(send)
+
+
+async def test_abort_mid_transfer_releases_both_sides() -> None:
+    send, recv, _, target = await pair()
+    recv.start_load_kv(LoadSpec("a", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("a", target, LAYERS)
+    send.save_kv_layer("a", 0, *kv(0))
+    await recv.wait_for_layer_load("a", 0)  # layer 0 read and imported; layers 1.. never come
+    await send.abort_save("a")
+    send.save_kv_layer("a", 1, *kv(1))  # the engine may still hand over a layer after the abort
+    await asyncio.sleep(0.2)
+    with pytest.raises(TransferError):
+        await recv.wait_for_load("a", timeout=5)
+    recv.cancel_load("a")
+    assert_released(send, recv)
+    await close(send, recv)
+
+
+async def test_many_requests_reuse_staging_without_leaks() -> None:
+    send, recv, got, target = await pair({"staging_bytes": 4 * 2 * TOKENS * HEADS * DIM * 4})
+    await asyncio.gather(*(run(send, recv, target, f"m{i}") for i in range(6)))
+    assert len(got) == 6 * LAYERS
+    assert_released(send, recv)
+    await close(send, recv)

@@ -1,0 +1,257 @@
+"""The NIXL transfer backend: KV bytes move over NIXL (UCX: RDMA, NVLink, shared memory, TCP), while what
+the bytes mean, and whether to trust them, travels over the authenticated TCP channel of the TCP backend.
+
+Producer (prefill), per layer as the engine writes it (layer-wise, overlapped with the next layer's
+compute): the layer is encoded as the wire carries it (int8 codes + scales when compression is int8, the
+codec's quantization) straight into a region of the agent's staging buffer, registered once at start.
+A STAGED frame then goes over the authenticated channel: where the bytes lie, this agent's metadata, and a
+MAC of the bytes (`nixl_wire.py`). The region is freed when the receiver ACKs that frame, and every region
+of a request when it ends in any way (done, abort, timeout, decode death). A layer that finds no free
+staging region goes as an ordinary LAYER frame instead (never blocks the engine, never deadlocks).
+
+Consumer (decode), on a STAGED frame: adds the sender's agent (cached by name), READs the bytes into a
+region of its own staging buffer, checks their MAC (NIXL's data plane has no authentication), decodes
+them with the codec, frees the region and imports the layer: the same path as a LAYER frame from there on.
+A failed READ forgets the peer's agent (it may have died or restarted) and is retried by the sender.
+
+Why the receiver reads instead of the sender writing: the descriptors then travel inside the transfer
+channel that is already authenticated per frame, the decode worker never exposes per-request addresses in
+an HTTP answer, and the router stays out of it (it only ever forwards host and port). vLLM's NixlConnector
+pulls the same way (decode READs from the prefill side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdcluster.worker.transfer import codec, nixl_wire
+from pdcluster.worker.transfer.connector import SaveResult, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, expected_lengths
+from pdcluster.worker.transfer.nixl_agent import Agent
+from pdcluster.worker.transfer.staging import Staging
+from pdcluster.worker.transfer.transport import TransferError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
+MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
+LARGE = 256 * 1024  # bytes above which MAC checks and decoding leave the event loop
+
+
+@dataclass
+class _Outgoing:
+    salt: bytes = field(default_factory=lambda: os.urandom(nixl_wire.SALT_SIZE))
+    regions: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, token_start) -> offset
+    staged_bytes: int = 0
+    descriptor_bytes: int = 0
+
+
+class NixlConnector(TCPConnector):
+    """KV over NIXL, described and authenticated over the TCP backend's channel (LAYER frames still work)."""
+
+    def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
+                 **kw: Any) -> None:
+        super().__init__(secret, **kw)
+        self.agent = Agent(agent_name or f"pdkv-{uuid.uuid4().hex[:12]}", staging_bytes)
+        self.staging = Staging(staging_bytes)
+        self._metadata = self.agent.metadata()
+        self._out: dict[str, _Outgoing] = {}
+        self._out_lock = threading.Lock()  # encoder threads stage while the loop frees
+        self._remotes: OrderedDict[str, bytes] = OrderedDict()  # agent name -> metadata it was added with
+        self._remote_lock = threading.RLock()  # reads run on several threads at once
+        self.fallback_layers = 0  # layers that went over TCP because staging was full
+
+    async def close(self) -> None:
+        await super().close()
+        for rid in list(self._out):
+            self._release(rid)
+        for name in list(self._remotes):
+            self._forget(name)
+        await asyncio.to_thread(self.agent.close)
+
+    def registrations(self) -> dict[str, int]:
+        """What this connector holds in NIXL: leak checks read this after requests end."""
+        return {"registered": int(self.agent.registered), "staging_regions": self.staging.regions,
+                "staging_used_bytes": self.staging.used, "remote_agents": self.agent.remote_count,
+                "outgoing": len(self._out)}
+
+    # ------------------------------------------------------------------ producer
+    def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None:
+        super().start_save(request_id, target, num_layers)
+        with self._out_lock:
+            self._out[request_id] = _Outgoing()
+        self._outboxes[request_id][0].on_ack = self._acked
+
+    def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
+                offset: int) -> list[Frame]:
+        """Encoder thread: stage one layer's token range and describe it; TCP frames when staging is full."""
+        dtype, flags, payload, scales = codec.wire_tensors(k, v, self.compression)
+        flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload + scales]
+        nbytes = sum(int(b.numel()) for b in flat)
+        off = self.staging.alloc(nbytes) if nbytes <= self.staging.size else None
+        if off is None:
+            self.fallback_layers += 1
+            log.info("kv transfer %s: no free staging for layer %d (%d bytes): sent over TCP", request_id, layer,
+                     nbytes)
+            return super()._frames(request_id, layer, num_layers, k, v, offset)
+        keep = False
+        try:
+            pos = off
+            for b in flat:
+                self.agent.buffer[pos:pos + b.numel()].copy_(b)
+                pos += int(b.numel())
+            with self._out_lock:
+                out = self._out.get(request_id)
+            if out is None:
+                return []  # aborted meanwhile: nothing will be sent
+            tag = nixl_wire.mac(self.secret, out.salt, request_id, layer, offset, self._view(off, nbytes))
+            desc = nixl_wire.Descriptor(self.agent.base + off, nbytes, 0, out.salt, tag, self.agent.name,
+                                        self._metadata).pack()
+            with self._out_lock:
+                if self._out.get(request_id) is not out:
+                    return []
+                out.regions[(layer, offset)] = off
+                out.staged_bytes += nbytes
+                out.descriptor_bytes += len(desc)
+                keep = True
+        finally:
+            if not keep:
+                self.staging.free(off)
+        tokens, heads, dim = k.shape
+        return [Frame(kind=Kind.STAGED, request_id=request_id, layer=layer, num_layers=num_layers,
+                      token_start=offset, token_end=offset + tokens, kv_heads=heads, head_dim=dim,
+                      dtype=dtype, flags=flags, payload=desc)]
+
+    def _view(self, off: int, nbytes: int) -> memoryview:
+        return memoryview(self.agent.buffer[off:off + nbytes].numpy())
+
+    def _acked(self, frame: Frame) -> None:
+        """The receiver has read and checked this layer: its region can be reused."""
+        if frame.kind != Kind.STAGED:
+            return
+        with self._out_lock:
+            out = self._out.get(frame.request_id)
+            off = out.regions.pop((frame.layer, frame.token_start), None) if out else None
+        if off is not None:
+            self.staging.free(off)
+
+    def _release(self, request_id: str) -> _Outgoing | None:
+        with self._out_lock:
+            out = self._out.pop(request_id, None)
+        if out is not None:
+            for off in out.regions.values():
+                self.staging.free(off)
+            out.regions.clear()
+        return out
+
+    async def wait_for_save(self, request_id: str) -> SaveResult:
+        try:
+            res = await super().wait_for_save(request_id)
+        finally:
+            out = self._release(request_id)
+        moved = res.bytes + (out.staged_bytes - out.descriptor_bytes if out else 0)
+        return SaveResult(res.seconds, moved)
+
+    async def abort_save(self, request_id: str) -> None:
+        try:
+            await super().abort_save(request_id)
+        finally:
+            self._release(request_id)
+
+    # ------------------------------------------------------------------ consumer
+    async def _decode(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if frame.kind != Kind.STAGED:
+            return await super()._decode(frame)
+        try:
+            d = nixl_wire.unpack(frame.payload)
+        except nixl_wire.DescriptorError as e:
+            raise TransferError(f"bad staged descriptor: {e}", ErrorCode.BAD_HEADER) from None
+        want_scales, want_payload = expected_lengths(Kind.LAYER, frame.flags, frame.dtype, frame.num_tokens,
+                                                     frame.kv_heads, frame.head_dim)
+        if d.nbytes != want_scales + want_payload:
+            raise TransferError(f"staged {d.nbytes} bytes, the shape needs {want_scales + want_payload}",
+                                ErrorCode.SHAPE_MISMATCH)
+        if d.nbytes > self.staging.size:
+            raise TransferError(f"staged layer of {d.nbytes} bytes exceeds this receiver's staging "
+                                f"({self.staging.size})", ErrorCode.TOO_LARGE)
+        off = await self._alloc(d.nbytes)
+        try:
+            try:
+                remote = await asyncio.to_thread(self._remote, d)
+                await asyncio.to_thread(self.agent.read, remote, off, d.addr, d.nbytes, d.device, self.timeout)
+            except Exception as e:  # peer gone, restarted, or a range it no longer registers: retryable
+                self._forget(d.agent)
+                raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
+            return await self._checked(frame, d, off, want_payload)
+        finally:
+            self.staging.free(off)
+
+    async def _checked(self, frame: Frame, d: nixl_wire.Descriptor, off: int,
+                       split: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """MAC check, then decode into tensors that own their memory (the region is reused right after)."""
+        view = self._view(off, d.nbytes)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor] | None:
+            if not nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view):
+                return None
+            layer = Frame(kind=Kind.LAYER, request_id=frame.request_id, layer=frame.layer,
+                          num_layers=frame.num_layers, token_start=frame.token_start, token_end=frame.token_end,
+                          kv_heads=frame.kv_heads, head_dim=frame.head_dim, dtype=frame.dtype, flags=frame.flags,
+                          payload=view[:split], scales=view[split:])
+            k, v = codec.decode_layer(layer)
+            return self._owned(k), self._owned(v)
+
+        kv = await asyncio.to_thread(run) if d.nbytes > LARGE else run()
+        if kv is None:
+            raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
+                                "staging): not imported", ErrorCode.UNAUTHENTICATED)
+        return kv[0], kv[1], d.nbytes
+
+    def _owned(self, t: torch.Tensor) -> torch.Tensor:
+        base, end = self.agent.base, self.agent.base + self.staging.size
+        return t.clone() if base <= t.data_ptr() < end else t
+
+    async def _alloc(self, nbytes: int) -> int:
+        deadline = time.monotonic() + self.timeout
+        while (off := self.staging.alloc(nbytes)) is None:
+            if time.monotonic() > deadline:
+                raise TransferError(f"no staging room for {nbytes} bytes within {self.timeout:g} s")
+            await asyncio.sleep(0.002)  # regions come back as concurrent reads finish
+        return off
+
+    def _remote(self, d: nixl_wire.Descriptor) -> str:
+        """The sender's agent, added once per (name, metadata); the least recently used beyond MAX_REMOTES
+        is removed (worker thread: adding one may connect)."""
+        with self._remote_lock:
+            return self._remote_locked(d)
+
+    def _remote_locked(self, d: nixl_wire.Descriptor) -> str:
+        known = self._remotes.get(d.agent)
+        if known == d.metadata and self.agent.has_remote(d.agent):
+            self._remotes.move_to_end(d.agent)
+            return d.agent
+        if known is not None:
+            self._forget(d.agent)
+        name = self.agent.add_remote(d.metadata)
+        if name != d.agent:
+            self.agent.remove_remote(name)
+            raise ValueError(f"descriptor names agent {d.agent!r}, its metadata {name!r}")
+        self._remotes[name] = d.metadata
+        while len(self._remotes) > MAX_REMOTES:
+            self._forget(next(iter(self._remotes)))
+        return name
+
+    def _forget(self, name: str) -> None:
+        with self._remote_lock:
+            self._remotes.pop(name, None)
+            self.agent.remove_remote(name)
