@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdcluster.operator import models, naming, render
 
+from pdcluster.operator import models, naming, render
 from tests.helm.test_chart import CHART, ROOT, by_kind, helm, needs_helm
 from tests.helm.test_chart import render as render_chart
 
@@ -94,7 +94,7 @@ def test_watch_namespaces_get_roles_not_cluster_roles():
             {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["list", "watch", "patch"]}]
     bindings = {(b["metadata"]["namespace"], b["metadata"]["name"]): b for b in by_kind(docs, "RoleBinding")}
     assert set(bindings) == set(roles)
-    for (ns, name), b in bindings.items():
+    for (_ns, name), b in bindings.items():
         assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "pdc-pdcluster-operator",
                                   "namespace": "pdc-system"}]
