@@ -22,7 +22,11 @@ PACKAGES = {  # folder -> import name
 
 # The one worker module the operator may import: the KV secret and the internal token derived from it,
 # which both sides must compute identically (stdlib only; test_shared_secret_module_is_stdlib_only).
-ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret")}
+# Likewise the router may import the engine's block hash (stdlib only), so that its prefix-cache index
+# names blocks exactly as the engine's prefix cache does.
+ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret"),
+           ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash")}
+STDLIB_ONLY = ["worker/transfer/secret.py", "worker/engine/block_hash.py"]
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -110,10 +114,11 @@ def test_no_file_over_400_lines_without_a_reason() -> None:
     assert not long, long
 
 
-def test_shared_secret_module_is_stdlib_only() -> None:
+@pytest.mark.parametrize("rel", STDLIB_ONLY)
+def test_modules_shared_across_the_layout_are_stdlib_only(rel: str) -> None:
     import sys
 
-    path = ROOT / "worker" / "transfer" / "secret.py"
+    path = ROOT / rel
     third_party = [m for _, m, _ in _imports(path)
                    if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "__future__"]
     assert not third_party, third_party

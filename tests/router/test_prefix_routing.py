@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from pdcluster.worker.api.block_hash import cacheable_blocks, chain_hash, prompt_block_hashes
+from pdcluster.worker.engine.block_hash import cacheable_blocks, chain_hash, prompt_block_hashes
 from pdcluster.worker.router.flow import Tokenized
 from pdcluster.worker.router.picking import WorkerView, pick_prefill, rank_decode
 from pdcluster.worker.router.prefix_index import PrefixIndex
@@ -38,7 +38,7 @@ def test_block_hashes_chain_like_the_engine_and_skip_the_last_token() -> None:
 def test_block_hashes_are_the_same_in_another_process() -> None:
     """Router and workers are different processes: the hash must not depend on per-process state (on 3.11
     hash(None) does, which is why the chain's root is an integer)."""
-    code = ("from pdcluster.worker.api.block_hash import prompt_block_hashes as h;"
+    code = ("from pdcluster.worker.engine.block_hash import prompt_block_hashes as h;"
             "print(h(list(range(50)), 16))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(prompt_block_hashes(list(range(50)), 16))

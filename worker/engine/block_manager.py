@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdcluster.worker.api.block_hash import chain_hash  # shared with the router's prefix index
+from pdcluster.worker.engine.block_hash import chain_hash  # shared with the router's prefix index
 from pdcluster.worker.engine.sequence import Sequence
 
 

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from pdcluster.worker.api.block_hash import prompt_block_hashes
+from pdcluster.worker.engine.block_hash import prompt_block_hashes
 from pdcluster.worker.router.picking import WorkerView, health_transition
 from pdcluster.worker.router.prefix_index import PrefixIndex
 from pdcluster.worker.transfer.secret import internal_headers
