@@ -32,6 +32,7 @@ lint: setup
 # Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
 bench: setup
 	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
+	$(PY) -m pdcluster.bench.served_vs_hf --threads 2 --repeats 3
 	$(PY) -m pdcluster.bench.disagg_transfer
 
 # Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).

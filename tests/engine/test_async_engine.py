@@ -116,3 +116,23 @@ def test_read_only_accessors(aengine):
     assert not engine.seqs  # pure checks: nothing was queued or added
     with pytest.raises(AttributeError):
         aengine.max_model_len = 5  # type: ignore[misc]
+
+
+async def test_one_event_loop_wakeup_per_step(aengine, monkeypatch):
+    """A step's outputs reach their streams in one call_soon_threadsafe, not one per request (the per-output
+    wake-ups were event-loop work competing with the next step for the cores)."""
+    loop = asyncio.get_running_loop()
+    calls = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args, **kw):
+        calls.append(cb)
+        return real(cb, *args, **kw)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    n = 4
+    await asyncio.gather(*(_collect(aengine, f"w{i}", prompt_of(5, seed=i), params) for i in range(n)))
+    steps = aengine.engine.counters["steps"]
+    # each add_request's Future also completes through call_soon_threadsafe: n of those at most
+    assert len(calls) <= steps + n, (len(calls), steps)

@@ -58,6 +58,11 @@ class RequestStream:
             self.owner.abort(self.request_id)
 
 
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:  # on the streams' event loop
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -214,10 +219,22 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()
             self._stats = engine.stats()  # before the outputs: a caller that saw them sees these stats
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop, not one per output: each
+        call_soon_threadsafe is a self-pipe write and a loop iteration, and at batch 16 those 16 wake-ups per
+        step were event-loop work competing with the next step for the same cores."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                log.debug("dropped %d outputs for a closed event loop", len(items))
 
     def _run_commands(self) -> None:
         while True:

@@ -195,6 +195,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.full_precision_layers and args.kv_cache_dtype == "auto":
         log.warning("--full-precision-layers has no effect with --kv-cache-dtype auto")
 
+    from pdcluster.worker.engine.omp_spin import apply_spin_defaults
+
+    # before torch loads OpenMP: a short bounded spin between parallel regions (why: worker/engine/omp_spin.py)
+    log.debug("OpenMP defaults: %s", apply_spin_defaults() or "none (set by the user, or torch already loaded)")
     import torch  # deferred: `pdcluster serve --help` must stay fast
 
     if args.device == "cuda" and not torch.cuda.is_available():
