@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +19,17 @@ import httpx
 from pdcluster.worker.api import tracing
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker
+from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
+from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
+    NoCapacity,
+    NoHealthyDecode,
+    NoTransferPath,
+    UpstreamError,
+    WorkerFailed,
+    error_of,
+    no_decode_error,
+    read_lines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,119 +61,6 @@ class Chunk:
     logprobs: list[dict[str, Any]] | None = None  # one entry per token when asked for (see RequestOutput)
 
 
-class Timeline:
-    """When one request reached each phase boundary at the router (time.monotonic()); `mark` observes the phase
-    that just ended in pdcluster_request_phase_seconds. Prefill queue/compute are the prefilling worker's to
-    observe: the router cannot tell them apart."""
-
-    def __init__(self, arrival: float, metrics: Any = None, trace: tracing.Span = tracing.NO_SPAN) -> None:
-        self.arrival, self.trace = arrival, trace
-        self.metrics = tracing.observed(metrics, trace)  # phases also become spans of `trace` when tracing is on
-        self.dispatched: float | None = None  # first worker call of the first attempt: router queue ends
-        self.first_token: float | None = None
-        self.transferred: float | None = None
-        self.decoding: float | None = None  # the decode worker's first chunk after the KV arrived
-
-    def mark(self, attr: str, phase: str | None = None, since: float | None = None) -> None:
-        if getattr(self, attr) is not None:
-            return  # a retry or resume: the first time counts
-        now = time.monotonic()
-        setattr(self, attr, now)
-        if phase and since is not None and self.metrics is not None:
-            self.metrics.phase(phase, now - since)
-
-    def finished(self, reason: str | None, prompt_tokens: int, generated: int) -> None:
-        if self.metrics is None:
-            return
-        now = time.monotonic()
-        start = self.first_token or self.dispatched
-        if start is not None:
-            self.metrics.phase("decode", now - start)
-        self.metrics.request_finished(reason, prompt_tokens, generated, now - self.arrival)
-
-
-class WorkerFailed(Exception):
-    """A worker broke this attempt; another pair may succeed."""
-
-    def __init__(self, role: str, url: str, message: str) -> None:
-        super().__init__(f"{role} worker {url}: {message}")
-        self.role, self.url = role, url
-
-
-class NoCapacity(Exception):
-    """Every candidate refused for lack of room (429s, no KV blocks): wait and try again."""
-
-
-class NoHealthyDecode(NoCapacity):
-    """No decode worker is healthy right now (died, restarting, draining): wait, but only `decode_wait`."""
-
-
-class NoTransferPath(Exception):
-    """No decode worker can receive KV (e.g. `both` workers without a transfer secret): prefill there."""
-
-
-class UpstreamError(Exception):
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(str(body))
-        self.status, self.body = status, body
-
-
-@dataclass
-class Stages:
-    """Requests currently in each stage; exported as pdcluster_router_requests_in_stage{stage}."""
-
-    counts: dict[str, int] = field(default_factory=lambda: {"queued": 0, "prefill": 0, "transfer": 0, "decode": 0})
-
-    @contextlib.contextmanager
-    def enter(self, stage: str):  # type: ignore[no-untyped-def]
-        self.counts[stage] += 1
-        try:
-            yield
-        finally:
-            self.counts[stage] -= 1
-
-    def cursor(self, stage: str) -> StageCursor:
-        return StageCursor(self, stage)
-
-
-class StageCursor:
-    """Where one request is now; `move` keeps the per-stage counts exact as it advances."""
-
-    def __init__(self, stages: Stages, stage: str | None) -> None:
-        self.stages = stages
-        self.stage: str | None = None
-        self.move(stage)
-
-    def move(self, stage: str | None) -> None:
-        if self.stage is not None:
-            self.stages.counts[self.stage] -= 1
-        self.stage = stage
-        if stage is not None:
-            self.stages.counts[stage] += 1
-
-
-async def _lines(resp: httpx.Response, role: str, url: str) -> AsyncIterator[dict[str, Any]]:
-    """A worker's NDJSON events; a line that is not a JSON object means that worker is broken."""
-    async for line in resp.aiter_lines():
-        if line.strip():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                raise WorkerFailed(role, url, f"garbled reply line {line[:80]!r}") from None
-            if not isinstance(ev, dict):
-                raise WorkerFailed(role, url, f"reply line is not an object: {line[:80]!r}")
-            yield ev
-
-
-async def _error_of(resp: httpx.Response) -> UpstreamError:
-    await resp.aread()
-    try:
-        body = resp.json()
-    except ValueError:
-        body = {"error": {"message": resp.text[:500], "type": "upstream_error", "code": None}}
-    return UpstreamError(resp.status_code, body)
-
-
 def _tokenized(d: dict[str, Any]) -> Tokenized:
     """A worker's /internal/tokenize answer; `subs` (one per choice) when the request fans out."""
     tok = Tokenized(d["prompt_token_ids"], d["params"], d["model"], bool(d.get("stream", False)),
@@ -173,12 +70,6 @@ def _tokenized(d: dict[str, Any]) -> Tokenized:
                           index=int(s["index"]), echo=str(s.get("echo") or ""), n=tok.n)
                 for s in d.get("subs") or []]
     return tok
-
-
-def no_decode_error(waited: float) -> UpstreamError:
-    return UpstreamError(503, {"error": {
-        "message": f"no healthy decode worker for {waited:.1f} s (died or draining and not back); retry later",
-        "type": "server_error", "code": "no_decode_worker"}})
 
 
 class Flow:
@@ -223,7 +114,7 @@ class Flow:
             if r.status_code == 200:
                 return _tokenized(r.json())
             if r.status_code < 500:
-                raise await _error_of(r)
+                raise await error_of(r)
             self.pool.mark_failed(w.role, w.url, f"HTTP {r.status_code}")
         raise NoCapacity("no healthy worker to tokenize the request")
 
@@ -323,8 +214,8 @@ class Flow:
             if ok:
                 return w, int(r.json()["transfer_port"])
             if r.status_code == 400:
-                raise await _error_of(r)
-            if r.status_code == 503 and (await _error_of(r)).body.get("error", {}).get("code") == "no_transfer":
+                raise await error_of(r)
+            if r.status_code == 503 and (await error_of(r)).body.get("error", {}).get("code") == "no_transfer":
                 no_transfer += 1
             elif r.status_code >= 500 and r.status_code != 503:
                 self.pool.mark_failed("decode", w.url, f"reserve: HTTP {r.status_code}")
@@ -372,7 +263,7 @@ class Flow:
                 async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body,
                                               headers=tl.trace.headers) as resp:
                     if resp.status_code != 200:
-                        err = await _error_of(resp)
+                        err = await error_of(resp)
                         if err.body.get("error", {}).get("code") == "no_transfer":  # misconfigured: skip it
                             raise WorkerFailed("prefill", p.url, "no KV transfer secret configured")
                         if resp.status_code in (429, 503):
@@ -380,7 +271,7 @@ class Flow:
                         if resp.status_code < 500:
                             raise err
                         raise WorkerFailed("prefill", p.url, f"HTTP {resp.status_code}")
-                    async for ev in _lines(resp, "prefill", p.url):
+                    async for ev in read_lines(resp, "prefill", p.url):
                         if ev.get("event") == "first_token":
                             first = ev
                             tl.mark("first_token")
@@ -459,7 +350,7 @@ class Flow:
         try:
             async with self.client.stream("POST", f"{w.url}{path}", json=body, headers=headers) as resp:
                 if resp.status_code != 200:
-                    err = await _error_of(resp)
+                    err = await error_of(resp)
                     if resp.status_code in (429, 503):
                         raise NoCapacity(str(err))
                     if resp.status_code == 409:  # reservation expired: redo the whole pair
@@ -467,7 +358,7 @@ class Flow:
                     if resp.status_code < 500:
                         raise err
                     raise WorkerFailed("decode", w.url, f"HTTP {resp.status_code}")
-                async for ev in _lines(resp, "decode", w.url):
+                async for ev in read_lines(resp, "decode", w.url):
                     if ev.get("finish_reason") == "error" or (ev.get("error") and ev.get("finished")):
                         raise WorkerFailed("decode", w.url, str(ev.get("error")))
                     if ev.get("finish_reason") == "abort":
