@@ -19,16 +19,17 @@ AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", 
 
 
 def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
-                compression: str = "none", secret: bytes | None = SECRET, **engine_kw: Any) -> tuple[Any, Any]:
+                compression: str = "none", secret: bytes | None = SECRET, backend: str = "tcp",
+                **engine_kw: Any) -> tuple[Any, Any]:
     """(app, AsyncEngine) of one worker with the disaggregation routes mounted."""
     from pdcluster.worker.engine.async_engine import AsyncEngine
-    from pdcluster.worker.server.internal_routes import Disaggregation
     from pdcluster.worker.engine.llm_engine import EngineConfig
     from pdcluster.worker.server.app import build_app
+    from pdcluster.worker.server.internal_routes import Disaggregation
 
     engine = AsyncEngine.from_config(EngineConfig(model=str(model), block_size=block_size,
                                                   num_kv_blocks=num_kv_blocks, num_threads=1, **engine_kw))
-    d = Disaggregation(engine, role=role, secret=secret, compression=compression, timeout=10.0)
+    d = Disaggregation(engine, role=role, secret=secret, compression=compression, timeout=10.0, backend=backend)
 
     async def shutdown() -> None:
         engine.shutdown()
@@ -45,6 +46,7 @@ class Cluster:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     engines: list[Any] = field(default_factory=list)
+    disaggs: list[Any] = field(default_factory=list)  # each worker's Disaggregation (its connector: leak checks)
     state: Any = None
 
 
@@ -53,7 +55,8 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
             threshold: int = 0, max_queue_depth: int | None = None, request_timeout: float | None = 60.0,
             max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256,
             prefill_kw: dict[str, Any] | None = None, decode_role: str = "decode",
-            decode_secret: bytes | None = SECRET, prefill_secret: bytes | None = SECRET) -> Iterator[Cluster]:
+            decode_secret: bytes | None = SECRET, prefill_secret: bytes | None = SECRET,
+            backend: str = "tcp") -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
 
@@ -64,8 +67,10 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                 kw = (prefill_kw or {}) if role == "prefill" else {}
                 app, engine = make_worker(model, role if role == "prefill" else decode_role, block_size=bs,
                                           compression=compression, num_kv_blocks=num_kv_blocks,
-                                          secret=prefill_secret if role == "prefill" else decode_secret, **kw)
+                                          secret=prefill_secret if role == "prefill" else decode_secret,
+                                          backend=backend, **kw)
                 c.engines.append(engine)
+                c.disaggs.append(app.state.disagg)
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2,
                     secret=prefill_secret or decode_secret)

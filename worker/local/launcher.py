@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=types.positive_int, default=1, help="torch threads per worker")
     a("--block-size", type=int, choices=[8, 16, 32], default=16)
     a("--kv-transfer-compression", choices=["none", "int8"], default="none")
+    a("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
+      help="passed to every worker (pdcluster serve --kv-transfer-backend); default auto")
     a("--disaggregation-threshold", type=types.non_negative_int, default=64, metavar="TOKENS")
     a("--max-queue-depth", type=types.non_negative_int, default=64)
     a("--request-timeout", type=types.non_negative_float, default=120.0, metavar="S", help="504 after S seconds (0: none)")
@@ -87,6 +89,7 @@ def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> l
     return [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--role", role, "--port", str(port),
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
             "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
+            "--kv-transfer-backend", getattr(args, "kv_transfer_backend", "auto"),
             *_otlp(args)]
 
 

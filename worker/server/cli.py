@@ -31,6 +31,7 @@ class TransferOptions:
     timeout_s: float = 30.0
     max_retries: int = 3
     secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
+    backend: str = "auto"  # auto | nixl | tcp (worker/transfer/backend.py)
 
 
 class UsageError(Exception):
@@ -116,6 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
     t.add_argument("--kv-transfer-port", type=_port, default=None)
     t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
+    t.add_argument("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
+                   help="how KV bytes move: nixl (UCX: RDMA, NVLink, shared memory; its data plane is not "
+                        "authenticated, the bytes are MAC-checked), tcp (the authenticated channel), auto "
+                        "(nixl where it loads, else tcp; one log line says which and why). Default: auto")
     t.add_argument("--kv-transfer-timeout", type=_non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
@@ -133,6 +138,7 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
         timeout_s=args.kv_transfer_timeout,
         max_retries=args.kv_transfer_max_retries,
         secret_file=args.kv_transfer_secret_file,
+        backend=args.kv_transfer_backend,
     )
 
 

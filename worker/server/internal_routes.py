@@ -46,6 +46,7 @@ from pdcluster.worker.api.internal import (
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
+from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.secret import ENV_VAR, check_internal_auth, load_secret
 from pdcluster.worker.transfer.transport import TransferError
@@ -64,17 +65,20 @@ class Disaggregation:
 
     def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
-                 transfer_port: int | None = None, node: str | None = None) -> None:
+                 transfer_port: int | None = None, node: str | None = None, backend: str = "tcp") -> None:
         self.engine = engine  # AsyncEngine
         self.role = role
         self.timeout = timeout
         self.listen_host, self.transfer_port = listen_host, transfer_port or 0
         self.node = node if node is not None else os.environ.get("NODE_NAME")
         self.secret = secret  # also authenticates router -> worker /internal/* calls (derived bearer token)
-        self.connector: TCPConnector | None = None
-        if secret is not None:
-            self.connector = TCPConnector(secret, importer=self._import, compression=compression,
-                                          timeout=timeout, max_retries=max_retries)
+        self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
+        self.backend = "none"
+        if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
+            self.connector, choice = transfer_backend.build(backend, secret, importer=self._import,
+                                                            compression=compression, timeout=timeout,
+                                                            max_retries=max_retries)
+            self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
@@ -96,7 +100,8 @@ class Disaggregation:
                             "send or receive KV; the router will prefill on decode workers instead", ENV_VAR, role)
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
-                   listen_host=listen_host, transfer_port=getattr(options, "port", None))
+                   listen_host=listen_host, transfer_port=getattr(options, "port", None),
+                   backend=getattr(options, "backend", "auto"))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -152,6 +157,7 @@ class Disaggregation:
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
+            "transfer_backend": self.backend,
         }
 
     # ------------------------------------------------------------------ routes
