@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdcluster.worker.api.protocol import MAX_STOP_STRINGS
-from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, MAX_STRUCTURED_SPEC, SamplingParams
 
 _INTERNAL = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -35,6 +35,8 @@ class Params(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     first_output_index: int = Field(default=0, ge=0)
+    structured_kind: Literal["json_object", "json_schema", "regex", "choice"] | None = None
+    structured_spec: str = Field(default="", max_length=MAX_STRUCTURED_SPEC)
 
     @field_validator("logit_bias", mode="before")
     @classmethod

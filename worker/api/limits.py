@@ -5,6 +5,7 @@ that receive already-tokenized work call `check_prompt` and `check_stop_ids` on 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,3 +99,18 @@ def checked_params(req: Any, prompt_ids: list[int], max_tokens: int | None, limi
     check_stop_ids(params.stop_token_ids, limits, params.logit_bias)
     check_engine(prompt_ids, params, engine_check)
     return params
+
+
+async def check_grammar(req: Any, params: SamplingParams, compile_grammar: Callable[[SamplingParams], None] | None) -> None:
+    """A structured-output request's grammar compiles (on a thread: a schema over a large vocabulary takes a
+    while; the engine caches it for the request itself), else a 400 naming the field that asked for it."""
+    if not params.structured_kind:
+        return
+    asked = req.structured()
+    param = asked[0] if asked else "response_format"
+    if compile_grammar is None:
+        raise errors.bad_request("structured output is not available on this engine", param=param)
+    try:
+        await asyncio.to_thread(compile_grammar, params)
+    except ValueError as e:
+        raise errors.bad_request(f"{param}: {e}", param=param) from None

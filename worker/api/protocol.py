@@ -10,6 +10,7 @@ never silently ignored.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, MAX_STRUCTURED_SPEC, SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_STOP_STRINGS = 16
@@ -26,7 +27,6 @@ MAX_CHOICES = 128  # prompts x n of one request (OpenAI's bound on n)
 # Fields of the OpenAI / vLLM request bodies that would change the output and are not implemented yet, each
 # with the values that change nothing (accepted, since some clients send them by default).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -42,16 +42,20 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "continue_final_message": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
     "structured_outputs": (None,),
     "prediction": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "reasoning_effort": (None,),
 }
+
+
+def _field_error(name: str, message: str) -> ValidationError:
+    """A validation error located at ``name`` (the 400's `param`) with our message as is."""
+    return ValidationError.from_exception_data("request", [{
+        "type": PydanticCustomError("invalid_field", message), "loc": (name,), "input": None}])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -62,6 +66,26 @@ def _same(a: Any, b: Any) -> bool:
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False  # a last chunk with `choices: []` and the usage (OpenAI, vLLM)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -86,6 +110,11 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* extras (at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # pdcluster extensions
     return_token_ids: bool = False
     ignore_eos: bool = False
@@ -112,6 +141,42 @@ class _SamplingFields(BaseModel):
 
     def num_choices(self) -> int:
         return self.n or 1
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> Any:
+        self.structured()  # raises for two structures at once, or one that is not well formed
+        return self
+
+    def structured(self) -> tuple[str, str, str] | None:
+        """(the field that asked for it, structured_kind, structured_spec) of the grammar the output must follow,
+        or None. A spec that is well formed can still fail to compile: that 400 comes from the engine."""
+        found: list[tuple[str, str, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append(("response_format", "json_schema", json.dumps(rf.json_schema.json_schema)))
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            found.append(("guided_json", "json_schema", spec))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            if not self.guided_choice or not all(self.guided_choice):
+                raise _field_error("guided_choice", "must be a non-empty list of non-empty strings")
+            found.append(("guided_choice", "choice", json.dumps(self.guided_choice)))
+        if len(found) > 1:
+            raise _field_error(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output; send one")
+        if found and len(found[0][2]) > MAX_STRUCTURED_SPEC:
+            raise _field_error(found[0][0], f"longer than {MAX_STRUCTURED_SPEC} characters")
+        if found and found[0][1] == "json_schema":
+            try:
+                schema = json.loads(found[0][2])
+            except json.JSONDecodeError as e:
+                raise _field_error(found[0][0], f"not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise _field_error(found[0][0], "must be a JSON schema (an object)")
+        return found[0] if found else None
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -162,6 +227,9 @@ class _SamplingFields(BaseModel):
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
             logprobs=self.num_logprobs(),
         )
+        structured = self.structured()
+        if structured is not None:
+            params.structured_kind, params.structured_spec = structured[1], structured[2]
         return params  # api.limits.checked_params validates it (with the engine's own check) once
 
 

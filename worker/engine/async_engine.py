@@ -149,6 +149,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = self.open_stream(request_id)
         try:
+            await self._compile(params)
             await self.call(
                 lambda e: e.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only)
             )
@@ -161,6 +162,12 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """A structured-output grammar is compiled on a worker thread (cached), so neither the event loop nor
+        the engine thread (every running request's next token) waits for it; the engine then finds it cached."""
+        if params.structured_kind:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the request's stream (if any) ends with finish_reason "abort"."""
@@ -180,6 +187,7 @@ class AsyncEngine:
         await self.call(lambda e: e.set_kv_connector(connector))
 
     async def reserve_for_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        await self._compile(params)
         return await self.call(lambda e: e.reserve_for_import(request_id, prompt_token_ids, params))
 
     async def import_kv_layer(self, request_id: str, layer: int, k: Any, v: Any) -> None:

@@ -23,6 +23,7 @@ from pdcluster.worker.engine.sampler import History, logprobs_of, sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch, Scheduler
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
+from pdcluster.worker.engine.structured import GrammarBackend, GrammarState
 from pdcluster.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(config.model)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._grammars: dict[str, GrammarState] = {}  # structured-output requests' matchers
         self.runner = ModelRunner(
             self.model_config,
             dtype=config.dtype,
@@ -94,6 +97,21 @@ class LLMEngine:
             )
         if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV cache; the whole cache holds fewer")
+        if params.structured_kind and self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer (this model has no tokenizer.json)")
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (and cache) a structured-output request's grammar; any thread. ValueError: a bad spec."""
+        if params.structured_kind:
+            self.grammar.compile(params.structured_kind, params.structured_spec)
+
+    def _new_grammar(self, prompt_token_ids: list[int], params: SamplingParams) -> GrammarState | None:
+        """The request's matcher, advanced over the output tokens its prompt ends with (a resume's)."""
+        if not params.structured_kind:
+            return None
+        n = params.first_output_index
+        replay = prompt_token_ids[len(prompt_token_ids) - n:] if n else []
+        return self.grammar.state(params.structured_kind, params.structured_spec, replay)
 
     def add_request(
         self,
@@ -109,8 +127,11 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        grammar = self._new_grammar(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, prefill_only=prefill_only)
         self.seqs[request_id] = seq
+        if grammar is not None:
+            self._grammars[request_id] = grammar
         if self.tokenizer is not None:
             self._detok[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
         self.counters["requests"] += 1
@@ -228,7 +249,9 @@ class LLMEngine:
         start = seq.num_prompt_tokens - seq.params.first_output_index
         p = seq.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        return History(seq.token_ids[:start], seq.token_ids[start:], stop_ids)
+        grammar = self._grammars.get(seq.request_id)
+        allowed = grammar.allowed() if grammar is not None else None
+        return History(seq.token_ids[:start], seq.token_ids[start:], stop_ids, allowed)
 
     def _logprobs(self, seq: Sequence, row: torch.Tensor, token: int) -> list[dict]:
         """The OpenAI logprobs entry of one sampled token (token strings from the tokenizer, if any)."""
@@ -260,6 +283,11 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
+        grammar = self._grammars.get(seq.request_id)
+        if grammar is not None:
+            grammar.accept(token)  # raises for a token the mask let through by mistake: that request fails
+            if grammar.terminated:  # the grammar ended (its stop token): done, whatever ignore_eos says
+                reason = "stop"
         text = ""
         state = self._detok.get(seq.request_id)
         if state is not None:
@@ -284,6 +312,7 @@ class LLMEngine:
         seq.finish_reason = reason  # type: ignore[assignment]
         self.seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
+        self._grammars.pop(seq.request_id, None)
 
     def _cheaper_preemption(self, seq: Sequence) -> Literal["swap", "recompute"]:
         swap_s = 2 * len(seq.block_table) * self.runner.block_bytes / self.config.host_bandwidth
@@ -363,11 +392,14 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        grammar = self._new_grammar(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve_for_import(seq):
             return False
         seq.status = SequenceStatus.IMPORTING
         self.seqs[request_id] = seq
+        if grammar is not None:
+            self._grammars[request_id] = grammar
         return True
 
     def import_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

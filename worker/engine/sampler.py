@@ -1,5 +1,6 @@
 """Next-token choice per sequence: greedy, or temperature + top-k + top-p sampling, after the logits are shaped
-by min_tokens, logit_bias and the repetition / frequency / presence penalties (vLLM's order and formulas).
+by min_tokens, logit_bias and the repetition / frequency / presence penalties (vLLM's order and formulas), and
+masked to what a structured-output grammar allows next.
 
 Greedy rows are one batched argmax. A seeded row's randomness is a pure function of (seed, index of the token
 in the output): each draw uses a fresh generator seeded from that pair. So a seeded request gives the same
@@ -52,15 +53,19 @@ class History:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     stop_ids: Collection[int]  # masked while fewer than min_tokens are out (EOS unless ignore_eos, stop ids)
+    allowed: torch.Tensor | None = None  # bool [vocab]: the tokens the request's grammar takes next (structured)
 
 
 def shape_logits(row: torch.Tensor, p: SamplingParams, h: History, index: int) -> torch.Tensor:
     """One row of float32 logits after min_tokens, logit_bias and the penalties (a new tensor)."""
     row = row.clone()
     vocab = row.shape[-1]
+    allowed = None if h.allowed is None else h.allowed[:vocab].to(row.device)
     if index < p.min_tokens and h.stop_ids:
         ids = torch.tensor([t for t in h.stop_ids if 0 <= t < vocab], dtype=torch.long, device=row.device)
-        row[ids] = float("-inf")
+        # a grammar that can only end here wins over min_tokens (masking both would leave no token at all)
+        if allowed is None or allowed.clone().index_fill_(0, ids, False).any():
+            row[ids] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
         row[ids] += torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], device=row.device)
@@ -73,6 +78,8 @@ def shape_logits(row: torch.Tensor, p: SamplingParams, h: History, index: int) -
         counts = torch.bincount(torch.tensor(list(h.output_ids), dtype=torch.long), minlength=vocab)[:vocab]
         counts = counts.to(row.device, row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if allowed is not None:  # last: no bias or penalty can bring back a token the grammar refuses
+        row = row.masked_fill(~allowed, float("-inf"))
     return row
 
 

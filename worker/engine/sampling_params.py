@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's chat allows top_logprobs up to 20
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")  # what engine/structured.py compiles
+MAX_STRUCTURED_SPEC = 64 * 1024  # characters of a schema / regex / choice list
 
 
 @dataclass
@@ -24,6 +26,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, on tokens of prompt and output (HF / vLLM: divide positive logits)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
+    # Structured output (engine/structured.py): "json_object" | "json_schema" | "regex" | "choice", and the
+    # schema (JSON text) / regex / JSON list of choices. The tokens are masked to what the grammar allows.
+    structured_kind: str | None = None
+    structured_spec: str = ""
     # Output index of the first token this request generates: > 0 when a worker continues a stream others
     # started (the router's resume sends prompt + the tokens already delivered). Seeded sampling draws by
     # output index, so the continuation draws what one worker alone would have drawn. Not an API field.
@@ -62,6 +68,10 @@ class SamplingParams:
             raise ValueError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_kind is not None and self.structured_kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.structured_spec, str) or len(self.structured_spec) > MAX_STRUCTURED_SPEC:
+            raise ValueError(f"structured_spec must be a string of at most {MAX_STRUCTURED_SPEC} characters")
         if not _is_int(self.first_output_index) or self.first_output_index < 0:
             raise ValueError("first_output_index must be an integer >= 0")
 
@@ -73,7 +83,7 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether anything but temperature/top-k/top-p changes the logits (then the sampler needs history)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.structured_kind)
 
 
 def _is_int(v: object) -> bool:

@@ -60,6 +60,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def vocab_list(self, size: int) -> list[str]:
+        """Each id's token string (as the tokenizer stores it, e.g. byte-level "Ġ"), "" for ids it lacks."""
+        out = [""] * size
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < size:
+                out[i] = token
+        return out
+
+    def backend_json(self) -> str:
+        """The tokenizer.json text (what xgrammar reads the vocabulary's encoding from)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no chat_template)")

@@ -188,7 +188,9 @@ class WorkerServer:
             ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, prompt) if isinstance(prompt, str)
                    else list(prompt))
             max_tokens = req.max_tokens
-        return ids, request_limits.checked_params(req, ids, max_tokens, self.limits, self.validate)
+        params = request_limits.checked_params(req, ids, max_tokens, self.limits, self.validate)
+        await request_limits.check_grammar(req, params, find_attr(self.engine, "compile_grammar"))
+        return ids, params
 
     async def prepare_all(self, req: CompletionRequest | ChatCompletionRequest) -> list[Sub]:
         """Every engine request an OpenAI request stands for (each prompt of a batch, times n), each checked
@@ -203,6 +205,7 @@ class WorkerServer:
             ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, prompt) if isinstance(prompt, str)
                    else list(prompt))
             params = request_limits.checked_params(req, ids, req.max_tokens, self.limits, self.validate)
+            await request_limits.check_grammar(req, params, find_attr(self.engine, "compile_grammar"))
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else self._decode(ids)
             prompts.append((ids, params, echo))
         return expand(prompts, req.num_choices())
