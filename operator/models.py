@@ -153,6 +153,12 @@ class KVTransfer(_Base):
 
     compression: Literal["none", "int8"] = Field(
         default="none", description="Wire format of the KV cache: none (the cache dtype) or int8.")
+    backend: Literal["auto", "nixl", "tcp"] = Field(
+        default="auto",
+        description="How KV bytes move: nixl (UCX: RDMA, NVLink, shared memory, TCP; its data plane is not "
+        "authenticated, so the bytes are MAC-checked before import: use it on a trusted fabric), tcp (the "
+        "authenticated transfer channel carries the bytes too), auto (nixl where it loads in the worker "
+        "image, else tcp; the worker logs which one runs and why).")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
     # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.

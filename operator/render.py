@@ -91,6 +91,7 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--max-batch-size", str(pool.maxBatchSize),
         "--max-batch-tokens", str(pool.maxBatchTokens),
         "--kv-transfer-compression", tr.compression,
+        "--kv-transfer-backend", tr.backend,
         "--kv-transfer-timeout", _num(tr.timeoutSeconds),
         "--kv-transfer-max-retries", str(tr.maxRetries),
         "--kv-transfer-port", str(KV_TRANSFER_PORT),
