@@ -142,6 +142,8 @@ def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
     return {"mib": nbytes >> 20, "raw": transfer_paths.raw_tcp(nbytes, reps),
             "tcp_fp32": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "none")),
             "tcp_int8": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "int8")),
+            "nixl_fp32": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "none", backend="nixl")),
+            "nixl_int8": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "int8", backend="nixl")),
             "nixl": transfer_paths.nixl_write(nbytes, reps)}
 
 
@@ -170,11 +172,16 @@ def main(argv: list[str] | None = None) -> int:
                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096,
                                  tokenizer=False, vocab_size=1024)
         out["overlap"] = [asyncio.run(overlap(model, a.overlap_prompt, lw)) for lw in (True, False)]
-    print("message   raw TCP   TCP fp32   TCP int8   NIXL WRITE   (GB/s of fp32 KV; TCP as % of raw)")
+    print("message   raw TCP   TCP fp32   TCP int8   NIXL fp32   NIXL int8   NIXL WRITE   (GB/s of fp32 KV; "
+          "backends as % of raw)")
+
+    def cell(x: float | None, raw: float) -> str:
+        return f"{x:>6.2f} ({x / raw:.0%})" if x is not None else "   n/a      "
+
     for r in out["paths"]:
         nixl = f"{r['nixl']:.2f}" if r["nixl"] is not None else "n/a"
-        print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  {r['tcp_fp32']:>6.2f} ({r['tcp_fp32'] / r['raw']:.0%})"
-              f"  {r['tcp_int8']:>6.2f} ({r['tcp_int8'] / r['raw']:.0%})  {nixl:>8}")
+        print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  {cell(r['tcp_fp32'], r['raw'])}  {cell(r['tcp_int8'], r['raw'])}"
+              f"  {cell(r.get('nixl_fp32'), r['raw'])}  {cell(r.get('nixl_int8'), r['raw'])}  {nixl:>8}")
     print(f"raw TCP loopback (asyncio streams): {out['raw_tcp_GBps']:.2f} GB/s")
     for r in out["kv"]:
         print(f"KV {r['dtype']:>8} {r['compression']:>4}: wire {r['wire_GBps']:.2f} GB/s, "

@@ -4,6 +4,8 @@
   (the ceiling for any TCP transport on this machine; no Python per byte);
 - TCP backend: the real connector (handshake, GMAC per frame part, ACKs, decode, import) moving one layer
   whose K+V is the message, fp32 or int8 on the wire;
+- NIXL backend: the real NixlConnector (stage, STAGED frame over the authenticated channel, UCX READ by the
+  receiver, GMAC check, decode, import), fp32 or int8, both ends in one process (UCX shared memory);
 - NIXL: a UCX agent WRITE of a registered host buffer into another process's registered buffer (the data
   plane a NIXL backend uses), timed on the initiator.
 """
@@ -56,12 +58,26 @@ def raw_tcp(nbytes: int, reps: int) -> float:
     return nbytes * reps / dt / 1e9
 
 
-async def tcp_backend(nbytes: int, reps: int, compression: str) -> float:
-    """GB/s of fp32 KV moved (for int8: the fp32 bytes the KV stands for, i.e. what the user gets)."""
+def _connector(backend: str, nbytes: int, **kw: Any) -> TCPConnector:
+    if backend == "tcp":
+        return TCPConnector(SECRET, **kw)
+    from pdcluster.worker.transfer.nixl_connector import NixlConnector
+
+    return NixlConnector(SECRET, staging_bytes=nbytes + (1 << 20), **kw)
+
+
+async def tcp_backend(nbytes: int, reps: int, compression: str, backend: str = "tcp") -> float | None:
+    """GB/s of fp32 KV moved (for int8: the fp32 bytes the KV stands for, i.e. what the user gets), through
+    the TCP backend or (backend="nixl") the NIXL backend: staged, described, READ, MAC-checked, decoded."""
+    if backend == "nixl":
+        from pdcluster.worker.transfer.nixl_agent import availability
+
+        if not availability().ok:
+            return None
     tokens = max(1, nbytes // (2 * HEADS * DIM * 4))
-    recv = TCPConnector(SECRET, importer=lambda *a: None)
+    recv = _connector(backend, nbytes, importer=lambda *a: None)
     port = await recv.listen()
-    send = TCPConnector(SECRET, compression=compression)
+    send = _connector(backend, nbytes, compression=compression)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(tokens, HEADS, DIM, generator=g), torch.randn(tokens, HEADS, DIM, generator=g)
     best = float("inf")
