@@ -64,3 +64,16 @@ def test_chat_template_tojson_does_not_html_escape_and_has_strftime_now(tiny_mod
     import datetime
 
     assert out == f"\"<a & 'b'> é\"|{datetime.datetime.now().year}"  # as transformers renders it
+
+
+def test_chat_template_sees_tools_and_kwargs(tiny_model_dir):
+    from pdcluster.worker.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(tiny_model_dir)
+    tok.chat_template = ("{% if tools %}[{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}]"
+                         "{% endif %}{{ messages[0]['content'] }}{% if enable_thinking is defined %}"
+                         "/think={{ enable_thinking }}{% endif %}")
+    msgs = [{"role": "user", "content": "q"}]
+    assert tok.apply_chat_template(msgs) == "q"
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    assert tok.apply_chat_template(msgs, tools=tools, enable_thinking=False) == "[f,g]q/think=False"

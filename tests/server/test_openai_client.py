@@ -244,3 +244,40 @@ def test_bad_grammars_are_400s_naming_the_field(paths: tuple[Any, Any, Cluster])
                 client.completions.create(model="tiny", prompt="a", max_tokens=4, **extra)
             assert e.value.body["param"] == param, (param, e.value.body)  # type: ignore[index]
             assert ".cc:" not in e.value.body["message"]  # type: ignore[index]
+
+
+def test_tools_and_chat_template_kwargs_reach_the_template(real_engine: Any, real_url: str) -> None:
+    """tools and chat_template_kwargs are template variables (the prompt grows by exactly what the template
+    renders from them); tool_choice other than "none" is refused (tool calls in the output are not parsed)."""
+    tok = real_engine.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% if tools %}[{{ tools[0]['function']['name'] }}]{% endif %}{{ messages[-1]['content'] }}"
+                         "{% if mood is defined %}<{{ mood }}>{% endif %}")
+    try:
+        client = openai.OpenAI(base_url=real_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "weather?"}]
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, tools=tools,
+                                           extra_body={"chat_template_kwargs": {"mood": "sunny"}})
+        assert r.usage.prompt_tokens == len(tok.encode("[get_weather]weather?<sunny>", add_special_tokens=False))
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, tools=tools, tool_choice="auto")
+        assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="demo", messages=msgs, max_tokens=1,
+                                           extra_body={"chat_template_kwargs": {"messages": []}})
+        assert e.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as e:  # tools on completions: nothing to render them into
+            client.completions.create(model="demo", prompt="a", max_tokens=1, extra_body={"tools": tools})
+        assert e.value.body["param"] == "tools"  # type: ignore[index]
+    finally:
+        tok.chat_template = saved
+
+
+def test_tools_accepted_on_both_paths(paths: tuple[Any, Any, Cluster]) -> None:
+    alone, routed, _ = paths
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "tools": tools,
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    a, b = alone.chat.completions.create(model="tiny", **body), routed.chat.completions.create(model="tiny", **body)
+    assert a.choices[0].message.content == b.choices[0].message.content and a.usage == b.usage

@@ -77,6 +77,14 @@ def test_missing_secret_file(demo_model_dir: Path, capsys: pytest.CaptureFixture
     assert_one_error_line(*run_cli(argv, capsys), "secret")
 
 
+def test_bad_chat_template_file(demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(demo_model_dir), "--chat-template"]
+    assert_one_error_line(*run_cli([*argv, str(tmp_path / "none.jinja")], capsys), "--chat-template", "cannot read")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    assert_one_error_line(*run_cli([*argv, str(bad)], capsys), "--chat-template", "line 1")
+
+
 def test_busy_port(demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,11 +107,13 @@ def test_byte_sizes() -> None:
     assert TransferOptions().compression == "none"
 
 
-def test_serve_process_end_to_end(demo_model_dir: Path) -> None:
+def test_serve_process_end_to_end(demo_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
+    template = tmp_path / "t.jinja"
+    template.write_text("<<{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}>>")
     cmd = [sys.executable, "-m", "pdcluster", "serve", "--model", str(demo_model_dir), "--port", str(port),
            "--role", "decode", "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
-           "--max-batch-size", "4", "--log-level", "warning"]
+           "--max-batch-size", "4", "--log-level", "warning", "--chat-template", str(template)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -118,6 +128,8 @@ def test_serve_process_end_to_end(demo_model_dir: Path) -> None:
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         assert httpx.get(f"{url}/health").json()["role"] == "decode"
+        ids = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == "<<user=hi;>>"
         assert 'role="decode"' in httpx.get(f"{url}/metrics").text
     finally:
         proc.send_signal(signal.SIGTERM)

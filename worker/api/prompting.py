@@ -41,8 +41,13 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Apply the model's chat template (from tokenizer_config.json) and tokenize the result."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the model's chat template (from tokenizer_config.json, or --chat-template) and tokenize the result.
+    ``tools`` and ``template_kwargs`` (chat_template_kwargs) are template variables, as in transformers."""
+    extra: dict[str, Any] = {**(template_kwargs or {})}
+    if tools is not None:
+        extra["tools"] = tools
     if tokenizer is None:
         raise errors.bad_request(
             "this model has no tokenizer, so chat completions are unavailable; use /v1/completions with token ids",
@@ -53,7 +58,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
     has_template = getattr(tokenizer, "chat_template", True)
     try:
         if callable(apply) and has_template:
-            rendered = apply(messages, add_generation_prompt=add_generation_prompt)
+            rendered = apply(messages, add_generation_prompt=add_generation_prompt, **extra)
         else:
             rendered = render_template(
                 getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE,
@@ -61,6 +66,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
                 add_generation_prompt,
                 bos_token=getattr(tokenizer, "bos_token", None) or "",
                 eos_token=getattr(tokenizer, "eos_token", None) or "",
+                **extra,
             )
     except errors.APIError:
         raise
@@ -73,7 +79,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
 
 
 def render_template(
-    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, **special: str
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **special: Any
 ) -> str:
     # Sandboxed: a chat template is data from the model folder, not trusted code.
     from jinja2.sandbox import ImmutableSandboxedEnvironment

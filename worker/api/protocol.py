@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -92,6 +92,8 @@ class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; `to_sampling_params` maps them onto the engine's type."""
 
     model_config = _STRICT
+    # UNIMPLEMENTED fields this endpoint does implement (chat: tools into the template, chat_template_kwargs)
+    implemented: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
     stream: bool | None = False
@@ -124,7 +126,7 @@ class _SamplingFields(BaseModel):
     def _unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, no_ops in UNIMPLEMENTED.items():
-                if name in data and not any(_same(data[name], v) for v in no_ops):
+                if name in data and name not in cls.implemented and not any(_same(data[name], v) for v in no_ops):
                     # PydanticCustomError keeps the field in `loc`, so the 400 names it (OpenAI's `param`).
                     raise ValidationError.from_exception_data(cls.__name__, [{
                         "type": PydanticCustomError(
@@ -301,6 +303,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the template
+    tool_call_id: str | None = None  # a tool message's answer to one
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' keys; optional ones only when set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -310,8 +322,31 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+# Template variables a request's chat_template_kwargs may not replace (the server sets them).
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatCompletionRequest(_SamplingFields):
+    # tools reach the chat template (the model sees them); tool calls in the output are not parsed, so
+    # tool_choice stays refused unless "none" (vLLM's behaviour without a tool parser)
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "chat_template_kwargs"})
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
@@ -325,7 +360,15 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.echo:
             raise ValueError("echo is not supported on chat completions")
+        clash = sorted(RESERVED_TEMPLATE_VARS & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise _field_error("chat_template_kwargs", f"may not set {', '.join(clash)} (the server sets it)")
         return self
+
+    def template_extras(self) -> dict[str, Any]:
+        """render_chat's tools / template_kwargs for this request."""
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        return {"tools": tools, "template_kwargs": dict(self.chat_template_kwargs or {})}
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -336,8 +379,8 @@ class ChatCompletionRequest(_SamplingFields):
     def prompt_chars(self) -> int:
         return sum(len(m.text()) for m in self.messages)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
 
 # ---------------------------------------------------------------- responses

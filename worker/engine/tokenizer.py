@@ -72,7 +72,10 @@ class Tokenizer:
         """The tokenizer.json text (what xgrammar reads the vocabulary's encoding from)."""
         return self._tok.to_str()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """transformers' semantics: ``tools`` and the extra ``kwargs`` (a request's chat_template_kwargs, e.g.
+        enable_thinking) are template variables beside messages."""
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no chat_template)")
         import jinja2
@@ -90,7 +93,9 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
+                **kwargs,
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -132,3 +137,20 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix) :]
+
+
+def read_chat_template(path: str | Path) -> str:
+    """A chat template file (`--chat-template`), checked to parse; ValueError naming the file otherwise."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {str(path)!r}: cannot read it ({e})") from None
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {str(path)!r}: line {e.lineno}: {e.message}") from None
+    return text

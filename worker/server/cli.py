@@ -109,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-queue-depth", type=_positive_int, default=None, help="429 when this many requests wait")
     a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
     a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
+    a("--chat-template", default=None, metavar="FILE",
+      help="Jinja chat template to use instead of the model's (tokenizer_config.json / chat_template.jinja)")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     a("--api-key", default=None, metavar="KEY",
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
@@ -196,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     folder = check_model_folder(args.model)
     transfer = transfer_options(args)
+    chat_template = None
+    if getattr(args, "chat_template", None):
+        from pdcluster.worker.engine.tokenizer import read_chat_template
+
+        chat_template = read_chat_template(args.chat_template)  # before the model loads: fail fast
     check_port_free(args.host, args.port)
     tracing.configure(args.role, getattr(args, "otlp_endpoint", None))  # a bad $OTEL_* endpoint: ValueError, exit 2
     if args.full_precision_layers and args.kv_cache_dtype == "auto":
@@ -222,6 +229,10 @@ def _run(args: argparse.Namespace) -> int:
         engine = AsyncEngine.from_config(config)  # a ValueError names what is wrong with the folder
     except (OSError, RuntimeError, MemoryError) as e:  # unreadable files, CUDA/OOM: not a usage error
         raise StartupError(f"cannot load the model from {str(folder)!r}: {type(e).__name__}: {e}") from None
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise UsageError("--chat-template needs the model's tokenizer (the folder has no tokenizer.json)")
+        engine.tokenizer.chat_template = chat_template
     name = args.served_model_name or folder.resolve().name
     # Prefill/decode KV transfer: the /internal/* routes and the transfer listener (docs/disaggregation.md).
     # Without a shared secret there is no transfer listener (logged); an unusable one is a usage error.

@@ -180,7 +180,7 @@ class WorkerServer:
         if isinstance(req, ChatCompletionRequest):
             request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "messages")
             ids = await asyncio.to_thread(render_chat, self.tokenizer, req.template_messages(),
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, **req.template_extras())
             max_tokens = req.requested_max_tokens()
         else:
             request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
