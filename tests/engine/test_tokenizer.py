@@ -77,3 +77,21 @@ def test_chat_template_sees_tools_and_kwargs(tiny_model_dir):
     assert tok.apply_chat_template(msgs) == "q"
     tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
     assert tok.apply_chat_template(msgs, tools=tools, enable_thinking=False) == "[f,g]q/think=False"
+
+
+def test_incremental_detokenizer_is_decode_stream_with_left_context(tiny_model_dir):
+    """The first output token decodes after its prompt context (a leading space survives), and the pieces of
+    any generated text join to what decoding it whole gives."""
+    import random
+
+    tok = Tokenizer.from_folder(tiny_model_dir)
+    detok = IncrementalDetokenizer(tok, tok.encode("hello"))
+    assert "".join(detok.step([i]) for i in tok.encode(" world")) == " world"
+    rng = random.Random(0)
+    alphabet = "ab é€😀\n<>"
+    for _ in range(30):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20)))
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok, tok.encode("x"))
+        pieces = [detok.step([i]) for i in ids]
+        assert "".join(pieces) == tok.decode(ids) and all("\ufffd" not in p for p in pieces)

@@ -50,17 +50,13 @@ def test_hostile_json_is_400_naming_the_field(client: httpx.Client, case: tuple[
 
 
 UNSUPPORTED: list[tuple[str, Any]] = [
-    ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("min_p", 0.1),
     ("chat_template", "{{ messages }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= \"a\""),
+    ("guided_whitespace_pattern", " *"),
     ("use_beam_search", True),
     ("include_stop_str_in_output", True),
     ("truncate_prompt_tokens", 5),
@@ -75,6 +71,20 @@ def test_unimplemented_fields_are_rejected_by_name(client: httpx.Client, field: 
         assert_openai_400(r)
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"], r.text
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("chat_template_kwargs", {"enable_thinking": False})])
+def test_chat_only_fields_are_rejected_on_completions(client: httpx.Client, field: str, value: Any) -> None:
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, field: value})
+    assert_openai_400(r)
+    assert r.json()["error"]["param"] == field
+
+
+def test_structured_output_on_an_engine_without_grammars_is_a_400(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "guided_regex": "a+"})
+    assert_openai_400(r)
+    assert r.json()["error"]["param"] == "guided_regex" and "guided_regex" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field,value", [("logit_bias", {}), ("tools", []), ("tool_choice", "none"),

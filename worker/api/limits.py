@@ -109,7 +109,7 @@ async def check_grammar(req: Any, params: SamplingParams, compile_grammar: Calla
     asked = req.structured()
     param = asked[0] if asked else "response_format"
     if compile_grammar is None:
-        raise errors.bad_request("structured output is not available on this engine", param=param)
+        raise errors.bad_request(f"{param}: structured output is not available on this engine", param=param)
     try:
         await asyncio.to_thread(compile_grammar, params)
     except ValueError as e:

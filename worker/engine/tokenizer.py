@@ -116,27 +116,32 @@ def _token_str(value: Any) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Streams text for a growing list of ids without ever emitting half a UTF-8 character.
+    """Streams text for a growing list of ids without ever emitting half a UTF-8 character: `tokenizers`'
+    own `DecodeStream`, which holds a token back while the text it ends with is an incomplete character.
 
-    Byte-level BPE tokens can end mid-character; decoding them alone gives U+FFFD. We decode a short window
-    (a few tokens of left context so merges and leading spaces come out right) and hold text back while it
-    ends in U+FFFD, i.e. while the character is still incomplete.
+    The stream starts from the last few prompt tokens, so the first output token decodes as it does after its
+    real left context (merges, a leading space that Metaspace / byte-level decoders would otherwise drop).
     """
 
+    CONTEXT = 6  # prompt tokens of left context
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tok = tokenizer
-        self.ids: list[int] = list(prompt_ids[-6:])  # left context for the first output tokens
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        context = list(prompt_ids[-self.CONTEXT:])
+        try:
+            self._stream = DecodeStream(ids=context, skip_special_tokens=True)  # tokenizers >= 0.22: prefill
+        except TypeError:  # older DecodeStream: feed the context through it and drop that text
+            self._stream = DecodeStream(skip_special_tokens=True)
+            for t in context:
+                self._stream.step(tokenizer._tok, t)
 
     def step(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :]
+        out = ""
+        for t in new_ids:
+            out += self._stream.step(self.tok._tok, t) or ""
+        return out
 
 
 def read_chat_template(path: str | Path) -> str:
