@@ -253,8 +253,9 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
 
 
 def _profile(a: argparse.Namespace, port: int, stream: bool, pid: int, out: Path) -> str:
-    """Sample the served process (every thread, native frames) while it serves batch 1 then batch 16 alone."""
-    spy = subprocess.Popen([a.py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--native",
+    """Sample the served process (every thread; py-spy cannot take native frames without pausing it) while it
+    serves batch 1 then batch 16 alone."""
+    spy = subprocess.Popen([a.py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads",
                             "--nonblocking", "-r", "250", "-o", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
