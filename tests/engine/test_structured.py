@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.sampler import History, sample, shape_logits
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.structured import grammar_source, library_message, unpack_bitmask

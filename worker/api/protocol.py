@@ -10,15 +10,28 @@ never silently ignored.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, MAX_STRUCTURED_SPEC, SamplingParams
+# The response bodies live in responses.py; imported from here by the routes (re-exported).
+from pdcluster.worker.api.responses import (  # noqa: F401
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+)
+from pdcluster.worker.api.structured_request import ResponseFormat, Tool, field_error, structured_of
+from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_STOP_STRINGS = 16
@@ -52,12 +65,6 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _field_error(name: str, message: str) -> ValidationError:
-    """A validation error located at ``name`` (the 400's `param`) with our message as is."""
-    return ValidationError.from_exception_data("request", [{
-        "type": PydanticCustomError("invalid_field", message), "loc": (name,), "input": None}])
-
-
 def _same(a: Any, b: Any) -> bool:
     # type-exact: `true` is not the no-op `1`, `0.0` is the no-op `0`
     return a == b and (type(a) is type(b) or {type(a), type(b)} <= {int, float})
@@ -66,26 +73,6 @@ def _same(a: Any, b: Any) -> bool:
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False  # a last chunk with `choices: []` and the usage (OpenAI, vLLM)
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel.schema
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
-        return self
 
 
 class _SamplingFields(BaseModel):
@@ -150,35 +137,8 @@ class _SamplingFields(BaseModel):
         return self
 
     def structured(self) -> tuple[str, str, str] | None:
-        """(the field that asked for it, structured_kind, structured_spec) of the grammar the output must follow,
-        or None. A spec that is well formed can still fail to compile: that 400 comes from the engine."""
-        found: list[tuple[str, str, str]] = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            found.append(("response_format", "json_object", ""))
-        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-            found.append(("response_format", "json_schema", json.dumps(rf.json_schema.json_schema)))
-        if self.guided_json is not None:
-            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
-            found.append(("guided_json", "json_schema", spec))
-        if self.guided_regex is not None:
-            found.append(("guided_regex", "regex", self.guided_regex))
-        if self.guided_choice is not None:
-            if not self.guided_choice or not all(self.guided_choice):
-                raise _field_error("guided_choice", "must be a non-empty list of non-empty strings")
-            found.append(("guided_choice", "choice", json.dumps(self.guided_choice)))
-        if len(found) > 1:
-            raise _field_error(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output; send one")
-        if found and len(found[0][2]) > MAX_STRUCTURED_SPEC:
-            raise _field_error(found[0][0], f"longer than {MAX_STRUCTURED_SPEC} characters")
-        if found and found[0][1] == "json_schema":
-            try:
-                schema = json.loads(found[0][2])
-            except json.JSONDecodeError as e:
-                raise _field_error(found[0][0], f"not valid JSON ({e})") from None
-            if not isinstance(schema, dict):
-                raise _field_error(found[0][0], "must be a JSON schema (an object)")
-        return found[0] if found else None
+        """(the field that asked for it, structured_kind, structured_spec), or None (api/structured_request.py)."""
+        return structured_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -326,20 +286,6 @@ class ChatMessage(BaseModel):
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-class FunctionDef(BaseModel):
-    model_config = _STRICT
-    name: str = Field(min_length=1, max_length=256)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: FunctionDef
-
-
 class ChatCompletionRequest(_SamplingFields):
     # tools reach the chat template (the model sees them); tool calls in the output are not parsed, so
     # tool_choice stays refused unless "none" (vLLM's behaviour without a tool parser)
@@ -362,7 +308,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("echo is not supported on chat completions")
         clash = sorted(RESERVED_TEMPLATE_VARS & set(self.chat_template_kwargs or {}))
         if clash:
-            raise _field_error("chat_template_kwargs", f"may not set {', '.join(clash)} (the server sets it)")
+            raise field_error("chat_template_kwargs", f"may not set {', '.join(clash)} (the server sets it)")
         return self
 
     def template_extras(self) -> dict[str, Any]:
@@ -381,103 +327,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
-
-
-# ---------------------------------------------------------------- responses
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _omit_none(v: Any) -> bool:
-    return v is None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
-    content: str | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pdcluster"
-    max_model_len: int | None = None
-    root: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
 
 
 class TokenizeRequest(BaseModel):
