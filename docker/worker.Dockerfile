@@ -54,11 +54,12 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     uv pip install --python /opt/pdcluster/bin/python --no-deps . \
  && /opt/pdcluster/bin/pdcluster serve --help >/dev/null
 # The tiny demo model at /models/demo (random weights, fixed seed): examples/pdcluster-cpu.yaml serves
-# file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.)
+# file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.
+# The model is built in a mkdtemp folder (0700, root): chmod, or the pods' uid 65532 cannot read it.)
 RUN cd /tmp && /opt/pdcluster/bin/python -c "from pathlib import Path; import shutil; \
 from pdcluster.worker.local.launcher import ensure_demo_model; \
 shutil.copytree(ensure_demo_model(Path('/tmp/demo-cache')), '/models/demo')" \
- && rm -rf /tmp/demo-cache
+ && rm -rf /tmp/demo-cache && chmod -R a+rX /models
 # A passwd entry for the unprivileged user: Python's getpass.getuser() (kopf's peer identity, torch's
 # cache paths) raises KeyError for a uid without one (found by the first run on a real kubelet).
 RUN groupadd --gid 65532 pdcluster \

@@ -229,7 +229,7 @@ up() {
   mkdir -p "$DIR"
   link_tools
   if api_ready && pid_alive kube-controller-manager && pid_alive kube-scheduler && pid_alive kwok \
-     && { [[ "$REAL_NODE" != 1 ]] || "$HERE/node.sh" status | grep -q "kubelet: running"; }; then
+     && { [[ "$REAL_NODE" != 1 ]] || [[ "$("$HERE/node.sh" status)" == *"kubelet: running"* ]]; }; then
     log "cluster already running (reused)"
     if [[ "$REAL_NODE" == 1 ]]; then "$HERE/node.sh" import; fi
     echo "export KUBECONFIG=$KUBECONFIG_PATH"

@@ -50,6 +50,9 @@ def real_operator(kube: Kube, real_node: str) -> Iterator[dict[str, Any]]:
     extra = []
     if os.environ.get("PDCLUSTER_E2E_CRD"):  # another CRD than the chart's (debugging only, as in e2e/)
         kube.run("apply", "--server-side", "--force-conflicts", "-f", os.environ["PDCLUSTER_E2E_CRD"])
+        for other in sorted((CHART / "crds").glob("*.yaml")):  # the chart's other CRDs, as they are
+            if other.name != "pdcluster.yaml":
+                kube.run("apply", "--server-side", "--force-conflicts", "-f", str(other))
         extra = ["--skip-crds"]
     cp = subprocess.run([str(HELM), "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS,
                          "--wait", "--timeout", "300s", "--kubeconfig", kube.kubeconfig, *extra],

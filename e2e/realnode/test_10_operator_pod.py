@@ -9,18 +9,20 @@ from node_e2e import NODE_NAME, dump, ready
 from pdc_e2e import Kube, wait_until
 
 
-def _operator_pod(kube: Kube, op: dict[str, Any]) -> dict[str, Any]:
-    items = kube.json("get", "pods", "-n", op["namespace"], "-l", op["selector"])["items"]
-    assert len(items) == 1, [p["metadata"]["name"] for p in items]
-    return items[0]
+def _operator_pods(kube: Kube, op: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Deployment's pods, once there are as many as it wants and all are Ready (else [])."""
+    want = kube.json("get", "deployment", op["deployment"], "-n", op["namespace"])["spec"]["replicas"]
+    items = [p for p in kube.json("get", "pods", "-n", op["namespace"], "-l", op["selector"])["items"]
+             if not p["metadata"].get("deletionTimestamp")]
+    return items if len(items) == want and all(ready(p) for p in items) else []
 
 
 def test_operator_pod_runs_on_the_real_node(kube: Kube, real_operator: dict[str, Any]):
-    pod = wait_until("the operator pod Ready", lambda: (p := _operator_pod(kube, real_operator)) and ready(p) and p,
-                     timeout=180)
+    pods = wait_until("the operator pods Ready", lambda: _operator_pods(kube, real_operator), timeout=180)
+    pod = pods[0]
     ns, name = real_operator["namespace"], pod["metadata"]["name"]
     try:
-        assert pod["spec"]["nodeName"] == NODE_NAME
+        assert all(p["spec"]["nodeName"] == NODE_NAME for p in pods)
         (cs,) = pod["status"]["containerStatuses"]
         assert cs["ready"] and cs["state"].get("running"), cs
         assert cs["image"].endswith("pdcluster/operator:0.1.0"), cs["image"]
@@ -37,8 +39,8 @@ def test_operator_pod_runs_on_the_real_node(kube: Kube, real_operator: dict[str,
                        "print(len(open('/var/run/secrets/kubernetes.io/serviceaccount/token').read()))").stdout
         assert int(tok) > 100
         # probes pass and keep passing: Ready, never restarted
-        pod = _operator_pod(kube, real_operator)
-        assert ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        again = _operator_pods(kube, real_operator)
+        assert again and all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in again), again
         # the operator talks to the API server from inside the pod (the `kubernetes` Service)
         log = kube.run("logs", "-n", ns, name, "--tail=200").stdout
         assert "Traceback" not in log, log[-3000:]
