@@ -17,7 +17,7 @@ GOOD = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def _corrupt(params: SamplingParams, how: str) -> None:
     # Past validation (as if an internal caller's params slipped through): the step must still survive it.
     if how == "stop":
-        params.stop = 5  # type: ignore[assignment]  # _TextState iterates it: TypeError
+        params.stop = 5  # type: ignore[assignment]  # StopText iterates it: TypeError
     else:
         params.temperature, params.top_k = 1.0, "x"  # type: ignore[assignment]  # the sampler compares it
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
 from pdcluster.kernels import allocate_kv_cache, dequantize_kv, kv_bits, kv_bytes_per_token, write_kv_cache
 
 
