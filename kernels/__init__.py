@@ -5,7 +5,13 @@ Benchmarks and the AOT compile check live in `pdcluster.bench` (never imported f
 """
 
 from pdcluster.kernels.cache import KV_DTYPES, allocate_kv_cache, kv_bits, kv_bytes_per_token
-from pdcluster.kernels.dispatch import BACKENDS, paged_decode_attention, resolve_backend, triton_available, write_kv_cache
+from pdcluster.kernels.dispatch import (
+    BACKENDS,
+    paged_decode_attention,
+    resolve_backend,
+    triton_available,
+    write_kv_cache,
+)
 from pdcluster.kernels.kv_quant import dequantize_kv, pack_int4, quantize_kv, unpack_int4
 
 __all__ = [

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import yaml
+
 from pdcluster.operator import models
 
 _KEEP = {

@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 import httpx
+
 from pdcluster.operator import opmetrics
 from pdcluster.operator.models import WORKER_PORT
 from pdcluster.worker.transfer.secret import internal_headers  # stdlib only: no torch in the operator

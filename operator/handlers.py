@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import httpx
 import kopf
+
 from pdcluster.operator import models, naming, opmetrics
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+
 from pdcluster.operator import models
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from pdcluster.operator.status import CONDITION_TYPES
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pdcluster.operator.status import CONDITION_TYPES
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

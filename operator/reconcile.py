@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import drain, naming, opmetrics, render, scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
 from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
 from pdcluster.operator.promsource import PrometheusSource
-from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 

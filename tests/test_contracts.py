@@ -12,9 +12,10 @@ import pathlib
 
 import pytest
 import yaml
+
 from pdcluster.operator import models, naming, render
-from pdcluster.worker.server import cli as serve_cli
 from pdcluster.worker.router import cli as router_cli
+from pdcluster.worker.server import cli as serve_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+
 from pdcluster.worker.api import errors
 from pdcluster.worker.engine.kv_connector import KVLayout
-from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.router import cli
+from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.transfer.secret import (
     SecretError,
     check_internal_auth,

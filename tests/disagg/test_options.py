@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from pdcluster.worker.engine.kv_connector import KVLayout
 from pdcluster.worker.server.internal_routes import Disaggregation
 from pdcluster.worker.transfer.secret import SecretError

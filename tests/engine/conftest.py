@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 

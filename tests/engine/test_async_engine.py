@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pdcluster.worker.engine.async_engine import AsyncEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.worker.engine.block_manager import BlockManager
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.sequence import Sequence

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.engine.sampling_params import SamplingParams
 

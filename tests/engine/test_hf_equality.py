@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pdcluster.worker.local.demo_model import build_demo_model
+
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.local.demo_model import build_demo_model
 
 from .conftest import GREEDY, hf_greedy, prompt_of, run_with_logits
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdcluster.kernels import kv_bytes_per_token
 from pdcluster.worker.engine.llm_engine import EngineConfig
 from pdcluster.worker.engine.sampling_params import SamplingParams

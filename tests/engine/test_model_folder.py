@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
-from pdcluster.worker.engine.config import ModelConfig
-from pdcluster.worker.local.demo_model import build_demo_model
-from pdcluster.worker.engine.loader import load_model
 from safetensors.torch import load_file, save_file
+
+from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.loader import load_model
+from pdcluster.worker.local.demo_model import build_demo_model
 
 from .conftest import GREEDY, prompt_of
 

@@ -10,6 +10,7 @@ import sys
 import typing
 
 import pytest
+
 from pdcluster.operator import models
 from pdcluster.worker.engine import options
 from pdcluster.worker.engine.engine_config import EngineConfig

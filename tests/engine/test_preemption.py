@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 from .conftest import prompt_of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 from .conftest import prompt_of, run_with_logits

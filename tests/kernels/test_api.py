@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from pdcluster.kernels import (
     allocate_kv_cache,
     kv_bytes_per_token,

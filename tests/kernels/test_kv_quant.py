@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from pdcluster.kernels import dequantize_kv, pack_int4, quantize_kv, unpack_int4
 
 QMAX = {8: 127, 4: 7}

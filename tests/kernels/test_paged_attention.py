@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+
 from pdcluster.kernels import paged_decode_attention
 from pdcluster.kernels.paged_attention import paged_decode_attention_triton
 from pdcluster.kernels.validate import check_attention

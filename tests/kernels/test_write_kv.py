@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdcluster.kernels import allocate_kv_cache, quantize_kv, write_kv_cache
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]

@@ -6,9 +6,10 @@ import math
 import random
 
 import pytest
+
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator.planner import Bounds
 from pdcluster.operator import status as st
+from pdcluster.operator.planner import Bounds
 
 CP, CD = 10000.0, 2000.0
 

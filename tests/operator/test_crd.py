@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from pdcluster.operator import crd, models
 from pydantic import ValidationError
+
+from pdcluster.operator import crd, models
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "pdcluster.yaml"

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import pytest
+
 from pdcluster.operator import handlers, opmetrics
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import ApiError

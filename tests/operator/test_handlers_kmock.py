@@ -15,6 +15,7 @@ import kmock
 import pytest
 import yaml
 from kopf.testing import KopfRunner
+
 from pdcluster.operator import handlers
 
 from .conftest import make_body, make_spec

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from pdcluster.operator.planner import Bounds, PlanError, fit_budget, kv_budget, plan
 
 from pdcluster.cli import main
+from pdcluster.operator.planner import Bounds, PlanError, fit_budget, kv_budget, plan
 
 DESIGN = dict(input_len=2048, output_len=512, prefill_capacity=10000, decode_capacity=2000)
 

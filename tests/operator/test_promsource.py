@@ -13,10 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdcluster.operator import autoscaler as asc
-from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from pdcluster.operator import autoscaler as asc
+from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from pdcluster.operator import naming, render
 from pdcluster.operator.models import parse_spec
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator import scaling
