@@ -102,14 +102,24 @@ build_dockerfile() {  # name image
   build_base; build_uv
   [[ -d "$HOST_UV_CACHE" ]] || mkdir -p "$HOST_UV_CACHE"
   log "$image: buildah bud -f docker/$name.Dockerfile (base $BASE_IMAGE)"
-  (cd "$ROOT" && bh bud --layers --network host --pull-never \
+  # --force-rm: a failed step's container is removed too (each holds an overlay mount)
+  (cd "$ROOT" && bh bud --layers --force-rm --network host --pull-never \
       -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore" \
       --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "UV_IMAGE=$UV_IMAGE" \
       --build-arg "UV_CACHE_DIR=/host-uv-cache" -v "$HOST_UV_CACHE:/host-uv-cache" \
       -v "$HOST_CA:$HOST_CA:ro" \
       -t "$image" . ) >"$CACHE/images/$name.build.log" 2>&1 \
-    || { tail -40 "$CACHE/images/$name.build.log" >&2; die "$image: build failed; see $CACHE/images/$name.build.log"; }
+    || { rm_stage_containers; tail -40 "$CACHE/images/$name.build.log" >&2; die "$image: build failed; see $CACHE/images/$name.build.log"; }
+  rm_stage_containers
   log "$image: built in $((SECONDS - t0))s ($(image_size "$image"))"
+}
+
+# buildah 1.28 keeps the working container of a stage that is only mounted (`RUN --mount=from=uv`),
+# with its overlay mount, after the build: remove those of the uv image (nothing else uses it)
+rm_stage_containers() {
+  local ids
+  ids="$(bh containers --format '{{.ContainerID}} {{.ImageName}}' 2>/dev/null | awk -v i="$UV_IMAGE" '$2 == i {print $1}')"
+  [[ -z "$ids" ]] || bh rm $ids >/dev/null 2>&1 || true
 }
 
 image_size() { bh images --format '{{.Size}}' "$1" 2>/dev/null | head -1; }

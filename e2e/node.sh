@@ -158,6 +158,7 @@ state = "$N/containerd-state"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
+        Root = "$N/runc"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$CNI_BIN"
     conf_dir = "$N/cni/net.d"
@@ -231,7 +232,7 @@ imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 100Mi, nodefs.available: "1%", imagefs.available: "1%"}
 EOF
   start kubelet "$BIN/kubelet-$K8S_VERSION" --config "$N/kubelet.yaml" --kubeconfig "$DIR/kubelet.kubeconfig" \
-    --root-dir "$N/kubelet" --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" \
+    --root-dir "$N/kubelet" --cert-dir "$N/kubelet-pki" --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" \
     --node-labels "type=real,pdcluster.dev/node=real" \
     --register-with-taints "pdcluster.dev/real-node=true:NoSchedule"
 }
@@ -265,7 +266,19 @@ node_ready() {
 }
 
 PAUSE_IMAGE="$("$HERE/images.sh" names | tail -1)"
-runtime_up() { net_up; containerd_up; import_images; }
+# Paths the kubelet and containerd create at fixed places whatever their config says (device-plugin
+# socket, CNI result cache, shim sockets, /var/log/containers links): recorded when this node made them,
+# removed by `down`.
+SYSTEM_PATHS=(/var/lib/kubelet /var/lib/cni /run/containerd /var/log/containers)
+record_system_paths() {
+  local p; mkdir -p "$N"
+  for p in "${SYSTEM_PATHS[@]}"; do [[ -e "$p" ]] || echo "$p" >> "$N/created-paths"; done
+}
+remove_system_paths() {
+  local p; [[ -f "$N/created-paths" ]] || return 0
+  while read -r p; do [[ -n "$p" && -e "$p" ]] && rm -rf -- "$p" && log "removed $p (made by this node)"; done < "$N/created-paths"
+}
+runtime_up() { [[ -f "$N/created-paths" ]] || record_system_paths; net_up; containerd_up; import_images; }
 
 up() {
   local t0=$SECONDS c
@@ -305,6 +318,7 @@ down() {
   unmount_all
   rmdir_cgroups
   net_down
+  remove_system_paths
   rm -rf "$N"
   log "real node down (${left} containers killed after the kubelet stopped; mounts, netns, cgroups removed)"
 }

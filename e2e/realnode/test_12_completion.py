@@ -65,12 +65,15 @@ def test_router_service_answers_like_local_serve(kube: Kube, app_ns: str, exampl
         for p in (SHORT_PROMPT, LONG_PROMPT):
             c = got[p]["choices"][0]
             assert c["token_ids"] == want[p]["token_ids"], (p, c, want[p])
-            assert c["text"] == want[p]["text"]
             assert got[p]["usage"]["completion_tokens"] == len(want[p]["token_ids"])
         assert got[LONG_PROMPT]["usage"]["prompt_tokens"] > 16, got[LONG_PROMPT]["usage"]
         # the long prompt's KV crossed from the prefill pod to the decode pod
         kv1 = _kv_bytes(kube, app_ns, name, "prefill") + _kv_bytes(kube, app_ns, name, "decode")
         assert kv1 > kv0, (kv0, kv1)
+        print(f"\nKV bytes moved between the pods: {kv1 - kv0:.0f}")
+        # and the same text (checked last: the token ids and the KV path are facts of their own)
+        for p in (SHORT_PROMPT, LONG_PROMPT):
+            assert got[p]["choices"][0]["text"] == want[p]["text"], (p, got[p]["choices"][0], want[p])
     except BaseException:
         print(dump(kube, app_ns))
         raise
