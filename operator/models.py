@@ -50,14 +50,13 @@ MODEL_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hostpath:///.+
 
 
 # models.py names (the spec's classes below use them)
-_Base = SpecModel
 _cel = cel
 _POD_OPTION_RULES = POD_OPTION_RULES
 __all__ = ["RESERVED_ENV", "EnvVar", "IntOrString", "LocalObjectReference", "PodOptions", "Resources",
            "Toleration"]
 
 
-class Model(_Base):
+class Model(SpecModel):
     """The model every worker serves."""
 
     name: str = Field(min_length=1, description="Served model name (the OpenAI `model` field).")
@@ -125,7 +124,7 @@ class DecodePool(_Pool):
     maxBatchTokens: int = Field(default=8192, ge=1, description="Token budget of one decode step.")
 
 
-class KVCache(_Base):
+class KVCache(SpecModel):
     """Every worker's paged KV cache."""
 
     blockSize: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV-cache block.")
@@ -148,7 +147,7 @@ class KVCache(_Base):
     )
 
 
-class KVTransfer(_Base):
+class KVTransfer(SpecModel):
     """How prefill workers ship KV caches to decode workers."""
 
     compression: Literal["none", "int8"] = Field(
@@ -191,7 +190,7 @@ class Router(PodOptions):
     resources: Resources = Field(default_factory=Resources, description="Resources of each router container.")
 
 
-class Capacity(_Base):
+class Capacity(SpecModel):
     """Per-instance throughputs; unset ones are learned from Prometheus."""
 
     prefillTokensPerSecond: float | None = Field(
@@ -202,7 +201,7 @@ class Capacity(_Base):
     )
 
 
-class SLO(_Base):
+class SLO(SpecModel):
     ttftSeconds: float | None = Field(
         default=None, gt=0, le=3600,
         description="Time-to-first-token target at `percentile`; when broken the prefill pool grows "
@@ -215,7 +214,7 @@ class SLO(_Base):
     percentile: float = Field(default=0.99, gt=0, lt=1, description="The latency quantile checked (0..1).")
 
 
-class Autoscaling(_Base):
+class Autoscaling(SpecModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
@@ -267,13 +266,13 @@ class Autoscaling(_Base):
         return self
 
 
-class NetworkPolicySpec(_Base):
+class NetworkPolicySpec(SpecModel):
     """The NetworkPolicy around the workers."""
 
     enabled: bool = Field(default=True, description="Render a NetworkPolicy for the worker pods.")
 
 
-class PDClusterSpec(_Base):
+class PDClusterSpec(SpecModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [

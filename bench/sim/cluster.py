@@ -220,9 +220,9 @@ class Cluster:
 
     # ---- autoscaling ------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for d in self.pools["decode"].instances:
-            if d.ended is None:
-                self.advance(d, now)
+        for inst in self.pools["decode"].instances:
+            if inst.ended is None:
+                self.advance(inst, now)
         self.sampler.record_counters(now, self.c)
         p, d = self.pools["prefill"], self.pools["decode"]
         inp = PolicyInput(

@@ -126,3 +126,10 @@ def test_checkpoint_with_an_extra_expert_fails_at_load(tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing tensors: model.layers.1.block_sparse_moe.experts.3.w3"):
         load_model(ModelConfig.from_folder(folder))
+
+
+@pytest.mark.parametrize("model_type", [["llama"], None, 7])
+def test_a_model_type_that_is_not_a_string_is_a_clear_error(model_type: Any) -> None:
+    # a list used to escape as TypeError (unhashable) from the membership test
+    with pytest.raises(ValueError, match="is not supported"):
+        ModelConfig.from_dict({"model_type": model_type, **SMALL})

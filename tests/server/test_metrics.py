@@ -121,3 +121,22 @@ def test_a_served_request_is_counted_by_phase_and_finish_reason(client: httpx.Cl
     assert s[("pdcluster_request_phase_seconds_count", (("model_name", "fake"), ("phase", "decode"),
                                                         ("role", "decode")))] >= 1
     assert any(n == "pdcluster_build_info" and dict(ls).get("version") for (n, ls) in s)
+
+
+def test_engine_settings_reads_a_dataclass_instance_and_skips_a_dataclass_class() -> None:
+    # A config that is a dataclass *class* (not an instance) has no settings: asdict would raise TypeError
+    import dataclasses
+    from types import SimpleNamespace
+
+    from pdcluster.worker.server.app import engine_settings
+
+    @dataclasses.dataclass
+    class Cfg:
+        block_size: int = 16
+        name: str = "m"
+        shapes: tuple[int, ...] = (1, 2)
+
+    assert engine_settings(SimpleNamespace(config=Cfg())) == {"block_size": 16, "name": "m"}
+    assert engine_settings(SimpleNamespace(engine=SimpleNamespace(config=Cfg()))) == {"block_size": 16, "name": "m"}
+    assert engine_settings(SimpleNamespace(config=Cfg)) == {}
+    assert engine_settings(SimpleNamespace(config={"block_size": 16})) == {}

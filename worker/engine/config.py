@@ -111,7 +111,7 @@ class ModelConfig:
     ) -> ModelConfig:
         where = f"{path}/config.json"
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             hint = (
                 " (a multimodal checkpoint: only its text model, gemma3_text, is supported)"
                 if model_type == "gemma3"

@@ -35,7 +35,7 @@ _FUSED = {
 _EXPERT = re.compile(
     r"^layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$"
 )
-_EXPERT_PART = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1)}
+_EXPERT_PART: dict[str, tuple[str, int | None]] = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1)}
 _EXPERT_PART.update({"w2": ("w2", None), "down_proj": ("w2", None)})
 
 

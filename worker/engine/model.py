@@ -10,6 +10,8 @@ attention.py, norms and MLPs in layers.py.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -77,7 +79,8 @@ class DecoderForCausalLM(nn.Module):
     @property
     def needs_full_gather(self) -> bool:
         """Some layer decodes by gathering the whole sequence by slot (see Attention)."""
-        return any(layer.self_attn.gathers_whole_sequence for layer in self.layers)
+        # ModuleList is typed as holding any Module; __init__ fills it with DecoderLayers only
+        return any(cast(DecoderLayer, layer).self_attn.gathers_whole_sequence for layer in self.layers)
 
     def init_rope(self, max_len: int) -> None:
         self.cos_sin = self._rope_table(self.cfg.rope, max_len)

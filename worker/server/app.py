@@ -131,8 +131,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     """The engine's scalar settings (block size, batch limits, ...) for pdcluster_build_info, when it has a
     dataclass config; a fake engine in tests has none."""
     config = find_attr(engine, "config")
-    if config is None or not dataclasses.is_dataclass(config):
-        return {}
+    if config is None or not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return {}  # asdict needs an instance: a dataclass *class* has no settings to report
     return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, int | float | str | bool)}
 
 

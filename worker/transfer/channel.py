@@ -60,7 +60,7 @@ def new_buffer(n: int) -> bytearray | memoryview:
     pass over the memory for nothing, as the socket overwrites every byte)."""
     if n < 1 << 16:
         return bytearray(n)
-    return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+    return np.empty(n, dtype=np.uint8).data.cast("B")  # ndarray.data: the array's memoryview, no copy
 
 
 async def read_exact(recv_into: RecvInto, n: int) -> bytearray | memoryview:

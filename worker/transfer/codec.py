@@ -34,9 +34,8 @@ def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...
     # A frame received by the transport owns its (writable) receive buffer: the tensor is a view of it, no
     # copy. Anything read-only (a bytes object that may be shared) is copied: torch.frombuffer needs a
     # writable buffer, and nobody else's bytes may alias a tensor.
-    if not (isinstance(buf, memoryview) and not buf.readonly):
-        buf = bytearray(buf)
-    t = torch.frombuffer(buf, dtype=view_as).reshape(shape)
+    writable = buf if isinstance(buf, memoryview) and not buf.readonly else bytearray(buf)
+    t = torch.frombuffer(writable, dtype=view_as).reshape(shape)
     return t.view(dtype) if dtype == torch.bfloat16 else t
 
 

@@ -180,7 +180,7 @@ def expected_lengths(kind: Kind, flags: int, dtype: DType, tokens: int, heads: i
     return 0, 2 * vectors * dim * ITEMSIZE[dtype]
 
 
-def parse_header(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
+def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
     """Validate the fixed 36-byte header. Raises FrameError; never allocates beyond `buf`."""
     if len(buf) < HEADER_SIZE:
         raise FrameError(ErrorCode.TRUNCATED, f"header is {len(buf)} bytes, need {HEADER_SIZE}")

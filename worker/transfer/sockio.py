@@ -102,7 +102,12 @@ class Conn:
     async def _writable(self) -> None:
         fut = self.loop.create_future()
         fd = self.sock.fileno()
-        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+
+        def wake() -> None:
+            if not fut.done():  # the writer callback may fire again before remove_writer runs
+                fut.set_result(None)
+
+        self.loop.add_writer(fd, wake)
         try:
             await fut
         finally:
