@@ -73,7 +73,10 @@ def test_client_that_gives_up_frees_everything(tiny_model_dir: Path, stream: boo
     aborts the work on the workers: no running request, no used block, nothing in flight at the router."""
     body = {"prompt": [7] * 30, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": stream}
     with cluster(tiny_model_dir, threshold=0) as c:
-        with httpx.Client(timeout=httpx.Timeout(0.1, connect=5)) as client:  # 900 engine steps take longer
+        # Non-streamed, the client gives up by its 0.1 s read timeout (900 engine steps take longer); streamed,
+        # it leaves after 5 chunks, so its reads may wait as long as a loaded machine needs for the first one.
+        read = 30.0 if stream else 0.1
+        with httpx.Client(timeout=httpx.Timeout(read, connect=5)) as client:
             if stream:
                 with client.stream("POST", f"{c.router}/v1/completions", json=body) as r:
                     for n, _ in enumerate(r.iter_lines()):
