@@ -86,13 +86,18 @@ def _hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * (new_tokens - 1) / (clock.times[-1] - clock.times[1])
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The workload both engine benchmarks share (this one and served_vs_hf), so their runs compare."""
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_arguments(ap)
     ap.add_argument(
         "--profile", action="store_true", help="also profile engine decode steps (torch profiler)"
     )

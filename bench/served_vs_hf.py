@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import torch
 
-from pdcluster.bench.engine_vs_hf import MODEL, _Clock
+from pdcluster.bench.engine_vs_hf import MODEL, _Clock, workload_arguments
 
 
 def read_bandwidth(threads: int, mib: int = 512, tries: int = 5) -> float:
@@ -170,11 +170,7 @@ def _row(samples: dict[str, list[float]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    workload_arguments(ap)
     ap.add_argument("--no-stream", action="store_true", help="non-streamed requests (no decode tok/s)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `pdcluster serve` argument")
     ap.add_argument("--py-spy", metavar="PATH", help="sample the served process with this py-spy binary")
