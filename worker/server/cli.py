@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pdcluster.worker.api import tracing
+from pdcluster.worker.api import cli_args, tracing
 from pdcluster.worker.engine.options import ENGINE_OPTIONS, Option
 
 log = logging.getLogger("pdcluster.serve")
@@ -48,33 +48,6 @@ def _error(self: argparse.ArgumentParser, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
-
-
-def _port(text: str) -> int:
-    v = _positive_int(text)
-    if v > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
-    return v
-
-
 def _option_type(opt: Option) -> Any:
     """argparse type of one engine option: parse the text, then the option's own check (bounds, choices)."""
 
@@ -105,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", required=True, metavar="DIR", help="Hugging Face model folder (config.json, *.safetensors)")
     a("--role", choices=["both", "prefill", "decode"], default="both", help="which phase this worker serves")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
-    a("--port", type=_port, default=8000)
-    a("--max-queue-depth", type=_positive_int, default=None, help="429 when this many requests wait")
-    a("--request-timeout", type=_non_negative_float, default=None, metavar="S", help="504 after S seconds")
+    a("--port", type=cli_args.port, default=8000)
+    a("--max-queue-depth", type=cli_args.positive_int, default=None, help="429 when this many requests wait")
+    a("--request-timeout", type=cli_args.non_negative_float, default=None, metavar="S", help="504 after S seconds")
     a("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
     a("--chat-template", default=None, metavar="FILE",
       help="Jinja chat template to use instead of the model's (tokenizer_config.json / chat_template.jinja)")
@@ -117,13 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "default: no key). The router calls workers' /internal/* routes, which take the internal token instead")
     tracing.add_argument(parser)
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
-    t.add_argument("--kv-transfer-port", type=_port, default=None)
+    t.add_argument("--kv-transfer-port", type=cli_args.port, default=None)
     t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
     t.add_argument("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
                    help="how KV bytes move: nixl (UCX: RDMA, NVLink, shared memory; its data plane is not "
                         "authenticated, the bytes are MAC-checked), tcp (the authenticated channel), auto "
                         "(nixl where it loads, else tcp; one log line says which and why). Default: auto")
-    t.add_argument("--kv-transfer-timeout", type=_non_negative_float, default=30.0, metavar="S")
+    t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
     add_engine_arguments(parser)
