@@ -2,14 +2,20 @@
 
 `pdcluster up` with no `--model` and the test suite both need a model that exists on a fresh machine with
 no network. The weights are random (text output is gibberish, but every code path runs); the tokenizer is a
-real byte-level BPE trained in about a second on the Python standard library's own source, so text
-prompts, streaming detokenization and chat templates are exercised for real.
+real byte-level BPE trained in about a second on a little Python source, so text prompts, streaming
+detokenization and chat templates are exercised for real.
+
+The training text ships with the package (`demo_corpus.txt.xz`: twelve modules of CPython 3.11.7's standard
+library, PSF License, NUL-separated) instead of being read from the running interpreter: patch releases
+change those files (Debian's 3.11.2 has another argparse.py and calendar.py than 3.11.7), which trained a
+different vocabulary, so the worker image's /models/demo and a `pdcluster up` demo model built elsewhere
+decoded the same token ids to different text (found by the real-node e2e, docs/e2e.md).
 """
 
 from __future__ import annotations
 
 import json
-import sysconfig
+import lzma
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +28,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Plain-text modules of the stdlib: present in every CPython install, a few hundred KB in all.
-_CORPUS = [
-    "textwrap.py",
-    "string.py",
-    "heapq.py",
-    "bisect.py",
-    "fractions.py",
-    "shlex.py",
-    "json/decoder.py",
-    "argparse.py",
-    "random.py",
-    "csv.py",
-    "calendar.py",
-    "difflib.py",
-]
+# Twelve stdlib modules (textwrap, string, heapq, bisect, fractions, shlex, json/decoder, argparse, random,
+# csv, calendar, difflib) of CPython 3.11.7, as they were read from the interpreter before: a few hundred KB.
+CORPUS_FILE = Path(__file__).with_name("demo_corpus.txt.xz")
 
 
 def _corpus() -> list[str]:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [
-        (lib / name).read_text(encoding="utf-8", errors="replace")
-        for name in _CORPUS
-        if (lib / name).is_file()
-    ]
+    texts = lzma.decompress(CORPUS_FILE.read_bytes()).decode("utf-8").split("\x00")
     # a little non-ASCII so multi-byte characters get split across tokens, as they do in real models
     return texts + ["naïve café — déjà vu, 日本語のテキスト, emoji 🙂🚀, Grüße aus Zürich."] * 50
 
