@@ -4,14 +4,21 @@ A full block is identified by hash(previous block's hash, its token ids), so equ
 prefixes, and a new prompt can reuse every leading block another request already computed. Freed blocks
 keep their hash and sit in an LRU free list; they are only forgotten when handed out again, so a finished
 request's prefix stays reusable until memory is actually needed. All operations are O(1) per block.
+
+Evictions are logged (bounded, numbered) so the router's prefix index can be corrected: see prefix_report.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import secrets
+from collections import OrderedDict, deque
+from itertools import islice
+from typing import Any
 
 from pdcluster.worker.engine.block_hash import chain_hash  # shared with the router's prefix index
 from pdcluster.worker.engine.sequence import Sequence
+
+EVICTION_LOG_MAX = 65536  # entries kept for readers that fall behind (then they get the resident set)
 
 
 class Block:
@@ -37,6 +44,12 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hits = 0  # blocks reused from the prefix cache (for stats)
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (hit rate's denominator)
+        # Hashes evicted from the prefix cache, oldest first; entry i has number evict_seq - len + 1 + i. The
+        # epoch names this cache's life (a restarted worker has a new one), so a reader's "since" is never
+        # applied to another cache's numbering.
+        self.epoch = secrets.token_hex(8)
+        self.evicted: deque[int] = deque(maxlen=max(1024, min(4 * num_blocks, EVICTION_LOG_MAX)))
+        self.evict_seq = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,9 +127,9 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[
-                block.hash
-            ]  # evict it from the prefix cache: its content is about to change
+            del self.hash_to_block[block.hash]  # evict it from the prefix cache: its content is about to change
+            self.evicted.append(block.hash)
+            self.evict_seq += 1
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -152,6 +165,25 @@ class BlockManager:
             if h not in self.hash_to_block and block.hash is None:
                 self.hash_to_block[h] = block.block_id
                 block.hash, block.token_ids = h, tokens
+
+    def resident_hashes(self) -> list[int]:
+        """Every hash the prefix cache holds, next to be evicted first: cached free blocks in LRU order, then
+        the blocks in use (not evictable now)."""
+        free = [b.hash for b in (self.blocks[i] for i in self.free)
+                if b.hash is not None and self.hash_to_block.get(b.hash) == b.block_id]
+        return free + [h for h, i in self.hash_to_block.items() if self.blocks[i].ref_count > 0]
+
+    def prefix_report(self, epoch: str | None = None, since: int | None = None) -> dict[str, Any]:
+        """What changed in the prefix cache since eviction number `since` of `epoch`: the hashes evicted after
+        it and not cached again since (a prefix recomputed after its eviction is held again, so reporting it
+        would make the reader forget a block that is there). When the reader's position is unknown (first
+        call, another epoch, or entries it needs fell off the bounded log) the whole resident set instead."""
+        first = self.evict_seq - len(self.evicted)  # number of the last entry no longer kept
+        if epoch == self.epoch and since is not None and first <= since <= self.evict_seq:
+            gone = dict.fromkeys(islice(self.evicted, since - first, None))
+            evicted = [h for h in gone if h not in self.hash_to_block]
+            return {"epoch": self.epoch, "seq": self.evict_seq, "evicted": evicted, "resident": None}
+        return {"epoch": self.epoch, "seq": self.evict_seq, "evicted": [], "resident": self.resident_hashes()}
 
     def check_no_leaks(self) -> None:
         """For tests: every block is free and none has a dangling ref count."""

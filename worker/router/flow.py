@@ -275,6 +275,7 @@ class Flow:
                         if ev.get("event") == "first_token":
                             first = ev
                             tl.mark("first_token")
+                            self.pool.remember(p, prompt)  # committed there now: newer than any eviction report
                             p.outstanding_prompt_tokens -= len(prompt)
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
@@ -334,9 +335,13 @@ class Flow:
             try:
                 with self.stages.enter("decode"):
                     tl.mark("dispatched", "router_queue", tl.arrival)
+                    first = True
                     async for c in self._decode_stream(w, "/internal/generate", body, tl.trace.headers):
                         if c.token_ids:
                             tl.mark("first_token")
+                            if first:  # prefilled and committed there: newer than any eviction report
+                                first = False
+                                self.pool.remember(w, prompt)
                         yield c
                 return
             except NoCapacity:

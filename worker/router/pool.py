@@ -16,7 +16,7 @@ import httpx
 
 from pdcluster.worker.engine.block_hash import prompt_block_hashes
 from pdcluster.worker.router.picking import WorkerView, health_transition
-from pdcluster.worker.router.prefix_index import PrefixIndex
+from pdcluster.worker.router.prefix_index import PrefixIndex, parse_report
 from pdcluster.worker.transfer.secret import internal_headers
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ class Worker:
     last_error: str | None = None
     last_probe: float = 0.0
     source: str = "static"  # or the Service name it was resolved from
+    # position in the worker's prefix-cache eviction log (see prefix_index); None: ask for the whole set
+    prefix_epoch: str | None = None
+    prefix_seq: int = 0
+    prefix_synced: float = float("-inf")  # when the last whole-set report was asked for
 
     @property
     def host(self) -> str:
@@ -98,6 +102,8 @@ class Pool:
     probe_timeout: float = 2.0
     secret: bytes | None = None  # shared KV secret: authenticates /internal/* calls (None: local dev)
     prefix_routing: bool = True  # prefer workers believed to hold the prompt's prefix (see prefix_index)
+    # seconds between whole-set reports from each worker (eviction reports come every probe round)
+    prefix_resync: float = 30.0
 
     def __post_init__(self) -> None:
         self.workers: dict[tuple[str, str], Worker] = {}
@@ -151,7 +157,36 @@ class Pool:
     def remember(self, w: Worker, prompt: list[int]) -> None:
         """`w` is about to prefill `prompt`: from now on it holds its blocks (bounded by its KV cache size)."""
         if self.prefix_routing and w.block_size:
-            self.prefix.record(w.url, prompt_block_hashes(prompt, w.block_size), w.total_blocks)
+            self.prefix.record(w.url, prompt_block_hashes(prompt, w.block_size), w.total_blocks, time.monotonic())
+
+    async def sync_prefix(self, w: Worker) -> bool:
+        """Correct `w`'s entry in the prefix index from the worker's own report: the blocks it evicted since
+        the last poll, or the whole set it holds (first contact, a restart, a lost position, or every
+        `prefix_resync` seconds). Best effort: a worker that cannot answer keeps its (approximate) entry, and
+        this never affects its health. True when a report was applied."""
+        if not self.prefix_routing or not w.healthy:
+            return False
+        sent = time.monotonic()
+        whole = w.prefix_epoch is None or sent - w.prefix_synced >= self.prefix_resync
+        params = {} if whole else {"epoch": w.prefix_epoch, "since": str(w.prefix_seq)}
+        try:
+            r = await self.client.get(f"{w.url}/internal/prefix-events", params=params)
+            report = parse_report(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            log.debug("prefix events of %s: %s", w.url, e)
+            return False
+        if report is None:
+            log.debug("prefix events of %s: no usable report (HTTP %d)", w.url, r.status_code)
+            return False
+        self.prefix.apply(w.url, report, sent, w.total_blocks)
+        if report.resident is not None:
+            w.prefix_synced = sent
+        w.prefix_epoch, w.prefix_seq = report.epoch, report.seq
+        return True
+
+    async def sync_prefixes(self) -> None:
+        if self.prefix_routing:
+            await asyncio.gather(*(self.sync_prefix(w) for w in list(self.workers.values()) if w.healthy))
 
     # ------------------------------------------------------------------ passive + active health
     def mark_failed(self, role: str, url: str, error: str) -> None:
@@ -183,6 +218,7 @@ class Pool:
         w.last_error, w.last_probe = err, time.monotonic()
         if w.healthy and not was:
             self.prefix.forget(w.url)  # back from down (maybe restarted): assume its prefix cache is empty
+            w.prefix_epoch = None  # and ask it for what it really holds
         if w.healthy != was:
             log.info("%s worker %s is now %s%s", w.role, w.url, "healthy" if w.healthy else "unhealthy",
                      f" ({err})" if err else "")
@@ -215,6 +251,7 @@ class Pool:
         while True:
             try:
                 await self.probe_all()
+                await self.sync_prefixes()
             except Exception:  # the loop must survive anything a probe throws
                 log.exception("health probe round failed")
             await asyncio.sleep(self.interval)

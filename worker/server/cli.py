@@ -210,6 +210,7 @@ def _run(args: argparse.Namespace) -> int:
     # Prefill/decode KV transfer: the /internal/* routes and the transfer listener (docs/disaggregation.md).
     # Without a shared secret there is no transfer listener (logged); an unusable one is a usage error.
     from pdcluster.worker.server.internal_routes import Disaggregation
+    from pdcluster.worker.server.prefix_events import prefix_events_router
 
     disagg = Disaggregation.from_options(engine, args.role, transfer, listen_host=args.host)
 
@@ -226,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         model_aliases=[args.model, str(folder.resolve()), folder.resolve().name],
         max_queue_depth=args.max_queue_depth,
         request_timeout=args.request_timeout,
-        routers=[disagg.router],
+        routers=[disagg.router, prefix_events_router(engine, disagg.secret)],  # the router's prefix index
         on_startup=[start, disagg.start],
         on_shutdown=[disagg.stop, stop],
         internal_secret=disagg.secret,  # /drain and /undrain take the same token as /internal/*
