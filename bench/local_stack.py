@@ -1,0 +1,103 @@
+"""The I/O edge of the ratio sweep and the autoscale replay: start a real `pdcluster up` (router + worker
+processes on loopback) as a child process, wait until every started worker is healthy behind the router,
+run the `pdcluster bench`/`profile` CLIs against it, and stop it (SIGTERM: `up` drains its children).
+
+The benchmarks drive the CLIs as separate processes on purpose: what is measured is the stack a user
+runs, and the load generator does not share an interpreter (or a GIL) with anything it measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+PDCLUSTER = [sys.executable, "-m", "pdcluster"]
+
+
+def cluster_view(router: str) -> dict | None:
+    try:
+        r = httpx.get(f"{router}/cluster", timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def healthy(view: dict | None) -> tuple[int, int]:
+    """(healthy prefill, healthy decode) in a router's /cluster answer."""
+    if not view:
+        return 0, 0
+    return tuple(sum(1 for w in view.get(role, []) if w.get("healthy")) for role in ("prefill", "decode"))  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: float = 240.0) -> Iterator[str]:
+    """`pdcluster up --port PORT ARGS...`; yields the router URL once `want` (P, D) workers are healthy."""
+    router = f"http://127.0.0.1:{port}"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*PDCLUSTER, "up", "--port", str(port), "--host", "127.0.0.1", *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + timeout
+        while healthy(cluster_view(router)) != want:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdcluster up exited with {proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pdcluster up: {want} workers not healthy within {timeout:.0f} s; see {log}")
+            time.sleep(0.5)
+        yield router
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers go with it
+            proc.wait(5)
+
+
+def warm_up(router: str, out: Path) -> None:
+    """A few uncounted requests so every worker has run its first (slow) prefill and decode steps."""
+    subprocess.run([*PDCLUSTER, "bench", "--url", router, "--prompt-lens", "128,512", "--output-lens", "4",
+                    "--requests", "8", "--concurrency", "4", "--warmup", "0", "--no-plots", "--no-progress",
+                    "--out", str(out)], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=300)
+
+
+def replay(router: str, trace: Path, out: Path, *, start: float, duration: float, speedup: float,
+           max_model_len: int, timeout: float = 120.0) -> list[dict]:
+    """`pdcluster bench --trace`: the records of requests.jsonl (one per trace request)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [*PDCLUSTER, "bench", "--url", router, "--trace", str(trace), "--start", str(start),
+           "--duration", str(duration), "--speedup", str(speedup), "--max-model-len", str(max_model_len),
+           "--timeout", str(timeout), "--out", str(out)]
+    with (out / "bench.log").open("w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    path = out / "requests.jsonl"
+    if not path.exists():
+        raise RuntimeError(f"pdcluster bench --trace exited with {rc} and wrote no records; see {out}/bench.log")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def profile(router: str, batch_sizes: str = "1,2,4,8,16,32", prefill_len: int = 512) -> dict:
+    """`pdcluster profile --url --json` against a 1:1 stack: per-instance capacities."""
+    r = subprocess.run([*PDCLUSTER, "profile", "--url", router, "--batch-sizes", batch_sizes,
+                        "--prefill-len", str(prefill_len), "--json"], capture_output=True, text=True,
+                       check=False, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"pdcluster profile failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout)

@@ -1,0 +1,185 @@
+"""The P:D ratio checked on the real stack: a fixed budget of N workers, `pdcluster up` at every split
+(colocated 0:N included), the same trace slice replayed open-loop through each (`pdcluster bench
+--trace`), goodput (requests/s within SLO) per split, and where the planner's formula falls among them.
+
+    python -m pdcluster.bench.ratio_sweep --trace ../shared/traces/azure2023_code.csv --out DIR
+
+Capacities come from `pdcluster profile --url` against a 1:1 stack of the same workers (or from
+--prefill-capacity/--decode-capacity); I and O are the slice's mean lengths after length scaling. The
+splits run interleaved, round after round, so a machine whose load drifts hurts every split alike.
+Writes DIR/summary.json and DIR/goodput.png; the per-run request records stay under --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from pdcluster.bench import local_stack
+from pdcluster.bench import ratio_plan as rp
+from pdcluster.bench import trace as tr
+from pdcluster.bench.stats import percentile
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, required=True, help="Azure CSV or Mooncake JSONL trace")
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="shrink lengths by one factor so the longest fits (the demo model allows 2048)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--port", type=int, default=18600, help="router port of the stacks started")
+    p.add_argument("--out", type=Path, required=True, help="summary.json and the plot go here")
+    p.add_argument("--work", type=Path, default=Path("/tmp/pdcluster-bench-ratio"), help="per-run records")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pdcluster.bench.ratio_sweep", description=__doc__.split("\n")[0])
+    add_common(p)
+    p.add_argument("--start", type=float, default=1320.0, help="slice start in the trace (seconds)")
+    p.add_argument("--duration", type=float, default=30.0, help="slice length in trace seconds")
+    p.add_argument("--speedup", type=float, default=0.4,
+                   help="replay the slice this many times faster (< 1: slower, for a busy 2-core machine)")
+    p.add_argument("--workers", type=int, default=4, help="the fixed budget N")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--splits", default=None, help="only these, e.g. 1:3,3:1 (default: every split of N)")
+    p.add_argument("--no-colocated", action="store_true", help="leave out 0:N")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="seconds")
+    p.add_argument("--prefill-capacity", type=float, default=None, help="prompt tok/s per instance (else profiled)")
+    p.add_argument("--decode-capacity", type=float, default=None, help="output tok/s per instance (else profiled)")
+    return p.parse_args(argv)
+
+
+def load_slice(path: Path, start: float, duration: float, max_model_len: int) -> tr.Trace:
+    """The slice as the replay sends it (window first, then one length factor), before time scaling."""
+    return tr.scale_lengths(tr.time_window(tr.read_trace(path), start, start + duration), max_model_len)
+
+
+def measure_capacity(args: argparse.Namespace) -> dict:
+    work = args.work / "profile"
+    work.mkdir(parents=True, exist_ok=True)
+    up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
+    with local_stack.up(up, args.port, work / "up.log", (1, 1)) as router:
+        raw = local_stack.profile(router)
+    (work / "profile.json").write_text(json.dumps(raw, indent=1))
+    return {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
+            "decode_tokens_per_second": raw["decode_tokens_per_second"], "source": "pdcluster profile --url (1:1)"}
+
+
+def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
+    p, d = split
+    work = args.work / f"r{rnd}-{p}x{d}"
+    work.mkdir(parents=True, exist_ok=True)
+    flags = ["--prefill", str(p), "--decode", str(d), "--threads", str(args.threads), "--max-queue-depth", "256"]
+    load_before = os.getloadavg()[0]
+    with local_stack.up(flags, port, work / "up.log", (p, d)) as router:
+        local_stack.warm_up(router, work / "warmup")
+        t0 = time.time()
+        recs = local_stack.replay(router, args.trace, work / "replay", start=args.start, duration=args.duration,
+                                  speedup=args.speedup, max_model_len=args.max_model_len)
+        wall = time.time() - t0
+    g = rp.goodput(recs, args.slo_ttft, args.slo_tpot, span)
+    ok = [r for r in recs if r.get("ok")]
+    ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+    tpot = [r["tpot"] for r in ok if r.get("tpot") is not None]
+    row = {"round": rnd, "prefill": p, "decode": d, **g, "wall_s": wall, "load1_before": load_before,
+           "load1_after": os.getloadavg()[0], "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+           "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+           "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")})}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, v = summary["runs"], summary["verdict"]
+    order = [tuple(s) for s in summary["splits"]]
+    labels = [f"{p}:{d}" + (" (colocated)" if p == 0 else "") for p, d in order]
+    means = [v["mean_goodput_rps"][f"{p}:{d}"] for p, d in order]
+    formula = tuple(v["formula"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = ["tab:orange" if s == formula else "tab:blue" for s in order]
+    ax.bar(range(len(order)), means, color=colors, alpha=0.8)
+    for i, s in enumerate(order):
+        ys = [r["goodput_rps"] for r in runs if (r["prefill"], r["decode"]) == s]
+        ax.scatter([i] * len(ys), ys, color="black", s=14, zorder=3)
+    best = max(means)
+    ax.axhline(0.9 * best, color="gray", ls="--", lw=1, label="90 % of the best split")
+    ideal = summary["formula"]["ideal_prefill"]
+    ax.set_xticks(range(len(order)), labels)
+    ax.set_xlabel(f"P:D split of {summary['workers']} workers (orange: the formula's; ideal P = {ideal:.2f})")
+    ax.set_ylabel("goodput (requests/s within SLO)")
+    slo = summary["slo"]
+    ax.set_title(f"Ratio sweep, pdcluster up: SLO TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s "
+                 f"({summary['rounds']} rounds; dots = rounds)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def chosen_splits(args: argparse.Namespace) -> list[tuple[int, int]]:
+    every = rp.splits(args.workers, colocated=not args.no_colocated)
+    if not args.splits:
+        return every
+    want = [tuple(int(x) for x in s.split(":")) for s in args.splits.split(",")]
+    bad = [s for s in want if s not in every]
+    if bad:
+        raise ValueError(f"--splits {bad} are not splits of {args.workers} workers")
+    return want  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        todo = chosen_splits(args)
+        sl = load_slice(args.trace, args.start, args.duration, args.max_model_len)
+    except ValueError as e:
+        print(f"ratio_sweep: {e}", file=sys.stderr)
+        return 2
+    s = tr.summarize(sl)
+    span = args.duration / args.speedup
+    if args.prefill_capacity and args.decode_capacity:
+        cap = {"prefill_tokens_per_second": args.prefill_capacity,
+               "decode_tokens_per_second": args.decode_capacity, "source": "given"}
+    else:
+        cap = measure_capacity(args)
+    print(f"capacities: {cap}", flush=True)
+    f = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
+                         cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
+    runs = []
+    for rnd in range(args.rounds):
+        # Interleaved, the order turned around every other round: drift in the machine's load hits all splits.
+        for i, split in enumerate(todo if rnd % 2 == 0 else list(reversed(todo))):
+            runs.append(one_run(args, split, rnd, args.port + 10 * (i % 4), span))
+    key = lambda sp: f"{sp[0]}:{sp[1]}"  # noqa: E731
+    summary = {"trace": str(args.trace), "slice": {"start_s": args.start, "duration_s": args.duration,
+                                                   "speedup": args.speedup, "replayed_span_s": span,
+                                                   "max_model_len": args.max_model_len, **s},
+               "workers": args.workers, "rounds": args.rounds, "threads_per_worker": args.threads,
+               "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,
+               "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
+                           "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
+                           "ideal_prefill": f.ideal_prefill}, "runs": runs}
+    if (f.prefill, f.decode) in todo:
+        v = rp.verdict((((r["prefill"], r["decode"]), r["goodput_rps"]) for r in runs), (f.prefill, f.decode))
+        summary["verdict"] = {"mean_goodput_rps": {key(k): g for k, g in v.mean_goodput.items()},
+                              "best": v.best, "formula": v.formula,
+                              "formula_share_of_best": v.formula_share_of_best, "met": v.met}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if "verdict" in summary:
+        plot(summary, args.out / "goodput.png")
+        print(json.dumps(summary["verdict"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The ratio sweep's pure parts: splits of a worker budget, the formula's split, goodput and the verdict;
+and the autoscale replay's attribution of failures to scale-downs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.bench import ratio_plan as rp
+from pdcluster.bench.autoscale_replay import arrivals_per_bin, failed_during_scale_down, stop_events
+from pdcluster.bench.trace import Request, Trace
+
+
+def test_splits_of_a_budget_with_and_without_colocated():
+    assert rp.splits(4) == [(0, 4), (1, 3), (2, 2), (3, 1)]
+    assert rp.splits(4, colocated=False) == [(1, 3), (2, 2), (3, 1)]
+    with pytest.raises(ValueError):
+        rp.splits(1)
+
+
+def test_formula_split_follows_the_per_request_seconds():
+    # DESIGN.md's example: 2048 in / 512 out, 10k and 2k tok/s: 0.2048 s vs 0.256 s -> D/P 1.25 -> 2:2 of 4
+    f = rp.formula_split(4, 2048, 512, 10_000, 2_000)
+    assert (f.prefill, f.decode) == (2, 2)
+    assert f.ratio == pytest.approx(1.25)
+    assert f.ideal_prefill == pytest.approx(4 * 0.2048 / (0.2048 + 0.256))
+    # prefill-heavy (the scaled Azure code trace): D/P ~ 0.05 -> as much prefill as the budget allows
+    f = rp.formula_split(4, 535, 7.3, 2570, 641)
+    assert (f.prefill, f.decode) == (3, 1)
+    # decode-heavy: the other end
+    assert rp.formula_split(4, 100, 1000, 10_000, 500).prefill == 1
+    f = rp.formula_split(6, 1000, 200, 1000, 400)  # 1 s vs 0.5 s per request: 2:1 -> 4:2 of 6
+    assert (f.prefill, f.decode) == (4, 2)
+
+
+def test_goodput_counts_only_successes_within_both_objectives():
+    recs = [
+        {"ok": True, "ttft": 0.5, "tpot": 0.05},   # good
+        {"ok": True, "ttft": 0.5, "tpot": None},   # one token: no TPOT, good
+        {"ok": True, "ttft": 3.0, "tpot": 0.05},   # TTFT too late
+        {"ok": True, "ttft": 0.5, "tpot": 0.5},    # TPOT too slow
+        {"ok": False, "ttft": None, "tpot": None, "error": "http_503"},
+    ]
+    g = rp.goodput(recs, 2.0, 0.1, 10.0)
+    assert g == {"requests": 5, "ok": 4, "failed": 1, "within_slo": 2, "attainment": 0.4, "goodput_rps": 0.2}
+    with pytest.raises(ValueError):
+        rp.goodput(recs, 2.0, 0.1, 0.0)
+
+
+def test_verdict_compares_the_formula_mean_with_the_best_mean():
+    runs = [((1, 3), 2.0), ((1, 3), 2.2), ((3, 1), 3.0), ((3, 1), 2.6), ((2, 2), 2.9), ((2, 2), 2.9)]
+    v = rp.verdict(runs, (3, 1))
+    assert v.best == (2, 2) and v.mean_goodput[(3, 1)] == pytest.approx(2.8)
+    assert v.formula_share_of_best == pytest.approx(2.8 / 2.9) and v.met
+    miss = rp.verdict(runs, (1, 3))
+    assert not miss.met and miss.formula_share_of_best == pytest.approx(2.1 / 2.9)
+    with pytest.raises(ValueError):
+        rp.verdict(runs, (0, 4))
+
+
+def test_failures_are_attributed_to_a_scale_down_only_when_in_flight_near_it():
+    events = [{"t": 100.0, "line": "autoscale: started prefill-1"}, {"t": 200.0, "line": "autoscale: stopped decode-1"}]
+    stops = stop_events(events)
+    assert stops == [200.0]
+    recs = [
+        {"ok": False, "start": 195.0, "latency": 1.0},   # in flight 10 s before the stop: counted
+        {"ok": False, "start": 10.0, "latency": 2.0},    # long before: an overload failure, not the scale-down's
+        {"ok": True, "start": 199.0, "latency": 3.0},    # survived the stop
+    ]
+    assert failed_during_scale_down(recs, stops) == [recs[0]]
+    assert failed_during_scale_down(recs, []) == []
+
+
+def test_arrivals_per_bin():
+    t = Trace(tuple(Request(x, 10, 1) for x in (0.0, 1.0, 5.5, 12.0)), "azure", "x")
+    assert arrivals_per_bin(t, 5.0) == [2, 1, 1]
