@@ -137,9 +137,15 @@ def test_prefill_only_holds_blocks_until_release_or_abort(make_engine):
     engine.release("unknown")  # no-op
 
 
-def test_import_wrong_token_count_is_rejected(make_engine):
+def test_import_outside_the_prompt_is_rejected(make_engine):
+    """Token ranges import one at a time (chunked transfers), but never past the reserved prompt."""
     engine = make_engine()
     assert engine.reserve_for_import("x", prompt_of(5), P)
+    engine.import_kv_layer("x", 0, torch.zeros(4, 2, 16), torch.zeros(4, 2, 16))  # tokens 0..3 of 5: fine
     with pytest.raises(ValueError, match="5 tokens"):
-        engine.import_kv_layer("x", 0, torch.zeros(4, 2, 16), torch.zeros(4, 2, 16))
+        engine.import_kv_layer("x", 0, torch.zeros(6, 2, 16), torch.zeros(6, 2, 16))
+    with pytest.raises(ValueError, match="5 tokens"):
+        engine.import_kv_layer("x", 0, torch.zeros(2, 2, 16), torch.zeros(2, 2, 16), token_start=4)
+    with pytest.raises(ValueError, match="scales"):
+        engine.import_kv_layer("x", 0, torch.zeros(2, 2, 16, dtype=torch.int8), torch.zeros(2, 2, 16, dtype=torch.int8))
     engine.cancel_import("x")

@@ -14,6 +14,7 @@ from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, Transfer
 from pdcluster.worker.transfer.frame import Frame, Kind
 from pdcluster.worker.transfer.nixl_agent import availability
 from pdcluster.worker.transfer.transport import TransferError
+from tests.transfer.kvsink import Sink
 
 AVAILABLE = availability()
 pytestmark = pytest.mark.skipif(not AVAILABLE.ok, reason=AVAILABLE.reason)
@@ -34,9 +35,9 @@ def nixl(**kw: Any) -> Any:
 
 
 async def pair(send_kw: dict[str, Any] | None = None, recv: Any = None) -> tuple[Any, Any, dict, TransferTarget]:
-    got: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    got = Sink()
     recv = recv or nixl()
-    recv.importer = lambda r, i, k, v: got.__setitem__((r, i), (k, v))
+    recv.importer = got
     port = await recv.listen()
     return nixl(**(send_kw or {})), recv, got, TransferTarget("127.0.0.1", port)
 

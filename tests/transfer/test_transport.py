@@ -13,6 +13,7 @@ from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, Transfer
 from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, seal_frame
 from pdcluster.worker.transfer.sockio import Conn
 from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError
+from tests.transfer.kvsink import Sink
 
 SECRET = b"a" * 32
 LAYERS, TOKENS, HEADS, DIM = 3, 11, 2, 8
@@ -24,8 +25,8 @@ def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def pair(compression: str = "none", **kw: object) -> tuple[TCPConnector, TCPConnector, dict, TransferTarget]:
-    got: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    recv = TCPConnector(SECRET, importer=lambda r, i, k, v: got.__setitem__((r, i), (k, v)))
+    got = Sink()
+    recv = TCPConnector(SECRET, importer=got)
     port = await recv.listen()
     send = TCPConnector(SECRET, compression=compression, **kw)  # type: ignore[arg-type]
     return send, recv, got, TransferTarget("127.0.0.1", port)

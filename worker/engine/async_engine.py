@@ -190,8 +190,8 @@ class AsyncEngine:
         await self._compile(params)
         return await self.call(lambda e: e.reserve_for_import(request_id, prompt_token_ids, params))
 
-    async def import_kv_layer(self, request_id: str, layer: int, k: Any, v: Any) -> None:
-        await self.call(lambda e: e.import_kv_layer(request_id, layer, k, v))
+    async def import_kv_layer(self, request_id: str, layer: int, k: Any, v: Any, **where: Any) -> None:
+        await self.call(lambda e: e.import_kv_layer(request_id, layer, k, v, **where))  # token_start, scales
 
     async def commit_import(self, request_id: str, first_token_id: int) -> None:
         await self.call(lambda e: e.commit_import(request_id, first_token_id))

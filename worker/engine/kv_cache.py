@@ -122,6 +122,60 @@ class PagedKVCache:
             out.append(x)
         return out[0], out[1]
 
+    # ---- KV export/import as stored (disaggregation): codes and scales travel untouched
+    def _stored(self, layer: int) -> tuple[torch.dtype, int]:
+        """(element dtype, elements per [head_dim] vector) of one layer's pool: packed int4 is half width."""
+        return self.k[layer].dtype, int(self.k[layer].shape[-1])
+
+    def export_bytes(self, layer: int, tokens: int) -> int:
+        """Bytes of ``tokens`` tokens of one layer as stored: K then V values/codes, then K then V float32
+        scales for a quantized layer (the wire's own order)."""
+        dtype, width = self._stored(layer)
+        vectors = tokens * self.kv_heads
+        item = torch.empty(0, dtype=dtype).element_size()
+        return 2 * vectors * width * item + (2 * vectors * 4 if self.is_quantized(layer) else 0)
+
+    def export_into(self, layer: int, slots: torch.Tensor, out: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copy the tokens at ``slots`` of one layer, as stored, into ``out`` (uint8, ``export_bytes`` long,
+        host or device) laid out K, V, then K and V scales; returns typed views of ``out``. One gather is the
+        only copy: nothing is dequantized, and K and V end up back to back (one wire payload)."""
+        dtype, width = self._stored(layer)
+        n = int(slots.numel())
+        if out.dtype != torch.uint8 or out.dim() != 1 or int(out.numel()) != self.export_bytes(layer, n):
+            raise ValueError(f"export buffer must be {self.export_bytes(layer, n)} uint8 bytes")
+        item = torch.empty(0, dtype=dtype).element_size()
+        part = n * self.kv_heads * width * item
+        views = [out[i * part:(i + 1) * part].view(dtype).view(n, self.kv_heads, width) for i in range(2)]
+        pools = [self.k[layer], self.v[layer]]
+        if self.is_quantized(layer):
+            s_part = n * self.kv_heads * 4
+            views += [out[2 * part + i * s_part:2 * part + (i + 1) * s_part].view(torch.float32).view(n, self.kv_heads)
+                      for i in range(2)]
+            pools += [self.k_scale[layer], self.v_scale[layer]]  # type: ignore[list-item]
+        slots = slots.to(self.device)
+        for pool, dst in zip(pools, views, strict=True):
+            flat = pool.view(-1, *pool.shape[2:])
+            if dst.device == flat.device:
+                torch.index_select(flat, 0, slots, out=dst)
+            else:  # e.g. a CUDA cache exporting into host memory: gather on the device, one copy across
+                dst.copy_(flat.index_select(0, slots))
+        scales = (views[2], views[3]) if len(views) == 4 else None
+        return views[0], views[1], scales
+
+    def write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    scales: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
+        """Store codes and scales exactly as given, in this layer's own format (what another cache of the same
+        format exported): no dequantize, no requantize."""
+        dtype, width = self._stored(layer)
+        if not self.is_quantized(layer) or k.dtype != dtype or v.dtype != dtype or k.shape[-1] != width:
+            raise ValueError(f"layer {layer} stores {self.layer_kv_dtypes[layer]} ({dtype}, {width} per vector); "
+                             f"got {k.dtype} [.., {k.shape[-1]}]")
+        for pool, new in ((self.k[layer], k), (self.v[layer], v), (self.k_scale[layer], scales[0]),
+                          (self.v_scale[layer], scales[1])):
+            assert pool is not None
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, new.to(self.device, pool.dtype))
+
     def copy_blocks_to(self, dst: PagedKVCache, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
         """Copy whole blocks (codes and scales as stored) into another pool of the same format: swap."""
         # Raw copies are only meaningful between pools with the same per-layer formats (device <-> host).

@@ -13,7 +13,7 @@ not block: it hands the tensors to its own threads and returns.
 
 Import (decode worker): the engine's public methods, called between steps (``AsyncEngine`` queues them onto
 the engine thread): ``reserve_for_import`` (blocks are allocated before any KV moves), ``import_kv_layer``
-(any order), ``commit_import`` (the request decodes from here, continuing after the prefill worker's first
+(any order, any token range; codes of the same format as the cache's layer are written as they are), ``commit_import`` (the request decodes from here, continuing after the prefill worker's first
 token), ``cancel_import`` (frees the reservation).
 
 This module imports no torch at run time: ``pdcluster.worker.engine`` must stay importable without it.
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one request's KV as it travels: per layer, K and V of ``[tokens, kv_heads, head_dim]`` in the
-    model dtype (dequantized, whatever the cache's own dtype and block size)."""
+    """Shape of one request's KV as it travels: per layer, K and V of ``[tokens, kv_heads, head_dim]`` (model
+    dtype, or a quantized layer's own codes and scales), whatever the cache's block size."""
 
     num_layers: int
     kv_heads: int
@@ -43,8 +43,20 @@ class KVLayout:
 class KVConnectorBase(abc.ABC):
     """What the engine calls to export KV. Implemented by transfer backends."""
 
+    def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
+                      quantized: bool) -> torch.Tensor | None:
+        """Optional: ``nbytes`` of uint8 memory (host or device) where the engine should lay out the next
+        ``save_kv_layer`` of this (request, layer, token_start) — K then V as stored, then K then V scales
+        for a ``quantized`` layer — so a backend that sends from registered memory (NIXL) gets it there with
+        no copy of its own. None (the default): the engine uses a host buffer of its own. Engine thread; the
+        memory is lent until the matching ``save_kv_layer``, which always follows."""
+        return None
+
     @abc.abstractmethod
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
-                      token_start: int = 0) -> None:
-        """KV of tokens ``[token_start, token_start + k.shape[0])`` of ``layer``, just written. Engine thread;
-        must not block. A request the connector does not know (never started, or aborted) is ignored."""
+                      token_start: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """KV of tokens ``[token_start, token_start + k.shape[0])`` of ``layer``, just written: float values
+        ``[tokens, kv_heads, head_dim]``, or a quantized layer's codes as its cache stores them (int8, or
+        uint8 packed int4 ``[.., head_dim // 2]``) with their float32 ``scales`` ``[tokens, kv_heads]``.
+        Engine thread; must not block. A request the connector does not know (never started, or aborted) is
+        ignored."""

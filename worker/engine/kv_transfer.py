@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdcluster.kernels import dequantize_kv
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
@@ -44,12 +45,27 @@ class KVTransferMixin:
 
     def _save_layer(self: LLMEngine, layer: int, exports: list[tuple[Sequence, int, int]]) -> None:
         """Inside the forward, right after ``layer``'s KV is written: hand each exporting request's new token
-        range to the connector (which must not block)."""
+        range to the connector (which must not block), as the cache stores it (codes stay codes)."""
         assert self.kv_connector is not None
         for seq, start, end in exports:
             if end > start:
-                k, v = self.export_kv(seq.request_id, layer)
-                self.kv_connector.save_kv_layer(seq.request_id, layer, k[start:end], v[start:end], token_start=start)
+                k, v, scales = self.export_kv_range(seq.request_id, layer, start, end)
+                codes = {"scales": scales} if scales is not None else {}  # float layers: the original call
+                self.kv_connector.save_kv_layer(seq.request_id, layer, k, v, token_start=start, **codes)
+
+    def export_kv_range(self: LLMEngine, request_id: str, layer: int, start: int, end: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Tokens ``[start, end)`` of a request's layer as stored — float values, or int8/int4 codes with their
+        scales — gathered (the one copy) into memory the connector lends (``export_buffer``: e.g. NIXL's
+        registered staging) or else a host buffer of ours, K and V back to back."""
+        cache = self.runner.cache
+        slots = self.runner.slots(self.seqs[request_id], start, end)
+        nbytes = cache.export_bytes(layer, end - start)
+        conn = self.kv_connector
+        buf = conn.export_buffer(request_id, layer, start, nbytes, cache.is_quantized(layer)) if conn else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)  # host: every wire sends from host memory
+        return cache.export_into(layer, slots, buf)
 
     def reserve_for_import(
         self: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -69,16 +85,30 @@ class KVTransferMixin:
             self._grammars[request_id] = grammar
         return True
 
-    def import_kv_layer(self: LLMEngine, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def import_kv_layer(self: LLMEngine, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                        token_start: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write tokens ``[token_start, token_start + k.shape[0])`` of a reserved request's layer: float K/V,
+        or codes (int8, uint8 packed int4) with their ``scales``. Codes in this layer's own format go in as
+        they are; anything else is converted here (dequantized on the cache's device, quantized on write)."""
         seq = self.seqs[request_id]
         if seq.status != SequenceStatus.IMPORTING:
             raise ValueError(f"request {request_id!r} is not importing")
-        n = seq.num_prompt_tokens
-        if k.shape[0] != n or v.shape[0] != n:
-            raise ValueError(f"expected KV for {n} tokens, got {k.shape[0]}/{v.shape[0]}")
-        dev, dtype = self.runner.device, self.runner.dtype
-        slots = self.runner.slots(seq, 0, n).to(dev)
-        self.runner.cache.write(layer, k.to(dev, dtype), v.to(dev, dtype), slots)
+        n, t = seq.num_prompt_tokens, k.shape[0]
+        if v.shape[0] != t or token_start < 0 or token_start + t > n:
+            raise ValueError(f"expected KV within {n} tokens, got [{token_start}, +{k.shape[0]}/{v.shape[0]})")
+        dev, dtype, cache = self.runner.device, self.runner.dtype, self.runner.cache
+        slots = self.runner.slots(seq, token_start, token_start + t).to(dev)
+        bits = {torch.int8: 8, torch.uint8: 4}.get(k.dtype)
+        if bits is None:
+            cache.write(layer, k.to(dev, dtype), v.to(dev, dtype), slots)
+            return
+        if scales is None:
+            raise ValueError("KV codes need their scales")
+        if bits == cache.layer_bits[layer]:
+            cache.write_codes(layer, k, v, scales, slots)  # the sender's bytes, untouched
+            return
+        k, v = (dequantize_kv(x.to(dev), s.to(dev), bits, dtype) for x, s in zip((k, v), scales, strict=True))
+        cache.write(layer, k, v, slots)
 
     def commit_import(self: LLMEngine, request_id: str, first_token_id: int) -> None:
         """All layers are in: the request decodes from here as if it had prefilled itself. The first token

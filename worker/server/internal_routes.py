@@ -124,8 +124,8 @@ class Disaggregation:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _import(self, rid: str, layer: int, k: Any, v: Any) -> None:
-        await self.engine.import_kv_layer(rid, layer, k, v)
+    async def _import(self, rid: str, layer: int, k: Any, v: Any, **where: Any) -> None:
+        await self.engine.import_kv_layer(rid, layer, k, v, **where)  # token_start, scales (codes)
 
     async def _cancel(self, rid: str) -> None:
         if self.connector is not None:

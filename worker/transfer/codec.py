@@ -1,8 +1,14 @@
-"""Tensors <-> LAYER frames, with optional int8 wire compression.
+"""Tensors <-> LAYER frames: float K/V, int8 wire compression, or a quantized cache's own codes.
 
-The receiver always gets float tensors `[num_tokens, kv_heads, head_dim]` back and imports them into
-its own paged cache, so differing block sizes or cache dtypes (fp32 vs int8 cache) on the two sides are
-the receiver's cache's business, not the wire's.
+What travels is what the sender's cache holds, as far as it can: a layer stored as int8/int4 codes ships
+those codes and their float32 scales untouched (never dequantized to float and quantized again); a float
+layer ships as floats, or as int8 codes + scales with `--kv-transfer-compression int8`. The receiver gets
+the wire tensors back as zero-copy views of the frame's buffer (`wire_kv`) and its engine writes them into
+its own paged cache: codes straight in when its layer has the same format, dequantized otherwise, so
+differing block sizes or cache dtypes on the two sides stay the receiver's business.
+
+No join on the send path: when K and V (and their scales) lie back to back in one buffer, as the engine's
+export lays them out, the payload is a view of that buffer (`_raw`); only unrelated tensors are joined.
 """
 
 from __future__ import annotations
@@ -10,11 +16,27 @@ from __future__ import annotations
 import torch
 
 from pdcluster.kernels.kv_quant import dequantize_kv, quantize_kv
-from pdcluster.worker.transfer.frame import FLAG_INT8, DType, ErrorCode, Frame, FrameError, Kind
+from pdcluster.worker.transfer.frame import (
+    FLAG_QUANT,
+    DType,
+    ErrorCode,
+    Frame,
+    FrameError,
+    Kind,
+    vector_bytes,
+)
 
-TORCH_OF = {DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.I8: torch.int8}
+TORCH_OF = {DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.I8: torch.int8,
+            DType.I4: torch.uint8}
 WIRE_OF = {v: k for k, v in TORCH_OF.items()}
+BITS_OF = {torch.int8: 8, torch.uint8: 4}  # code dtype -> bits (uint8 = int4 packed two per byte)
 COMPRESSIONS = ("none", "int8")
+Scales = tuple[torch.Tensor, torch.Tensor]
+
+
+def code_bits(t: torch.Tensor) -> int | None:
+    """8 or 4 when `t` holds cache codes (int8, or uint8 packed int4), None for float values."""
+    return BITS_OF.get(t.dtype)
 
 
 def _view(t: torch.Tensor) -> memoryview:
@@ -25,8 +47,28 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
-def _raw(*ts: torch.Tensor) -> bytes:
-    return b"".join(_view(t) for t in ts)  # one copy, however many tensors
+def adjacent(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat uint8 tensor spanning `ts` when they are contiguous CPU tensors lying back to back in one
+    storage (K then V of the engine's export): their bytes as a single view, no copy. Else None."""
+    if not ts or any(not t.is_contiguous() or t.device.type != "cpu" for t in ts):
+        return None
+    storage = ts[0].untyped_storage()
+    start = end = ts[0].data_ptr()
+    for t in ts:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    offset = start - storage.data_ptr()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end - start,), (1,))
+
+
+def _raw(*ts: torch.Tensor) -> memoryview | bytes:
+    """The tensors' bytes in order: a view when they already lie back to back, else one joined copy."""
+    ts = tuple(t.detach().cpu() for t in ts)
+    span = adjacent(list(ts))
+    if span is not None:
+        return _view(span)
+    return b"".join(_view(t) for t in ts)
 
 
 def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -48,50 +90,80 @@ def encode_layer(
     *,
     compression: str = "none",
     token_start: int = 0,
+    scales: Scales | None = None,
 ) -> Frame:
-    """Build one LAYER frame from K and V `[num_tokens, kv_heads, head_dim]` (CPU or GPU, any float dtype)."""
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    """Build one LAYER frame from K and V `[num_tokens, kv_heads, head_dim]` (CPU or GPU, any float dtype), or
+    from cache codes (int8 `[.., head_dim]`, uint8 packed int4 `[.., head_dim // 2]`) with their `scales`."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim], got {tuple(k.shape)}/{tuple(v.shape)}")
-    tokens, heads, dim = k.shape
+    tokens, heads, width = k.shape
+    dim = width * 2 if code_bits(k) == 4 else width
     common = dict(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
                   token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim)
-    dtype, flags, payload, scales = wire_tensors(k, v, compression)
+    dtype, flags, payload, wire_scales = wire_tensors(k, v, compression, scales)
     return Frame(**common, dtype=dtype, flags=flags,  # type: ignore[arg-type]
-                 scales=_raw(*scales) if scales else b"", payload=_raw(*payload))
+                 scales=_raw(*wire_scales) if wire_scales else b"", payload=_raw(*payload))
 
 
-def wire_tensors(k: torch.Tensor, v: torch.Tensor,
-                 compression: str = "none") -> tuple[DType, int, list[torch.Tensor], list[torch.Tensor]]:
+def wire_tensors(k: torch.Tensor, v: torch.Tensor, compression: str = "none",
+                 scales: Scales | None = None) -> tuple[DType, int, list[torch.Tensor], list[torch.Tensor]]:
     """(dtype, flags, payload tensors, scale tensors) of one layer as the wire carries it: K then V codes (or
-    values), then K then V float32 scales when int8. Shared by LAYER frames and NIXL staging."""
+    values), then K then V float32 scales when quantized. Codes given with `scales` go as they are, whatever
+    `compression` says (they are the cache's own bytes: shipping them loses nothing). Shared by LAYER frames
+    and NIXL staging."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    bits = code_bits(k)
+    if bits is not None or scales is not None:
+        if scales is None or code_bits(v) != bits or bits is None:
+            raise ValueError("cache codes need int8 or uint8 (int4) K and V of one dtype, with their scales")
+        sk, sv = (s.detach().cpu().float() for s in scales)
+        if sk.shape != k.shape[:2] or sv.shape != v.shape[:2]:
+            raise ValueError(f"scales must be [tokens, kv_heads], got {tuple(sk.shape)}/{tuple(sv.shape)}")
+        return WIRE_OF[k.dtype], FLAG_QUANT, [k.detach().cpu(), v.detach().cpu()], [sk, sv]
     k, v = k.detach().cpu(), v.detach().cpu()
     if compression == "int8":
+        both = adjacent([k, v]) if k.dtype == v.dtype else None
+        if both is not None:  # one pass over K and V together: codes and scales come out back to back
+            q, s = quantize_kv(both.view(k.dtype).view(2 * k.shape[0], *k.shape[1:]), bits=8)
+            return DType.I8, FLAG_QUANT, [q], [s]
         qk, sk = quantize_kv(k, bits=8)
         qv, sv = quantize_kv(v, bits=8)
-        return DType.I8, FLAG_INT8, [qk, qv], [sk, sv]
-    if k.dtype not in WIRE_OF or k.dtype == torch.int8:
+        return DType.I8, FLAG_QUANT, [qk, qv], [sk, sv]
+    if k.dtype not in WIRE_OF or code_bits(k) is not None:
         k, v = k.float(), v.float()
     return WIRE_OF[k.dtype], 0, [k, v.to(k.dtype)], []
 
 
-def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as `out_dtype` tensors `[num_tokens, kv_heads, head_dim]` (dequantized when int8)."""
+def wire_kv(frame: Frame) -> tuple[torch.Tensor, torch.Tensor, Scales | None]:
+    """K and V of a LAYER frame as the wire carries them, zero-copy views of its buffer: float values
+    `[tokens, kv_heads, head_dim]`, or codes (int8, uint8 packed int4) plus their float32 scales."""
     if frame.kind != Kind.LAYER:
         raise FrameError(ErrorCode.BAD_HEADER, "not a LAYER frame")
-    shape = (frame.num_tokens, frame.kv_heads, frame.head_dim)
+    dtype = TORCH_OF[frame.dtype]
+    width = vector_bytes(frame.dtype, frame.head_dim) // torch.tensor([], dtype=dtype).element_size()
+    shape = (frame.num_tokens, frame.kv_heads, width)
     half = len(frame.payload) // 2
     mv = memoryview(frame.payload)
-    if frame.flags & FLAG_INT8:
-        s_half = len(frame.scales) // 2  # scales: float32 [tokens, heads], K then V
-        smv = memoryview(frame.scales)
-        sk = _from_raw(smv[:s_half], torch.float32, shape[:2])
-        sv = _from_raw(smv[s_half:], torch.float32, shape[:2])
-        qk = _from_raw(mv[:half], torch.int8, shape)
-        qv = _from_raw(mv[half:], torch.int8, shape)
-        return dequantize_kv(qk, sk, 8, out_dtype), dequantize_kv(qv, sv, 8, out_dtype)
-    dtype = TORCH_OF[frame.dtype]
-    return _from_raw(mv[:half], dtype, shape).to(out_dtype), _from_raw(mv[half:], dtype, shape).to(out_dtype)
+    k, v = _from_raw(mv[:half], dtype, shape), _from_raw(mv[half:], dtype, shape)
+    if not frame.flags & FLAG_QUANT:
+        return k, v, None
+    s_half = len(frame.scales) // 2  # scales: float32 [tokens, heads], K then V
+    smv = memoryview(frame.scales)
+    return k, v, (_from_raw(smv[:s_half], torch.float32, shape[:2]), _from_raw(smv[s_half:], torch.float32, shape[:2]))
+
+
+def to_float(k: torch.Tensor, v: torch.Tensor, scales: Scales | None,
+             out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wire tensors as `out_dtype` values (dequantized when they are codes)."""
+    bits = code_bits(k)
+    if bits is None:
+        return k.to(out_dtype), v.to(out_dtype)
+    if scales is None:
+        raise ValueError("codes without scales")
+    return dequantize_kv(k, scales[0], bits, out_dtype), dequantize_kv(v, scales[1], bits, out_dtype)
+
+
+def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as `out_dtype` tensors `[num_tokens, kv_heads, head_dim]` (dequantized when quantized)."""
+    return to_float(*wire_kv(frame), out_dtype=out_dtype)

@@ -33,10 +33,11 @@ from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, Transfe
 
 log = logging.getLogger(__name__)
 
-# Importer: (request_id, layer, k, v) with k, v float [num_tokens, kv_heads, head_dim]; may be a coroutine
-# function (the worker hands the write to its engine thread). It must only write into blocks already
-# reserved for request_id.
-Importer = Callable[[str, int, torch.Tensor, torch.Tensor], None | Awaitable[None]]
+# Importer: (request_id, layer, k, v, token_start=..., scales=...) for tokens [token_start, +k.shape[0]) of a
+# layer, as the wire carried them (codec.wire_kv: float values, or int8/int4 codes with their float32 scales),
+# as views of receive memory that is reused once it returns; may be a coroutine function (the worker hands the
+# write to its engine thread). It must only write into blocks already reserved for request_id.
+Importer = Callable[..., None | Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,23 @@ class KVConnector(KVConnectorBase):
 
 
 @dataclass
+class Received:
+    """One data frame's KV as received (views of receive memory) and how to give that memory back."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: codec.Scales | None
+    nbytes: int
+    release: Callable[[], None] = lambda: None
+
+
+@dataclass
 class _Load:
     spec: LoadSpec
     started: float = field(default_factory=time.monotonic)
-    chunks: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # layer -> token_start -> tokens imported (0 while that range is being imported): each range is written
+    # into the cache as it arrives, never held back to be joined with the layer's other ranges
+    ranges: dict[int, dict[int, int]] = field(default_factory=dict)
     loaded: set[int] = field(default_factory=set)
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -155,17 +169,19 @@ class TCPConnector(KVConnector):
         self._outboxes[request_id] = (box, num_layers)
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
-                      token_start: int = 0) -> None:
+                      token_start: int = 0, scales: codec.Scales | None = None) -> None:
         """Thread-safe and non-blocking: encoding runs on the encoder thread, sending on the loop.
-        `token_start` > 0 ships a later token range of the layer (chunked prefill)."""
+        `token_start` > 0 ships a later token range of the layer (chunked prefill); codes with `scales` (a
+        quantized cache's own layer) go as they are."""
         entry = self._outboxes.get(request_id)
         if entry is None or self._loop is None:
+            self._dropped(k)
             return  # aborted meanwhile: drop silently, the abort already told the receiver
         box, num_layers = entry
         loop = self._loop
 
         def encode() -> list[Frame]:
-            return self._frames(request_id, layer, num_layers, k, v, token_start)
+            return self._frames(request_id, layer, num_layers, k, v, token_start, scales)
 
         def enqueue(fut: concurrent.futures.Future[list[Frame]]) -> None:
             err: BaseException | None = None
@@ -190,16 +206,25 @@ class TCPConnector(KVConnector):
         fut.add_done_callback(enqueue)
         self._encoding.setdefault(request_id, []).append(fut)
 
+    def _dropped(self, k: torch.Tensor) -> None:
+        """A save_kv_layer that will not be sent (its request is gone): memory lent by export_buffer comes
+        back here (the TCP backend lends none)."""
+
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
-                offset: int) -> list[Frame]:
+                offset: int, scales: codec.Scales | None = None) -> list[Frame]:
         tokens = k.shape[0]
-        int8 = self.compression == "int8"
-        # bytes per token on the wire (K and V; int8 adds one f32 scale per head): a layer that fits a frame
-        # goes whole (no split, no reassembly copy on the receiver)
-        per_token = 2 * k.shape[1] * (k.shape[2] * (1 if int8 else k.element_size()) + (4 if int8 else 0))
+        quant = scales is not None or self.compression == "int8"
+        item = 1 if quant and scales is None else k.element_size()
+        # bytes per token on the wire (K and V; codes add one f32 scale per head): a layer that fits a frame
+        # goes whole (one frame, and its payload a view of the export: no join)
+        per_token = 2 * k.shape[1] * (k.shape[2] * item + (4 if quant else 0))
         step = max(1, self.chunk_bytes // per_token)
+        if step >= tokens:
+            return [codec.encode_layer(request_id, layer, num_layers, k, v, compression=self.compression,
+                                       token_start=offset, scales=scales)]
         return [codec.encode_layer(request_id, layer, num_layers, k[s:s + step], v[s:s + step],
-                                   compression=self.compression, token_start=offset + s)
+                                   compression=self.compression, token_start=offset + s,
+                                   scales=(scales[0][s:s + step], scales[1][s:s + step]) if scales else None)
                 for s in range(0, tokens, step)]
 
     async def wait_for_save(self, request_id: str) -> SaveResult:
@@ -286,52 +311,51 @@ class TCPConnector(KVConnector):
                           f"dim={frame.head_dim} tokens<{frame.token_end}, expected {s}")
             load.changed.set()
             return ErrorCode.SHAPE_MISMATCH
-        if frame.layer in load.loaded:
-            return ErrorCode.OK  # a resend after reconnect: already imported
+        ranges = load.ranges.setdefault(frame.layer, {})
+        if frame.layer in load.loaded or frame.token_start in ranges:
+            return ErrorCode.OK  # a resend after reconnect: already imported (or being imported)
+        ranges[frame.token_start] = 0
         try:
-            k, v, nbytes = await self._decode(frame)
+            got = await self._decode(frame)
         except TransferError as e:  # e.g. a staged layer whose MAC fails: this load is over
+            ranges.pop(frame.token_start, None)
             if e.code in FATAL:
                 load.error = str(e)
                 load.changed.set()
             return e.code or ErrorCode.INTERNAL
-        if frame.request_id not in self._loads:  # cancelled while decoding
-            return ErrorCode.UNKNOWN_REQUEST
-        load.bytes += nbytes
-        parts = load.chunks.setdefault(frame.layer, {})
-        parts[frame.token_start] = (k, v)
-        if sum(p[0].shape[0] for p in parts.values()) < s.num_tokens:
-            return ErrorCode.OK
-        ordered = [parts[t] for t in sorted(parts)]
-        del load.chunks[frame.layer]
-        full_k = ordered[0][0] if len(ordered) == 1 else torch.cat([p[0] for p in ordered])
-        full_v = ordered[0][1] if len(ordered) == 1 else torch.cat([p[1] for p in ordered])
-        if self.importer is not None:
-            try:
-                res = self.importer(frame.request_id, frame.layer, full_k, full_v)
+        try:
+            if frame.request_id not in self._loads:  # cancelled while receiving
+                return ErrorCode.UNKNOWN_REQUEST
+            if self.importer is not None:
+                res = self.importer(frame.request_id, frame.layer, got.k, got.v, token_start=frame.token_start,
+                                    scales=got.scales)
                 if inspect.isawaitable(res):
                     await res
-            except Exception as e:  # e.g. the reservation vanished: fail this load, not the listener
-                log.exception("kv transfer %s: importing layer %d failed", frame.request_id, frame.layer)
-                load.error = f"import failed: {e}"
-                load.changed.set()
-                return ErrorCode.UNKNOWN_REQUEST
-        load.loaded.add(frame.layer)
-        if len(load.loaded) == s.num_layers:
-            self._recvd.add(frame.request_id)
+        except Exception as e:  # e.g. the reservation vanished: fail this load, not the listener
+            log.exception("kv transfer %s: importing layer %d failed", frame.request_id, frame.layer)
+            load.error = f"import failed: {e}"
+            load.changed.set()
+            return ErrorCode.UNKNOWN_REQUEST
+        finally:
+            got.release()  # the importer has copied the bytes into the cache: the receive memory is free
+        load.bytes += got.nbytes
+        ranges[frame.token_start] = frame.num_tokens
+        if sum(ranges.values()) >= s.num_tokens:
+            load.loaded.add(frame.layer)
+            del load.ranges[frame.layer]
+            if len(load.loaded) == s.num_layers:
+                self._recvd.add(frame.request_id)
         load.changed.set()
         return ErrorCode.OK
 
-    async def _decode(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """K and V of one data frame, plus its bytes moved. This backend takes LAYER frames only."""
+    async def _decode(self, frame: Frame) -> Received:
+        """K and V of one data frame as views of its receive buffer (no copy, no compute: dequantizing, if
+        the cache wants it, is the importer's). This backend takes LAYER frames only."""
         if frame.kind != Kind.LAYER:
             raise TransferError("a STAGED (NIXL) frame reached a TCP-only receiver: run both sides with the "
                                 "same --kv-transfer-backend", ErrorCode.UNSUPPORTED)
-        if len(frame.payload) > 256 * 1024:  # dequantize/copy off the event loop (torch releases the GIL)
-            k, v = await asyncio.to_thread(codec.decode_layer, frame)
-        else:
-            k, v = codec.decode_layer(frame)
-        return k, v, len(frame.payload) + len(frame.scales)
+        k, v, scales = codec.wire_kv(frame)
+        return Received(k, v, scales, len(frame.payload) + len(frame.scales))
 
     # ------------------------------------------------------------------ both
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -20,8 +20,10 @@ Frame layout — all integers big-endian::
                                   4 = STAGED (the layer lies in the sender's NIXL-registered staging
                                   memory; the payload is a descriptor, `nixl_wire.py`, and the
                                   receiver READs the bytes itself, then checks their MAC)
-    6      1     flags            bit 0: payload is int8 with per-vector float32 scales
-    7      1     dtype            1 f32, 2 f16, 3 bf16, 4 int8
+    6      1     flags            bit 0: payload is cache codes (int8, or int4 packed two per byte) with
+                                  per-vector float32 scales
+    7      1     dtype            1 f32, 2 f16, 3 bf16, 4 int8, 5 int4 (uint8 bytes, low nibble = even
+                                  index: [tokens, kv_heads, head_dim / 2] each, head_dim even)
     8      2     request_id_len   1..128
     10     2     layer            index of this layer
     12     2     num_layers       total layers the receiver must expect
@@ -64,8 +66,9 @@ TRAILER_SIZE = 2 * TAG_SIZE
 _SEQ = struct.Struct(">4sQ")  # the 12-byte GCM nonce: label + sequence number on this connection+direction
 MAX_REQUEST_ID = 128
 MAX_DESCRIPTOR = 16 * 1024  # a STAGED frame's payload: addresses, MAC and the sender's agent metadata (~0.5 KiB)
-FLAG_INT8 = 0x01
-KNOWN_FLAGS = FLAG_INT8
+FLAG_QUANT = 0x01  # codes + per-vector float32 scales (int8 or packed int4), as a quantized cache holds them
+FLAG_INT8 = FLAG_QUANT  # its name before int4 codes travelled too
+KNOWN_FLAGS = FLAG_QUANT
 
 
 class Kind(IntEnum):
@@ -80,9 +83,16 @@ class DType(IntEnum):
     F16 = 2
     BF16 = 3
     I8 = 4
+    I4 = 5  # packed two per byte: a vector of head_dim values is head_dim / 2 bytes
 
 
-ITEMSIZE = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I8: 1}
+ITEMSIZE = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.I8: 1, DType.I4: 1}
+QUANTIZED = (DType.I8, DType.I4)
+
+
+def vector_bytes(dtype: DType, dim: int) -> int:
+    """Bytes of one [head_dim] vector on the wire (int4: two values per byte)."""
+    return dim // 2 if dtype == DType.I4 else dim * ITEMSIZE[dtype]
 
 
 class ErrorCode(IntEnum):
@@ -145,7 +155,7 @@ class Frame:
 
     @property
     def quantized(self) -> bool:
-        return bool(self.flags & FLAG_INT8)
+        return bool(self.flags & FLAG_QUANT)
 
 
 @dataclass(frozen=True)
@@ -175,9 +185,7 @@ def expected_lengths(kind: Kind, flags: int, dtype: DType, tokens: int, heads: i
     if kind != Kind.LAYER:
         return 0, 0  # STAGED: the descriptor's length varies (checked by parse_header)
     vectors = tokens * heads
-    if flags & FLAG_INT8:
-        return 2 * vectors * 4, 2 * vectors * dim * ITEMSIZE[DType.I8]
-    return 0, 2 * vectors * dim * ITEMSIZE[dtype]
+    return (2 * vectors * 4 if flags & FLAG_QUANT else 0), 2 * vectors * vector_bytes(dtype, dim)
 
 
 def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
@@ -205,8 +213,10 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
     if kind_e in (Kind.LAYER, Kind.STAGED):
         if not (layer < num_layers and heads > 0 and dim > 0 and t1 > t0):
             raise FrameError(ErrorCode.BAD_HEADER, "layer frame with empty shape or layer out of range")
-        if bool(flags & FLAG_INT8) != (dtype_e == DType.I8):
-            raise FrameError(ErrorCode.BAD_HEADER, "int8 flag and dtype disagree")
+        if bool(flags & FLAG_QUANT) != (dtype_e in QUANTIZED):
+            raise FrameError(ErrorCode.BAD_HEADER, "quantized flag and dtype disagree")
+        if dtype_e == DType.I4 and dim % 2:
+            raise FrameError(ErrorCode.BAD_HEADER, f"int4 codes need an even head_dim, got {dim}")
     if kind_e != Kind.ACK and status != 0:
         raise FrameError(ErrorCode.BAD_HEADER, "status is only meaningful on ACK")
     want_scales, want_payload = expected_lengths(kind_e, flags, dtype_e, t1 - t0, heads, dim)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from pdcluster.worker.transfer import codec, nixl_wire
-from pdcluster.worker.transfer.connector import SaveResult, TCPConnector, TransferTarget
-from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, expected_lengths
+from pdcluster.worker.transfer.connector import Received, SaveResult, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.nixl_agent import Agent
 from pdcluster.worker.transfer.staging import Staging
 from pdcluster.worker.transfer.transport import TransferError
@@ -70,6 +70,7 @@ class NixlConnector(TCPConnector):
         self._remotes: OrderedDict[str, bytes] = OrderedDict()  # agent name -> metadata it was added with
         self._remote_lock = threading.RLock()  # reads run on several threads at once
         self.fallback_layers = 0  # layers that went over TCP because staging was full
+        self._lent: dict[int, tuple[int, int]] = {}  # address -> (offset, bytes) lent to the engine's export
 
     async def close(self) -> None:
         await super().close()
@@ -92,24 +93,68 @@ class NixlConnector(TCPConnector):
             self._out[request_id] = _Outgoing()
         self._outboxes[request_id][0].on_ack = self._acked
 
-    def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
-                offset: int) -> list[Frame]:
-        """Encoder thread: stage one layer's token range and describe it; TCP frames when staging is full."""
-        dtype, flags, payload, scales = codec.wire_tensors(k, v, self.compression)
-        flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload + scales]
-        nbytes = sum(int(b.numel()) for b in flat)
-        off = self.staging.alloc(nbytes) if nbytes <= self.staging.size else None
+    def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
+                      quantized: bool) -> torch.Tensor | None:
+        """Engine thread: a staging region for the engine to gather this layer's range into, so the bytes sit
+        in registered memory with no copy of ours. None when we would transform them anyway (int8 compression
+        of a float layer), when staging is full, or for a request we do not send."""
+        if self.compression == "int8" and not quantized:
+            return None
+        with self._out_lock:
+            if request_id not in self._out:
+                return None
+        off = self.staging.alloc(nbytes)
         if off is None:
-            self.fallback_layers += 1
-            log.info("kv transfer %s: no free staging for layer %d (%d bytes): sent over TCP", request_id, layer,
-                     nbytes)
-            return super()._frames(request_id, layer, num_layers, k, v, offset)
+            return None
+        buf = self.agent.buffer[off:off + nbytes]
+        with self._out_lock:
+            self._lent[int(buf.data_ptr())] = (off, nbytes)
+        return buf
+
+    def _take_lent(self, k: torch.Tensor) -> tuple[int, int] | None:
+        """The lent region this save's tensors lie in (K is its first byte), handed back by the engine."""
+        with self._out_lock:
+            return self._lent.pop(int(k.data_ptr()), None)
+
+    def _dropped(self, k: torch.Tensor) -> None:
+        lent = self._take_lent(k)
+        if lent is not None:
+            self.staging.free(lent[0])
+
+    def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
+                offset: int, scales: codec.Scales | None = None) -> list[Frame]:
+        """Encoder thread: describe one layer's token range where it lies in staging (the engine gathered it
+        there: no copy), else stage it (one copy, or the int8 quantization's output); TCP frames when staging
+        is full."""
+        lent = self._take_lent(k)
+        try:
+            dtype, flags, payload, wire_scales = codec.wire_tensors(k, v, self.compression, scales)
+        except BaseException:
+            if lent is not None:
+                self.staging.free(lent[0])
+            raise
+        if lent is not None and lent[1] != sum(t.numel() * t.element_size() for t in payload + wire_scales):
+            self.staging.free(lent[0])  # not what the wire carries after all (never with the engine's export)
+            lent = None
+        if lent is not None:
+            off, nbytes = lent
+        else:
+            flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload + wire_scales]
+            nbytes = sum(int(b.numel()) for b in flat)
+            got = self.staging.alloc(nbytes) if nbytes <= self.staging.size else None
+            if got is None:
+                self.fallback_layers += 1
+                log.info("kv transfer %s: no free staging for layer %d (%d bytes): sent over TCP", request_id,
+                         layer, nbytes)
+                return super()._frames(request_id, layer, num_layers, k, v, offset, scales)
+            off = got
         keep = False
         try:
-            pos = off
-            for b in flat:
-                self.agent.buffer[pos:pos + b.numel()].copy_(b)
-                pos += int(b.numel())
+            if lent is None:
+                pos = off
+                for b in flat:
+                    self.agent.buffer[pos:pos + b.numel()].copy_(b)
+                    pos += int(b.numel())
             with self._out_lock:
                 out = self._out.get(request_id)
             if out is None:
@@ -127,7 +172,8 @@ class NixlConnector(TCPConnector):
         finally:
             if not keep:
                 self.staging.free(off)
-        tokens, heads, dim = k.shape
+        tokens, heads = k.shape[:2]
+        dim = k.shape[2] * 2 if dtype == DType.I4 else k.shape[2]
         return [Frame(kind=Kind.STAGED, request_id=request_id, layer=layer, num_layers=num_layers,
                       token_start=offset, token_end=offset + tokens, kv_heads=heads, head_dim=dim,
                       dtype=dtype, flags=flags, payload=desc)]
@@ -169,7 +215,7 @@ class NixlConnector(TCPConnector):
             self._release(request_id)
 
     # ------------------------------------------------------------------ consumer
-    async def _decode(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor, int]:
+    async def _decode(self, frame: Frame) -> Received:
         if frame.kind != Kind.STAGED:
             return await super()._decode(frame)
         try:
@@ -192,34 +238,29 @@ class NixlConnector(TCPConnector):
             except Exception as e:  # peer gone, restarted, or a range it no longer registers: retryable
                 self._forget(d.agent)
                 raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
-            return await self._checked(frame, d, off, want_payload)
-        finally:
+            k, v, scales = await self._checked(frame, d, off, want_payload)
+        except BaseException:
             self.staging.free(off)
+            raise
+        # The importer reads the region in place (into the cache); it is freed once that returns.
+        return Received(k, v, scales, d.nbytes, release=lambda: self.staging.free(off))
 
     async def _checked(self, frame: Frame, d: nixl_wire.Descriptor, off: int,
-                       split: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """MAC check, then decode into tensors that own their memory (the region is reused right after)."""
+                       split: int) -> tuple[torch.Tensor, torch.Tensor, codec.Scales | None]:
+        """MAC check, then the layer as views of the region (valid until the region is freed)."""
         view = self._view(off, d.nbytes)
 
-        def run() -> tuple[torch.Tensor, torch.Tensor] | None:
-            if not nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view):
-                return None
-            layer = Frame(kind=Kind.LAYER, request_id=frame.request_id, layer=frame.layer,
-                          num_layers=frame.num_layers, token_start=frame.token_start, token_end=frame.token_end,
-                          kv_heads=frame.kv_heads, head_dim=frame.head_dim, dtype=frame.dtype, flags=frame.flags,
-                          payload=view[:split], scales=view[split:])
-            k, v = codec.decode_layer(layer)
-            return self._owned(k), self._owned(v)
+        def ok() -> bool:
+            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view)
 
-        kv = await asyncio.to_thread(run) if d.nbytes > LARGE else run()
-        if kv is None:
+        if not (await asyncio.to_thread(ok) if d.nbytes > LARGE else ok()):
             raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
                                 "staging): not imported", ErrorCode.UNAUTHENTICATED)
-        return kv[0], kv[1], d.nbytes
-
-    def _owned(self, t: torch.Tensor) -> torch.Tensor:
-        base, end = self.agent.base, self.agent.base + self.staging.size
-        return t.clone() if base <= t.data_ptr() < end else t
+        layer = Frame(kind=Kind.LAYER, request_id=frame.request_id, layer=frame.layer,
+                      num_layers=frame.num_layers, token_start=frame.token_start, token_end=frame.token_end,
+                      kv_heads=frame.kv_heads, head_dim=frame.head_dim, dtype=frame.dtype, flags=frame.flags,
+                      payload=view[:split], scales=view[split:])
+        return codec.wire_kv(layer)
 
     async def _alloc(self, nbytes: int) -> int:
         deadline = time.monotonic() + self.timeout
