@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.cpu_layout import column_major_linears
 from pdcluster.worker.engine.model import DecoderForCausalLM
 
 DTYPES: dict[str, torch.dtype] = {
@@ -155,6 +156,8 @@ def load_model(
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{folder}: checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
     model.init_rope(max_len or cfg.max_position_embeddings)
+    if device.type == "cpu":  # the batch-1 decode GEMVs stream column-major weights ~1.7x faster (cpu_layout.py)
+        column_major_linears(model)
     return model.eval()
 
 
