@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test generate demo test lint bench bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
+.PHONY: setup setup-test generate demo test lint bench bench-prefix bench-ratio bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
@@ -40,6 +40,19 @@ TRACES ?= ../shared/traces
 bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --out docs/benchmarks/sim/mooncake_conversation
+
+# Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~8 min;
+# docs/benchmarks/prefix_routing.md).
+bench-prefix: setup
+	$(PY) -m pdcluster.bench.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing
+
+# The P:D ratio on the real stack (about 30 min on the shared 2-core VM; see docs/benchmarks/ratio_sweep.md):
+# profile a 1:1 `pdcluster up`, replay one Azure slice through every split of 4 workers (2 rounds), then a
+# rise-and-fall slice through `pdcluster up --autoscale` with the capacities the profile measured.
+bench-ratio: setup
+	$(PY) -m pdcluster.bench.ratio_sweep --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/ratio_sweep
+	$(PY) -m pdcluster.bench.autoscale_replay --trace $(TRACES)/azure2023_code.csv \
+	  --capacity-from docs/benchmarks/ratio_sweep/summary.json --out docs/benchmarks/ratio_sweep
 
 bench-kernels: setup
 	$(PY) -m pdcluster.bench.kernels
