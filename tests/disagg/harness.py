@@ -20,7 +20,7 @@ AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", 
 
 def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: int = 256,
                 compression: str = "none", secret: bytes | None = SECRET, backend: str = "tcp",
-                **engine_kw: Any) -> tuple[Any, Any]:
+                tool_call_parser: str | None = None, **engine_kw: Any) -> tuple[Any, Any]:
     """(app, AsyncEngine) of one worker with the disaggregation routes mounted."""
     from pdcluster.worker.engine.async_engine import AsyncEngine
     from pdcluster.worker.engine.llm_engine import EngineConfig
@@ -35,7 +35,8 @@ def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: 
         engine.shutdown()
 
     app = build_app(engine, role=role, served_model_name="tiny", routers=[d.router], on_startup=[d.start],
-                    on_shutdown=[d.stop, shutdown], request_timeout=60, internal_secret=secret)
+                    on_shutdown=[d.stop, shutdown], request_timeout=60, internal_secret=secret,
+                    tool_call_parser=tool_call_parser)
     app.state.disagg = d
     return app, engine
 
@@ -56,7 +57,7 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
             max_retries: int = 2, compression: str = "none", num_kv_blocks: int = 256,
             prefill_kw: dict[str, Any] | None = None, decode_role: str = "decode",
             decode_secret: bytes | None = SECRET, prefill_secret: bytes | None = SECRET,
-            backend: str = "tcp") -> Iterator[Cluster]:
+            backend: str = "tcp", tool_call_parser: str | None = None) -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
     from pdcluster.worker.router.pool import Pool
 
@@ -68,14 +69,15 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                 app, engine = make_worker(model, role if role == "prefill" else decode_role, block_size=bs,
                                           compression=compression, num_kv_blocks=num_kv_blocks,
                                           secret=prefill_secret if role == "prefill" else decode_secret,
-                                          backend=backend, **kw)
+                                          backend=backend, tool_call_parser=tool_call_parser, **kw)
                 c.engines.append(engine)
                 c.disaggs.append(app.state.disagg)
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2,
                     secret=prefill_secret or decode_secret)
         c.state = RouterState(pool, max_queue_depth=max_queue_depth, threshold=threshold,
-                              request_timeout=request_timeout, max_retries=max_retries)
+                              request_timeout=request_timeout, max_retries=max_retries,
+                              tool_call_parser=tool_call_parser)
         c.router = stack.enter_context(serve(build_router_app(c.state)))
         yield c
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from pdcluster.worker.router import cli
 from pdcluster.worker.router.pool import Pool, parse_service, resolve_service
 
@@ -51,5 +53,6 @@ def test_cli_decode_wait_reaches_the_flow_and_is_checked(capsys) -> None:  # typ
     cli.add_arguments(p)
     assert cli.build(p.parse_args(["--decode", "http://a:1", "--decode-wait", "7.5"])).state.router.flow.decode_wait == 7.5
     assert cli.build(p.parse_args(["--decode", "http://a:1"])).state.router.flow.decode_wait == 30.0
-    assert cli.run(p.parse_args(["--decode", "http://a:1", "--decode-wait", "-1"])) == 2
-    assert "--decode-wait" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused at parse time, one argparse error line
+        p.parse_args(["--decode", "http://a:1", "--decode-wait", "-1"])
+    assert e.value.code == 2 and "argument --decode-wait" in capsys.readouterr().err

@@ -248,7 +248,7 @@ def test_bad_grammars_are_400s_naming_the_field(paths: tuple[Any, Any, Cluster])
 
 def test_tools_and_chat_template_kwargs_reach_the_template(real_engine: Any, real_url: str) -> None:
     """tools and chat_template_kwargs are template variables (the prompt grows by exactly what the template
-    renders from them); tool_choice other than "none" is refused (tool calls in the output are not parsed)."""
+    renders from them); tool_choice "auto" on a worker without --tool-call-parser is a 400 naming tool_choice."""
     tok = real_engine.tokenizer
     saved = tok.chat_template
     tok.chat_template = ("{% if tools %}[{{ tools[0]['function']['name'] }}]{% endif %}{{ messages[-1]['content'] }}"

@@ -99,3 +99,4 @@ class TokenizeBody(BaseModel):
     model_config = _INTERNAL
     kind: Literal["completions", "chat"]
     body: dict[str, Any]
+    tool_call_parser: Literal["hermes"] | None = None  # the router's --tool-call-parser (tool_choice "auto")

@@ -30,7 +30,18 @@ from pdcluster.worker.api.responses import (  # noqa: F401
     Usage,
     new_id,
 )
-from pdcluster.worker.api.structured_request import ResponseFormat, Tool, field_error, structured_of
+from pdcluster.worker.api.structured_request import (
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    check_tool_call_messages,
+    check_tools,
+    field_error,
+    forced_call,
+    structured_of,
+    tool_plan_of,
+)
+from pdcluster.worker.api.tool_calls import ToolPlan
 from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -266,6 +277,11 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the template
     tool_call_id: str | None = None  # a tool message's answer to one
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tool_call_messages(v)
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (transformers' keys; optional ones only when set)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
@@ -287,11 +303,25 @@ RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"
 
 
 class ChatCompletionRequest(_SamplingFields):
-    # tools reach the chat template (the model sees them); tool calls in the output are not parsed, so
-    # tool_choice stays refused unless "none" (vLLM's behaviour without a tool parser)
-    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "chat_template_kwargs"})
+    # tools reach the chat template (the model sees them); tool_choice named / "required" constrains the output
+    # to a call (a grammar), "auto" parses calls out of free text (needs --tool-call-parser; api/tool_calls.py)
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "chat_template_kwargs"})
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: str | NamedToolChoice | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: Any) -> Any:
+        # one message for either shape, instead of pydantic's error per member of the union
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError:
+                pass
+        elif v is None or isinstance(v, str):
+            return v
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -309,7 +339,23 @@ class ChatCompletionRequest(_SamplingFields):
         clash = sorted(RESERVED_TEMPLATE_VARS & set(self.chat_template_kwargs or {}))
         if clash:
             raise field_error("chat_template_kwargs", f"may not set {', '.join(clash)} (the server sets it)")
+        check_tools(self.tools, self.tool_choice)
         return self
+
+    def structured(self) -> tuple[str, str, str] | None:
+        """response_format / guided_*, or the call a named / "required" tool_choice forces (one of them)."""
+        asked = super().structured()
+        forced = self._forced_call()
+        if forced is not None and asked is not None:
+            raise field_error("tool_choice", f"{asked[0]} and tool_choice both constrain the output; send one")
+        return forced or asked
+
+    def _forced_call(self) -> tuple[str, str, str] | None:
+        return forced_call(self.tools, self.tool_choice)
+
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        """How the output becomes tool calls, given the server's --tool-call-parser (a 400 for "auto" without)."""
+        return tool_plan_of(self.tools, self.tool_choice, parser)
 
     def template_extras(self) -> dict[str, Any]:
         """render_chat's tools / template_kwargs for this request."""

@@ -43,12 +43,16 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is only tool calls (OpenAI)
+    # [{"id": "call_...", "type": "function", "function": {"name", "arguments": JSON text}}] (api/tool_calls.py)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    # stream items: the first of a call has index, id, type, function.name; later ones index + arguments text
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):

@@ -29,6 +29,8 @@ from pdcluster.worker.api.protocol import (
     Usage,
     new_id,
 )
+from pdcluster.worker.api.tool_calls import ToolCallStream, ToolPlan, parse_whole
+from pdcluster.worker.api.tool_calls import finish_reason as tool_finish
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,9 @@ class Shaper:
     created: int = field(default_factory=lambda: int(time.time()))
     include_usage: bool = False  # streaming: a last chunk with `choices: []` and the usage, only when asked
     logprobs: bool = False
+    tools: ToolPlan | None = None  # chat: the output becomes tool calls (api/tool_calls.py)
     _offsets: dict[int, int] = field(default_factory=dict)
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rid = self.rid or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
@@ -117,6 +121,8 @@ class Shaper:
         ids = list(token_ids) if self.return_token_ids else None
         lp = self._lp(index, "", logprobs if token_ids else None)
         self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        if self.kind == "chat" and self.tools is not None:
+            return self._tool_chunks(text, ids, finish_reason, index, lp)
         if self.kind == "chat":
             delta = ChatDelta(content=text) if text else ChatDelta()
             return sse(ChatCompletionChunk(id=self.rid, model=self.model, created=self.created,
@@ -125,6 +131,30 @@ class Shaper:
         return sse(CompletionResponse(id=self.rid, model=self.model, created=self.created,
                                       choices=[CompletionChoice(index=index, text=text, logprobs=lp,
                                                                 finish_reason=finish_reason, token_ids=ids)]))
+
+    def _tool_chunks(self, text: str, ids: list[int] | None, finish_reason: str | None, index: int,
+                     lp: dict[str, Any] | None) -> str:
+        """Choice `index`'s text through its tool-call parser: zero or more chunks (content and tool_calls
+        deltas; text that may still become a call is held back). Token ids and logprobs ride on the first,
+        the finish reason (`tool_calls` after a call) on the last."""
+        st = self._tool_streams.setdefault(index, ToolCallStream(self.tools))  # type: ignore[arg-type]
+        deltas = st.feed(text) + (st.finish() if finish_reason else [])
+        pieces = [ChatDelta(content=d) if kind == "content" else ChatDelta(tool_calls=[d]) for kind, d in deltas]
+        if not pieces:
+            if not (finish_reason or ids or lp):
+                return ""
+            pieces = [ChatDelta()]
+        reason = tool_finish(finish_reason, st.made_calls)
+        return "".join(sse(ChatCompletionChunk(
+            id=self.rid, model=self.model, created=self.created, choices=[ChatChunkChoice(
+                index=index, delta=d, logprobs=lp if j == 0 else None, token_ids=ids if j == 0 else None,
+                finish_reason=reason if j == len(pieces) - 1 else None)])) for j, d in enumerate(pieces))
+
+    def _message(self, c: ChoiceResult) -> tuple[ChatMessageOut, str | None]:
+        if self.tools is None:
+            return ChatMessageOut(content=c.text), c.finish_reason
+        content, calls = parse_whole(self.tools, c.text)
+        return ChatMessageOut(content=content, tool_calls=calls), tool_finish(c.finish_reason, calls is not None)
 
     def usage_chunk(self, completion_tokens: int) -> list[str]:
         """The stream's last chunk, `choices: []` + usage, when the client asked (stream_options.include_usage)."""
@@ -143,9 +173,9 @@ class Shaper:
         body: BaseModel
         if self.kind == "chat":
             body = ChatCompletionResponse(id=self.rid, model=self.model, created=self.created, usage=usage, choices=[
-                ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                           logprobs=self._lp(c.index, "", c.logprobs),
-                           token_ids=list(c.token_ids) if self.return_token_ids else None) for c in choices])
+                ChatChoice(index=c.index, message=m, finish_reason=reason, logprobs=self._lp(c.index, "", c.logprobs),
+                           token_ids=list(c.token_ids) if self.return_token_ids else None)
+                for c in choices for m, reason in [self._message(c)]])
         else:
             out = []
             for c in choices:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pdcluster.worker.api import errors
+from pdcluster.worker.api.tool_calls import ToolPlan, forced_call_schema
 from pdcluster.worker.engine.sampling_params import MAX_STRUCTURED_SPEC
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -43,16 +45,106 @@ class ResponseFormat(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = _STRICT
-    name: str = Field(min_length=1, max_length=256)
+    # OpenAI's rule for function names (they are also what a parser reads back out of the text)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # a call's arguments are a JSON object (OpenAI's rule): a schema of anything else cannot be one
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"must be a JSON schema of type object (got type {str(v.get('type'))[:20]!r})")
+        return v
 
 
 class Tool(BaseModel):
     model_config = _STRICT
     type: Literal["function"]
     function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call exactly this function."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def check_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None) -> None:
+    """Tool names are unique, and tool_choice names a mode we know or one of the tools."""
+    names = [t.function.name for t in tools or []]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise field_error("tools", f"two tools are named {dup!r}; names must be unique")
+    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
+        raise field_error("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
+                                         f'"function": {{"name": ...}}}} (got {tool_choice[:40]!r})')
+    if tool_choice not in (None, "none") and not names:
+        raise field_error("tool_choice", "needs tools: there is no function to call")
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
+        raise field_error("tool_choice", f"names function {tool_choice.function.name[:64]!r}, which is not in tools")
+
+
+def forced_call(tools: list[Tool] | None, choice: str | NamedToolChoice | None) -> tuple[str, str, str] | None:
+    """(field, structured_kind, spec) of the call a named / "required" tool_choice forces, or None."""
+    if not (choice == "required" or isinstance(choice, NamedToolChoice)):
+        return None
+    check_tools(tools, choice)  # (a request's structured() runs before its own checks do)
+    plan = ToolPlan("named", choice.function.name) if isinstance(choice, NamedToolChoice) else ToolPlan("required")
+    spec = json.dumps(forced_call_schema(plan, [(t.function.name, t.function.parameters) for t in tools or []]))
+    if len(spec) > MAX_STRUCTURED_SPEC:
+        raise field_error("tools", f"the tools' schemas are longer than {MAX_STRUCTURED_SPEC} characters")
+    return ("tools", "json_schema", spec)  # a schema that does not compile is the tools' fault
+
+
+def tool_plan_of(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parser: str | None) -> ToolPlan | None:
+    """How a chat request's output becomes tool calls, given the server's --tool-call-parser; a 400 for "auto"
+    without one. With tools and no tool_choice OpenAI's default is "auto": parsed when a parser is set, else the
+    tools only reach the template (calls come back as text, as vLLM does without a parser)."""
+    if isinstance(choice, NamedToolChoice):
+        return ToolPlan("named", choice.function.name)
+    if choice == "required":
+        return ToolPlan("required")
+    if tools and (choice == "auto" or (choice is None and parser)):
+        if parser is None:
+            raise errors.bad_request(
+                'tool_choice "auto" needs a tool-call parser: start the server (pdcluster serve, or the router) '
+                'with --tool-call-parser hermes, or send tool_choice "required" or a named function',
+                param="tool_choice")
+        return ToolPlan("auto", parser=parser)
+    return None
+
+
+def check_tool_call_messages(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """An assistant message's earlier tool_calls, for the template: each has a function name; `arguments` (a
+    JSON string in OpenAI's shape) reaches the template as an object, as vLLM passes it (templates such as
+    Qwen's and Llama's write `arguments | tojson`)."""
+    if calls is None:
+        return None
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError("each tool_calls item needs function.name (a string)")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValueError(f"tool call {fn['name'][:64]!r}: function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"tool call {fn['name'][:64]!r}: function.arguments must be a JSON object")
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 

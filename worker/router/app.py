@@ -27,6 +27,7 @@ from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.protocol import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
+from pdcluster.worker.api.tool_calls import ToolPlan
 from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
@@ -59,13 +60,14 @@ class _StageCollector(Collector):
 class RouterState:
     def __init__(self, pool: Pool, *, max_queue_depth: int | None, threshold: int, request_timeout: float | None,
                  max_retries: int, cluster: str | None = None, decode_wait: float = 30.0,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, tool_call_parser: str | None = None) -> None:
         self.pool = pool
         self.max_body_bytes = max_body_bytes
         # Calls to workers' public routes (/v1/models) go without the internal bearer token: it belongs to
         # authenticated /internal/* calls only (Flow's and Pool's clients).
         self.public_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
         self.flow = Flow(pool, threshold=threshold, max_retries=max_retries, decode_wait=decode_wait)
+        self.flow.tool_call_parser = tool_call_parser
         self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
         self.metrics = WorkerMetrics("router", cluster=cluster)
         self.metrics.bind_stats(self._stats)
@@ -340,7 +342,8 @@ async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,
 def _shaper(kind: str, rid: str, tok: Tokenized) -> Shaper:
     n_prompt = sum(len(s.prompt_token_ids) for s in tok.choices() if s.index % max(tok.n, 1) == 0)
     return Shaper("chat" if kind == "chat" else "completions", tok.model, n_prompt, tok.return_token_ids, rid=rid,
-                  include_usage=tok.include_usage, logprobs=tok.params.get("logprobs") is not None)
+                  include_usage=tok.include_usage, logprobs=tok.params.get("logprobs") is not None,
+                  tools=ToolPlan.from_dict(tok.tools))
 
 
 def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[tuple[int, Chunk]],
@@ -358,8 +361,10 @@ def _stream(kind: str, rid: str, tok: Tokenized, chunks: AsyncIterator[tuple[int
         async for i, c in chunks:
             total += len(c.token_ids)
             if shape.worth_a_chunk(c.text, c.token_ids, c.finished):
-                yield shape.chunk(c.text, c.token_ids, c.finish_reason if c.finished else None, subs[i].index,
-                                  c.logprobs)
+                piece = shape.chunk(c.text, c.token_ids, c.finish_reason if c.finished else None, subs[i].index,
+                                    c.logprobs)
+                if piece:  # a tool-call parser may hold text back
+                    yield piece
         for last in shape.usage_chunk(total):
             yield last
 

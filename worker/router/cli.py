@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
-from pdcluster.worker.api import tracing
+from pdcluster.worker.api import cli_args, tracing
 from pdcluster.worker.api.cli_args import port, worker_url
+from pdcluster.worker.api.tool_calls import PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,19 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="Kubernetes (headless) Service of the decode pool")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     a("--port", type=port, default=8080)
-    a("--max-queue-depth", type=int, default=256,
+    a("--max-queue-depth", type=cli_args.non_negative_int, default=256,
       help="requests waiting for their first token beyond which the router answers 429 (0: unbounded)")
-    a("--disaggregation-threshold", type=int, default=256, metavar="TOKENS",
+    a("--disaggregation-threshold", type=cli_args.non_negative_int, default=256, metavar="TOKENS",
       help="prompts shorter than this prefill on the decode worker itself (0: always disaggregate)")
-    a("--request-timeout", type=float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
-    a("--max-retries", type=int, default=2, help="re-runs of a request on another worker pair after failures")
-    a("--decode-wait", type=float, default=30.0, metavar="S",
+    a("--request-timeout", type=cli_args.non_negative_float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
+    a("--max-retries", type=cli_args.non_negative_int, default=2, help="re-runs of a request on another worker pair after failures")
+    a("--decode-wait", type=cli_args.non_negative_float, default=30.0, metavar="S",
       help="how long a request waits for any healthy decode worker (e.g. the only one restarting) before it "
            "ends with a 503 / error event; keep it well under --request-timeout")
     a("--routing", choices=["prefix", "least-loaded"], default="prefix",
       help="prefix: prefer the worker believed to hold the prompt's longest cached prefix, within a load cap; "
            "least-loaded: ignore prefix caches (default: %(default)s)")
-    a("--health-interval", type=float, default=1.0, metavar="S")
+    a("--health-interval", type=cli_args.positive_float, default=1.0, metavar="S")
     a("--internal-secret-file", default=None, metavar="PATH",
       help="shared secret (the workers' --kv-transfer-secret-file; else $PDCLUSTER_KV_SECRET) that authenticates "
            "the router's /internal/* calls to workers")
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
            "default: no key)")
     a("--cluster-name", default=None, help="value of the `pdcluster` metrics label")
+    a("--tool-call-parser", choices=list(PARSERS), default=None,
+      help='parse tool calls out of the text for tool_choice "auto" (and tools sent without tool_choice): hermes '
+           'reads Hermes / Qwen <tool_call>{json}</tool_call> blocks. A named or "required" tool_choice needs no '
+           'parser. On the router path the router\'s flag decides (default: none; "auto" is refused)')
     tracing.add_argument(parser)
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
@@ -58,7 +63,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                 secret=optional_secret(getattr(args, "internal_secret_file", None)))
     state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
                         request_timeout=args.request_timeout or None, max_retries=args.max_retries,
-                        cluster=args.cluster_name, decode_wait=args.decode_wait)
+                        cluster=args.cluster_name, decode_wait=args.decode_wait,
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
     from pdcluster.worker.api import api_key
 
     return build_router_app(state, api_key=api_key.resolve(getattr(args, "api_key", None)))

@@ -45,6 +45,7 @@ class Tokenized:
     echo: str = ""  # text before the choice's text (completions with echo)
     n: int = 1
     include_usage: bool = False
+    tools: dict[str, Any] | None = None  # how the chat output becomes tool calls (api/tool_calls.ToolPlan)
     subs: list[Tokenized] = field(default_factory=list)  # every choice's request (itself when there is one)
     trace: tracing.Span = tracing.NO_SPAN  # the request's span (api/tracing.py): parent of its phases and calls
 
@@ -65,7 +66,7 @@ def _tokenized(d: dict[str, Any]) -> Tokenized:
     """A worker's /internal/tokenize answer; `subs` (one per choice) when the request fans out."""
     tok = Tokenized(d["prompt_token_ids"], d["params"], d["model"], bool(d.get("stream", False)),
                     bool(d.get("return_token_ids", False)), n=int(d.get("n", 1)),
-                    include_usage=bool(d.get("include_usage", False)))
+                    include_usage=bool(d.get("include_usage", False)), tools=d.get("tools"))
     tok.subs = [Tokenized(s["prompt_token_ids"], s["params"], tok.model, tok.stream, tok.return_token_ids,
                           index=int(s["index"]), echo=str(s.get("echo") or ""), n=tok.n)
                 for s in d.get("subs") or []]
@@ -84,6 +85,7 @@ class Flow:
                                         headers=getattr(pool, "headers", {}))
         self.stages = Stages()
         self.metrics: Any = None  # the router's WorkerMetrics: request phases and finishes
+        self.tool_call_parser: str | None = None  # --tool-call-parser, sent with each request to tokenize
         self.resumes = 0
         self.retries = 0
         # prompt tokens routed to a prefilling worker, and of those, how many the router expected it to hold
@@ -104,10 +106,10 @@ class Flow:
     async def tokenize(self, kind: str, body: dict[str, Any], trace: tracing.Span = tracing.NO_SPAN) -> Tokenized:
         """Validation and tokenization happen on a worker (it owns the tokenizer and the model limits)."""
         candidates = [w for w in self.pool.pool("decode") + self.pool.pool("prefill") if w.healthy]
+        payload = {"kind": kind, "body": body, "tool_call_parser": self.tool_call_parser}
         for w in sorted(candidates, key=lambda w: w.in_flight):
             try:
-                r = await self.client.post(f"{w.url}/internal/tokenize", json={"kind": kind, "body": body},
-                                           headers=trace.headers)
+                r = await self.client.post(f"{w.url}/internal/tokenize", json=payload, headers=trace.headers)
             except httpx.TransportError as e:
                 self.pool.mark_failed(w.role, w.url, str(e))
                 continue

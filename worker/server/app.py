@@ -63,6 +63,7 @@ def build_app(
     internal_secret: bytes | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = BODY_TIMEOUT_S,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The worker app. `tokenizer` defaults to the engine's (None = token-id prompts only).
 
@@ -106,6 +107,7 @@ def build_app(
     app.state.worker = worker
     app.state.max_body_bytes, app.state.body_timeout = max_body_bytes, body_timeout  # read by api.body
     app.state.internal_secret = internal_secret
+    app.state.tool_call_parser = tool_call_parser  # tool_choice "auto" (api/tool_calls.py)
 
     def count_invalid(status: int) -> None:
         if status == 400:
@@ -257,12 +259,13 @@ def _openai_routes() -> APIRouter:
         arrival = time.monotonic()
         w = _worker(request)
         req = await parse_body(request, model)
+        tools = req.tool_plan(request.app.state.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
         subs = await w.prepare_all(req)
         w.admit()
         n_prompt = sum(len(s.prompt_ids) for s in subs if s.index % req.num_choices() == 0)
         shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name, n_prompt,
                        req.return_token_ids, include_usage=req.include_usage(),
-                       logprobs=subs[0].params.logprobs is not None)
+                       logprobs=subs[0].params.logprobs is not None, tools=tools)
         streams = [w.run(shape.rid if len(subs) == 1 else f"{shape.rid}-{s.index}", s.prompt_ids, s.params, arrival,
                          span=tracing.span_of(request)) for s in subs]
         want = req.return_token_ids or shape.logprobs
@@ -279,8 +282,10 @@ def _openai_routes() -> APIRouter:
                 total = 0
                 async for i, out in merged:
                     total += len(out.new_token_ids)
-                    yield shape.chunk(out.new_text, out.new_token_ids, out.finish_reason if out.finished else None,
-                                      subs[i].index, out.logprobs)
+                    piece = shape.chunk(out.new_text, out.new_token_ids, out.finish_reason if out.finished else None,
+                                        subs[i].index, out.logprobs)
+                    if piece:  # a tool-call parser may hold text back
+                        yield piece
                 for last in shape.usage_chunk(total):
                     yield last
 

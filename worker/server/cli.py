@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pdcluster.worker.api import cli_args, tracing
+from pdcluster.worker.api.tool_calls import PARSERS
 from pdcluster.worker.engine.options import ENGINE_OPTIONS, Option
 
 log = logging.getLogger("pdcluster.serve")
@@ -85,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chat-template", default=None, metavar="FILE",
       help="Jinja chat template to use instead of the model's (tokenizer_config.json / chat_template.jinja)")
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    a("--tool-call-parser", choices=list(PARSERS), default=None,
+      help='parse tool calls out of the text for tool_choice "auto" (and tools sent without tool_choice): hermes '
+           'reads Hermes / Qwen <tool_call>{json}</tool_call> blocks. A named or "required" tool_choice needs no '
+           'parser. (default: none; "auto" is refused)')
     a("--api-key", default=None, metavar="KEY",
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
            "default: no key). The router calls workers' /internal/* routes, which take the internal token instead")
@@ -97,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "authenticated, the bytes are MAC-checked), tcp (the authenticated channel), auto "
                         "(nixl where it loads, else tcp; one log line says which and why). Default: auto")
     t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
-    t.add_argument("--kv-transfer-max-retries", type=int, default=3)
+    t.add_argument("--kv-transfer-max-retries", type=cli_args.non_negative_int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
     add_engine_arguments(parser)
 
@@ -231,6 +236,7 @@ def _run(args: argparse.Namespace) -> int:
         on_startup=[start, disagg.start],
         on_shutdown=[disagg.stop, stop],
         internal_secret=disagg.secret,  # /drain and /undrain take the same token as /internal/*
+        tool_call_parser=args.tool_call_parser,
     )
     from pdcluster.worker.api import api_key
 

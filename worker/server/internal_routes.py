@@ -196,11 +196,13 @@ class Disaggregation:
         async def tokenize(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, TokenizeBody)
             req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
+            tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
             subs = await w.prepare_all(req)  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),
                                  "model": w.served_model_name, "stream": req.stream,
                                  "return_token_ids": req.return_token_ids, "n": req.num_choices(),
                                  "include_usage": req.include_usage(),
+                                 "tools": tools.as_dict() if tools is not None else None,
                                  "subs": [{"index": s.index, "prompt_token_ids": s.prompt_ids,
                                            "params": dataclasses.asdict(s.params), "echo": s.echo} for s in subs]})
 
