@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pdcluster.bench import heatmap, loadgen, replay
 from pdcluster.bench.stats import CELL_FIELDS, RequestResult, parse_int_list, summarize_cell
+from pdcluster.worker.api import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,18 +29,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lens", default=None, help="comma-separated prompt lengths in tokens")
     p.add_argument("--output-lens", default=None, help="comma-separated output lengths in tokens")
     replay.add_arguments(p)  # --trace FILE [--speedup X]: replay a trace instead of a grid
-    p.add_argument("--requests", type=int, default=16, help="requests per cell (default 16)")
+    p.add_argument("--requests", type=cli_args.positive_int, default=16, help="requests per cell (default 16)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight (default 4)")
-    mode.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests/s")
+    mode.add_argument("--concurrency", type=cli_args.positive_int, default=None, help="closed loop: requests in flight (default 4)")
+    mode.add_argument("--rate", type=cli_args.positive_float, default=None, help="open loop: Poisson arrivals, requests/s")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--compare", type=Path, default=None,
                    help="another run's results.json (or its directory): draw this/other ratio maps")
     p.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the sweep")
-    p.add_argument("--token-id-max", type=int, default=250,
+    p.add_argument("--seed", type=cli_args.non_negative_int, default=0)
+    p.add_argument("--timeout", type=cli_args.positive_float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--warmup", type=cli_args.non_negative_int, default=1, help="uncounted requests before the sweep")
+    p.add_argument("--token-id-max", type=cli_args.positive_int, default=250,
                    help="prompt token ids are drawn from [5, this); keep below the vocabulary size")
     p.add_argument("--label", default="", help="a name for this run, shown in titles (e.g. colocated)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -25,6 +25,7 @@ from dataclasses import asdict
 
 from pdcluster.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
 from pdcluster.bench.stats import parse_int_list, percentile
+from pdcluster.worker.api import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,24 +33,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--url", help="worker (role both) or router base URL")
     src.add_argument("--model", help="Hugging Face model folder: measure in-process")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="decode batch sizes to measure")
-    p.add_argument("--prefill-len", type=int, default=512, help="prompt length for the prefill measurement")
+    p.add_argument("--prefill-len", type=cli_args.positive_int, default=512, help="prompt length for the prefill measurement")
     p.add_argument("--prefill-concurrency", default="1,2,4,8", help="prompts in flight (URL mode)")
-    p.add_argument("--prefill-requests", type=int, default=None,
+    p.add_argument("--prefill-requests", type=cli_args.positive_int, default=None,
                    help="--model only: prompts queued at once (default: two full prefill steps' worth)")
-    p.add_argument("--decode-prompt-len", type=int, default=16)
-    p.add_argument("--decode-len", type=int, default=64, help="output tokens per decode request")
-    p.add_argument("--tpot-slo", type=float, default=None, help="cap the batch so TPOT p50 <= this (seconds)")
-    p.add_argument("--knee-frac", type=float, default=0.9, help="knee = smallest batch reaching this share of peak")
+    p.add_argument("--decode-prompt-len", type=cli_args.positive_int, default=16)
+    p.add_argument("--decode-len", type=cli_args.positive_int, default=64, help="output tokens per decode request")
+    p.add_argument("--tpot-slo", type=cli_args.positive_float, default=None, help="cap the batch so TPOT p50 <= this (seconds)")
+    p.add_argument("--knee-frac", type=cli_args.fraction, default=0.9, help="knee = smallest batch reaching this share of peak")
     p.add_argument("--block-sizes", default="16,32", help="--model only: KV block sizes to compare")
     p.add_argument("--device", default="cpu", help="--model only: cpu | cuda")
     p.add_argument("--dtype", default="auto", help="--model only: model dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="--model only: auto | int8 | int4")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=cli_args.positive_int, default=None,
                    help="--model only: torch CPU threads (1 gives steadier figures on a busy machine)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=cli_args.positive_int, default=3,
                    help="--model only: measure each point this many times and keep the fastest (a shared "
                         "machine only ever adds time, so the fastest run is the least disturbed)")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=cli_args.positive_float, default=300.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + YAML")
 
 

@@ -24,16 +24,17 @@ from pathlib import Path
 from pdcluster.bench import loadgen
 from pdcluster.bench import trace as tr
 from pdcluster.bench.stats import RequestResult, percentile
+from pdcluster.worker.api import cli_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, default=None,
                    help="replay this trace (Azure CSV or Mooncake JSONL) open-loop instead of a grid sweep")
-    p.add_argument("--speedup", type=float, default=1.0, help="with --trace: replay X times faster")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--speedup", type=cli_args.positive_float, default=1.0, help="with --trace: replay X times faster")
+    p.add_argument("--max-model-len", type=cli_args.positive_int, default=None,
                    help="with --trace: shrink lengths by one factor so the longest request fits")
-    p.add_argument("--start", type=float, default=0.0, help="with --trace: skip the first S seconds")
-    p.add_argument("--duration", type=float, default=None, help="with --trace: replay only D seconds")
+    p.add_argument("--start", type=cli_args.non_negative_float, default=0.0, help="with --trace: skip the first S seconds")
+    p.add_argument("--duration", type=cli_args.positive_float, default=None, help="with --trace: replay only D seconds")
 
 
 def block_tokens(h: int, n: int, lo: int, hi: int) -> list[int]:

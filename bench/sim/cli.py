@@ -28,6 +28,7 @@ from pdcluster.bench.sim.report import (
     trace_summary,
 )
 from pdcluster.bench.sim.search import generous_sizes, static_best
+from pdcluster.worker.api import cli_args
 
 PROG = "pdcluster simulate"
 
@@ -48,19 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--policy", action="extend", nargs="+", default=None, metavar="NAME",
                    help=f"policies to compare (default: all of {', '.join(pol.NAMES)}; also static-P:D)")
-    p.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="TTFT SLO, seconds (default 5)")
-    p.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="TPOT SLO, seconds (default 0.1)")
-    p.add_argument("--slo-target", type=float, default=SLO.target,
+    p.add_argument("--slo-ttft", type=cli_args.positive_float, default=SLO.ttft_s, help="TTFT SLO, seconds (default 5)")
+    p.add_argument("--slo-tpot", type=cli_args.positive_float, default=SLO.tpot_s, help="TPOT SLO, seconds (default 0.1)")
+    p.add_argument("--slo-target", type=cli_args.fraction, default=SLO.target,
                    help="share of requests that must meet both SLOs (default 0.99)")
-    p.add_argument("--speedup", type=float, default=1.0, help="replay the trace X times faster")
-    p.add_argument("--prefill-capacity", type=float, default=None,
+    p.add_argument("--speedup", type=cli_args.positive_float, default=1.0, help="replay the trace X times faster")
+    p.add_argument("--prefill-capacity", type=cli_args.positive_float, default=None,
                    help="prompt tokens/s per prefill instance (default 10000, or --profile's)")
-    p.add_argument("--decode-capacity", type=float, default=None,
+    p.add_argument("--decode-capacity", type=cli_args.positive_float, default=None,
                    help="output tokens/s per decode instance at full batch (default 2000, or --profile's)")
     p.add_argument("--profile", type=Path, default=None, help="capacities from `pdcluster profile --json` output")
-    p.add_argument("--decode-batch", type=int, default=None, help="decode batch limit (default 32)")
-    p.add_argument("--pod-start", type=float, default=ServiceModel.pod_start_s, help="pod start delay, s")
-    p.add_argument("--headroom", type=float, default=1.5,
+    p.add_argument("--decode-batch", type=cli_args.positive_int, default=None, help="decode batch limit (default 32)")
+    p.add_argument("--pod-start", type=cli_args.non_negative_float, default=ServiceModel.pod_start_s, help="pod start delay, s")
+    p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
                    help="autoscaled policies start from the formula's size for the first 120 s and an empty "

@@ -39,6 +39,33 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_default(action: argparse.Action) -> bool:
+    """Defaults not worth a "(default: ...)": none at all, an off switch, or an empty value."""
+    d = action.default
+    return (action.required or action.nargs == 0 or d is None or d is argparse.SUPPRESS
+            or (isinstance(d, str | list | tuple) and not d))
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to every option whose help does not already say its default, so each
+    subcommand's --help shows every default without each module spelling it out."""
+    for action in parser._actions:
+        text = action.help or ""
+        if action.help is argparse.SUPPRESS or _quiet_default(action) or "default" in text.lower():
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def build_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand, as `pdcluster NAME` uses it (its module's flags, defaults shown)."""
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"pdcluster {name}", description=help_text)
+    module.add_arguments(parser)
+    show_defaults(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
@@ -48,14 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         top.error(f"unknown subcommand {name!r} (choose from {', '.join(SUBCOMMANDS)})")
-    module_name, help_text = SUBCOMMANDS[name]
     try:
-        module = importlib.import_module(module_name)
+        parser = build_parser(name)
     except ModuleNotFoundError as e:
         print(f"pdcluster {name}: not available in this install ({e})", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"pdcluster {name}", description=help_text)
-    module.add_arguments(parser)
+    module = importlib.import_module(SUBCOMMANDS[name][0])
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)

@@ -69,3 +69,22 @@ def worker_url(text: str) -> str:
     if parts.query or parts.fragment:
         raise argparse.ArgumentTypeError(f"{text!r} is not a worker URL: it has no ?query or #fragment")
     return text.rstrip("/")
+
+
+def fraction(text: str) -> float:
+    """A share in (0, 1] (an SLO target, a knee's share of the peak)."""
+    v: float = _number(text, float)
+    _require(text, 0 < v <= 1, "must be in (0, 1]")
+    return v
+
+
+def between(low: float, high: float) -> Any:
+    """A number in [low, high] (e.g. a headroom factor)."""
+
+    def convert(text: str) -> float:
+        v: float = _number(text, float)
+        _require(text, low <= v <= high, f"must be in [{low:g}, {high:g}]")
+        return v
+
+    convert.__name__ = "number"
+    return convert

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --autoscale: output tokens/s one decode worker sustains; default: learned")
     a("--autoscale-interval", type=types.positive_float, default=15.0, metavar="S", help="seconds between decisions")
     a("--scale-down-stabilization", type=types.non_negative_float, default=300.0, metavar="S",
-      help="with --autoscale: a pool shrinks only after it was oversized this long (the CRD's default)")
+      help="with --autoscale: a pool shrinks only after it was oversized this long (default: %(default)s s, "
+           "the CRD's)")
     a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
     a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
     tracing.add_argument(parser)  # passed on to the router and every worker (each exports its own spans)
