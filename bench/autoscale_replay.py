@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(max_model_len=512, port=18700)
     p.add_argument("--start", type=float, default=2160.0, help="slice start in the trace (seconds)")
     p.add_argument("--duration", type=float, default=240.0, help="slice length in trace seconds")
-    p.add_argument("--speedup", type=float, default=1.2)
+    p.add_argument("--speedup", type=float, default=0.8, help="< 1: slower than the trace (a busy 2-core machine)")
     p.add_argument("--max-workers", type=int, default=3, help="per pool")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between autoscaler decisions")
     p.add_argument("--stabilization", type=float, default=30.0, help="scale-down stabilization, seconds")

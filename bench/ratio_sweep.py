@@ -125,6 +125,27 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown_table(summary: dict) -> str:
+    """One row per split: goodput per round and mean, attainment, TTFT/TPOT p50 (means over rounds)."""
+    formula = tuple(summary["formula"][k] for k in ("prefill", "decode"))
+    lines = ["| split | goodput per round (req/s) | mean | within SLO | TTFT p50 (s) | TPOT p50 (s) | load1 |",
+             "|---|---|---|---|---|---|---|"]
+    for p, d in (tuple(s) for s in summary["splits"]):
+        rs = [r for r in summary["runs"] if (r["prefill"], r["decode"]) == (p, d)]
+        if not rs:
+            continue
+
+        def mean(k: str, rs: list[dict] = rs) -> float:
+            return sum(r[k] or 0.0 for r in rs) / len(rs)
+
+        name = f"{p}:{d}" + (" colocated" if p == 0 else "") + (" **(formula)**" if (p, d) == formula else "")
+        per = " / ".join(f"{r['goodput_rps']:.2f}" for r in rs)
+        load = " / ".join(f"{r['load1_before']:.0f}" for r in rs)
+        lines.append(f"| {name} | {per} | {mean('goodput_rps'):.2f} | {100 * mean('attainment'):.0f} % "
+                     f"| {mean('ttft_p50_s'):.1f} | {mean('tpot_p50_s'):.2f} | {load} |")
+    return "\n".join(lines)
+
+
 def chosen_splits(args: argparse.Namespace) -> list[tuple[int, int]]:
     every = rp.splits(args.workers, colocated=not args.no_colocated)
     if not args.splits:
@@ -178,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if "verdict" in summary:
         plot(summary, args.out / "goodput.png")
         print(json.dumps(summary["verdict"], indent=1))
+        print(markdown_table(summary))
     return 0
 
 

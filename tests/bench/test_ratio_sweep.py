@@ -73,3 +73,15 @@ def test_failures_are_attributed_to_a_scale_down_only_when_in_flight_near_it():
 def test_arrivals_per_bin():
     t = Trace(tuple(Request(x, 10, 1) for x in (0.0, 1.0, 5.5, 12.0)), "azure", "x")
     assert arrivals_per_bin(t, 5.0) == [2, 1, 1]
+
+
+def test_markdown_table_marks_the_formula_and_averages_rounds():
+    from pdcluster.bench.ratio_sweep import markdown_table
+
+    run = lambda p, d, g: {"prefill": p, "decode": d, "goodput_rps": g, "attainment": g / 2,  # noqa: E731
+                           "ttft_p50_s": 1.0, "tpot_p50_s": 0.1, "load1_before": 3.0}
+    summary = {"splits": [(0, 2), (1, 1)], "formula": {"prefill": 1, "decode": 1},
+               "runs": [run(0, 2, 1.0), run(1, 1, 1.5), run(1, 1, 0.5)]}
+    rows = markdown_table(summary).splitlines()
+    assert rows[2].startswith("| 0:2 colocated | 1.00 | 1.00 | 50 %")
+    assert rows[3].startswith("| 1:1 **(formula)** | 1.50 / 0.50 | 1.00 | 50 %")
