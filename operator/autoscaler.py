@@ -99,6 +99,7 @@ class Policy:
     slo_tpot_seconds: float | None = None
     slo_percentile: float = 0.99
     use_prefix_hits: bool = True  # discount I by the observed prefix-cache hit rate
+    adaptive_headroom: bool = True  # headroom follows the window's variability, `headroom` its ceiling
 
     @classmethod
     def from_spec(cls, spec: Any) -> Policy:
@@ -119,6 +120,7 @@ class Policy:
             slo_ttft_seconds=a.slo.ttftSeconds,
             slo_tpot_seconds=a.slo.tpotSeconds,
             slo_percentile=a.slo.percentile,
+            adaptive_headroom=a.adaptiveHeadroom,
         )
 
 
@@ -206,6 +208,95 @@ def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[flo
             "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
 
 
+def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
+           now: float) -> tuple[bool, PoolState]:
+    """Is this pool's percentile broken in a way one more replica cures, and is that news? The percentile
+    covers the whole window, so a breach counts once the pool's last change has been observed for a window
+    (sooner would count the same breach twice); only with traffic. While the SLO is met, an earlier
+    correction fades."""
+    observed, target = _slo_targets(policy, obs)[role]
+    broken = traffic and rules.breached(observed, target)
+    # More replicas cure queueing, not a slow request: a breach with no queue that adds a real wait in
+    # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
+    queue = (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
+    rate = obs.request_rate if obs else None
+    fires = broken and rules.guard_applies(queue, rate, target) and not rules.warming_up(
+        now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
+    if not broken and ps.capacity_scale < 1.0 and rules.comfortable(observed, target):
+        ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
+    return fires, ps
+
+
+def _capacity(configured: float | None, ps: PoolState) -> tuple[float | None, str]:
+    if configured:
+        return configured * ps.capacity_scale, "spec"
+    if ps.learned_capacity:
+        return ps.learned_capacity * ps.capacity_scale, "learned"
+    return None, "unknown"
+
+
+def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: int, load: float,
+                budget_limited: bool, now: float) -> tuple[int, str, PoolState]:
+    """Hold, or shrink after the stabilization period to the highest need of its window (with margin)."""
+    # "Lower" needs a margin (DOWN_TOLERANCE) so that noise around a replica boundary does not count.
+    with_margin = replicas_for(load * (1 + DOWN_TOLERANCE))
+    if not (target < current and (budget_limited or with_margin < current)):
+        return current, STEADY, replace(ps, below_since=None)
+    if ps.below_since is None:
+        ps = replace(ps, below_since=now)
+    if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
+        return current, STABILIZING, ps
+    lo, _ = policy.bounds.of(role)
+    # the highest load of the window, with the margin, must still fit
+    floor_ = target if budget_limited else max(target, replicas_for((ps.max_need or 0.0) * (1 + DOWN_TOLERANCE)))
+    desired = max(floor_, current - policy.max_down_step, lo)
+    if desired < current:
+        return desired, SCALE_DOWN, replace(ps, last_change=now)
+    return current, NO_HEADROOM, ps
+
+
+def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
+                   burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool,
+                   now: float) -> tuple[int, str, bool, PoolState]:
+    """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
+    current, stalled = view.current, False
+    if not metrics_ok:
+        return current, METRICS_UNAVAILABLE, False, ps
+    if rec is None:
+        return current, CAPACITY_UNKNOWN, False, ps
+    if view.ready < current:
+        ref = ps.last_change if ps.last_change is not None else view.since
+        waited = now - ref if ref is not None else math.inf
+        if waited >= policy.rollout_timeout_seconds:
+            stalled = True  # decide anyway; surfaced as ScalingLimited
+        else:
+            return current, ROLLOUT, False, ps
+    load = need or 0.0  # h·λ·len/C: instances needed with headroom, unrounded
+    # The sliding window of needs: scale-down targets the highest need of the last stabilization period.
+    seed = ps.recent_needs or (  # a state written before the window existed: its max counts once
+        ((ps.below_since, ps.max_need),) if ps.below_since is not None and ps.max_need is not None else ())
+    window = rules.NeedWindow(seed).add(now, load, policy.stabilization_seconds)
+    bursts = rules.NeedWindow(ps.recent_bursts).add(now, burst_need, policy.burst_memory_seconds)
+    ps = replace(ps, recent_needs=window.as_tuple(), recent_bursts=bursts.as_tuple(),
+                 max_need=max(window.peak() or 0.0, bursts.peak() or 0.0))
+    _, hi = policy.bounds.of(role)
+    guard_up = guard and (hi is None or current < hi) and not budget_limited
+    target = rec
+    if guard_up and target <= current:
+        # The SLO is broken although the formula says enough: one more replica now, and the capacity the
+        # formula believes in is corrected for the next decisions. (When the formula already asks for
+        # more, the load explains the breach: no correction.)
+        target = current + 1
+        ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
+                     slo_breaches=ps.slo_breaches + 1)
+    if target > current:
+        reason = SLO_GUARD if guard_up and rec <= current else SCALE_UP
+        return min(target, current + policy.max_up_step), reason, stalled, replace(ps, below_since=None,
+                                                                                     last_change=now)
+    desired, reason, ps = _scale_down(policy, role, ps, current, target, load, budget_limited, now)
+    return desired, reason, stalled, ps
+
+
 def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolView, decode: PoolView,
            now: float) -> Decision:
     views = {"prefill": prefill, "decode": decode}
@@ -214,84 +305,56 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     lens = {"prefill": rules.prefill_tokens(mean_in, hit) if mean_in is not None else None,
             "decode": obs.mean_output_tokens if obs else None}
     configured = {"prefill": policy.prefill_capacity, "decode": policy.decode_capacity}
-
-    # 1. Learned capacities (even when this decision holds, the observation is still evidence), but
-    # never from a window that saw the pool warming up.
-    pool_states = {r: state.pool(r) for r in POOLS}
-    if obs is not None:
-        pool_states = {
-            "prefill": _learn(policy, pool_states["prefill"], prefill, obs.prefill_tokens_per_instance,
-                              obs.prefill_saturated, now),
-            "decode": _learn(policy, pool_states["decode"], decode, obs.decode_tokens_per_instance,
-                             obs.decode_saturated, now)}
-
     rate = obs.request_rate if obs else None
     metrics_ok = obs is not None and rate is not None and (rate == 0 or None not in lens.values())
 
-    # 2. SLO guard: is a percentile broken, and is that news? The percentile covers the whole window, so
-    # a breach counts once the pool's last change has been observed for a window (sooner would count the
-    # same breach twice); only with traffic. While the SLO is met, an earlier correction fades.
-    slo = _slo_targets(policy, obs)
-    breach: dict[str, bool] = {}
-    for r in POOLS:
-        ps, view = pool_states[r], views[r]
-        observed, target = slo[r]
-        broken = bool(metrics_ok and rate and rules.breached(observed, target))
-        # More replicas cure queueing, not a slow request: a breach with (almost) no queue in front of
-        # the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
-        queue = (obs.prefill_queue_mean if r == "prefill" else obs.decode_queue_mean) if obs else None
-        breach[r] = broken and rules.queued(queue) and not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready,
-                                                    policy.window_seconds)
-        if not broken and ps.capacity_scale < 1.0 and rules.comfortable(observed, target):
-            pool_states[r] = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
-
+    # 1. Learned capacities (even when this decision holds, the observation is still evidence), never
+    # from a window that saw the pool warming up; 2. the SLO guard; 3. the capacities the formula uses.
+    pool_states = {r: state.pool(r) for r in POOLS}
+    guard: dict[str, bool] = {}
     capacity: dict[str, float | None] = {}
     source: dict[str, str] = {}
     for r in POOLS:
-        ps = pool_states[r]
-        if configured[r]:
-            capacity[r], source[r] = configured[r] * ps.capacity_scale, "spec"  # type: ignore[operator]
-        elif ps.learned_capacity:
-            capacity[r], source[r] = ps.learned_capacity * ps.capacity_scale, "learned"
-        else:
-            capacity[r], source[r] = None, "unknown"
+        if obs is not None:
+            tput = obs.prefill_tokens_per_instance if r == "prefill" else obs.decode_tokens_per_instance
+            sat = obs.prefill_saturated if r == "prefill" else obs.decode_saturated
+            pool_states[r] = _learn(policy, pool_states[r], views[r], tput, sat, now)
+        guard[r], pool_states[r] = _guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate), now)
+        capacity[r], source[r] = _capacity(configured[r], pool_states[r])
 
     peak = obs.peak_request_rate if obs else None
+    slo = _slo_targets(policy, obs)
+    headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
+        if policy.adaptive_headroom else policy.headroom
     inputs = {
         "requestRate": rate, "peakRequestRate": peak, "meanInputTokens": mean_in, "prefixHitRate": hit,
         "meanOutputTokens": lens["decode"],
         "prefillCapacity": capacity["prefill"], "decodeCapacity": capacity["decode"],
         "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
-        "headroom": policy.headroom, "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0],
+        "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
+        "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0],
     }
 
-    # 3. Raw recommendations (None = cannot compute: hold this pool). A burst within the window (peak λ)
-    # must fit without headroom: the headroom covers the mean's noise, the peak is already the worst case.
-    # Bursts recur (the Azure code trace: 10 s bursts minutes apart), and a pod starts long after a burst
-    # is over, so a burst's need (peak λ without headroom) is remembered for `burst_memory_seconds`,
-    # longer than the stabilization.
+    # 4. Raw needs (None = cannot compute: hold this pool). Bursts recur (the Azure code trace: 10 s
+    # bursts minutes apart) and a pod starts long after a burst is over, so the need of a burst that hurt
+    # is remembered for `burst_memory_seconds`: a window whose peak is far above its mean, with the SLO
+    # broken, or while earlier such bursts are still remembered (bursts absorbed thanks to the memory keep
+    # it alive). A peak close to the mean is noise, and the edge of a level shift that the pool absorbed
+    # breaks nothing: the ordinary stabilization window holds those.
     need: dict[str, float | None] = {}
-    burst_need: dict[str, float] = {}
+    burst_need = {r: 0.0 for r in POOLS}
     for r in POOLS:
-        burst_need[r] = 0.0
-        if not metrics_ok:
+        if not metrics_ok or (rate and capacity[r] is None):
             need[r] = None
         elif rate == 0:
             need[r] = 0.0
-        elif capacity[r] is None:
-            need[r] = None
         else:
             work = lens[r] / capacity[r]  # type: ignore[operator]
-            burst_work = work * rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
-            # Only bursts that hurt are remembered: a window whose peak is far above its mean, with the
-            # SLO broken, or while earlier such bursts are still remembered (bursts absorbed thanks to
-            # the memory keep it alive; otherwise it would lapse and the next burst would hurt again).
-            # A peak close to the mean is Poisson noise, and the edge of a level shift that the pool
-            # absorbed breaks nothing: the ordinary stabilization window holds those.
+            spread = rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
+            need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
             if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
-                burst_need[r] = peak * burst_work  # type: ignore[operator]
-            need[r] = max(policy.headroom * rate * work, (peak or 0.0) * burst_work)  # type: ignore[operator]
+                burst_need[r] = burst
 
     raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
@@ -300,94 +363,25 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         "decode": clamped_d if need["decode"] is not None else None,
     }
     limited_by = [x for x in limited_by if not x.startswith("min-")]
+    budget_limited = "max-total-replicas" in limited_by
 
-    # 4. Stability rules per pool.
+    # 5. Stability rules per pool; bounds changed in the spec always apply, even while holding.
     out: dict[str, PoolDecision] = {}
     for r in POOLS:
-        view, ps = views[r], pool_states[r]
-        current = view.current
-        stalled = False
-        if not metrics_ok:
-            reason = METRICS_UNAVAILABLE
-        elif rec[r] is None:
-            reason = CAPACITY_UNKNOWN
-        else:
-            reason = ""
-        desired = current
-        if not reason and view.ready < current:
-            ref = ps.last_change if ps.last_change is not None else view.since
-            waited = now - ref if ref is not None else math.inf
-            if waited < policy.rollout_timeout_seconds:
-                reason = ROLLOUT
-            else:
-                stalled = True  # decide anyway; surfaced as ScalingLimited
-        if not reason:
-            target = rec[r]
-            assert target is not None
-            budget_limited = "max-total-replicas" in limited_by
-            load = need[r] or 0.0  # h·λ·len/C: instances needed with headroom, unrounded
-            # The sliding window of needs: scale-down targets the highest need of the last
-            # stabilization period, not the highest since the pool first looked too big.
-            seed = ps.recent_needs or (  # a state written before the window existed: its max counts once
-                ((ps.below_since, ps.max_need),) if ps.below_since is not None and ps.max_need is not None else ())
-            window = rules.NeedWindow(seed).add(now, load, policy.stabilization_seconds)
-            bursts = rules.NeedWindow(ps.recent_bursts).add(now, burst_need[r], policy.burst_memory_seconds)
-            ps = replace(ps, recent_needs=window.as_tuple(), recent_bursts=bursts.as_tuple(),
-                         max_need=max(window.peak() or 0.0, bursts.peak() or 0.0))
-            _, hi = policy.bounds.of(r)
-            guard_up = breach[r] and (hi is None or current < hi) and not budget_limited
-            if guard_up and target <= current:
-                # The SLO is broken although the formula says enough: one more replica now, and the
-                # capacity the formula believes in is corrected for the next decisions. (When the formula
-                # already asks for more, the load explains the breach: no correction.)
-                target = current + 1
-                ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE,
-                                                    ps.capacity_scale * rules.SLO_CAPACITY_CUT),
-                             slo_breaches=ps.slo_breaches + 1)
-            if target > current:
-                desired = min(target, current + policy.max_up_step)
-                reason = SLO_GUARD if guard_up and rec[r] <= current else SCALE_UP  # type: ignore[operator]
-                ps = replace(ps, below_since=None, last_change=now)
-            else:
-                # "Lower" needs a margin (DOWN_TOLERANCE) so that noise around a replica boundary
-                # does not count as a lower recommendation.
-                with_margin = replicas_for(load * (1 + DOWN_TOLERANCE))
-                lower = target < current and (budget_limited or with_margin < current)
-                if not lower:
-                    reason = STEADY
-                    ps = replace(ps, below_since=None)
-                else:
-                    if ps.below_since is None:
-                        ps = replace(ps, below_since=now)
-                    if now - ps.below_since < policy.stabilization_seconds:  # type: ignore[operator]
-                        reason = STABILIZING
-                    else:
-                        lo, _ = policy.bounds.of(r)
-                        # the highest load of the window, with the margin, must still fit
-                        floor_ = target if budget_limited else max(
-                            target, replicas_for((ps.max_need or 0.0) * (1 + DOWN_TOLERANCE)))
-                        desired = max(floor_, current - policy.max_down_step, lo)
-                        if desired < current:
-                            reason = SCALE_DOWN
-                            ps = replace(ps, last_change=now)
-                        else:
-                            reason = NO_HEADROOM
-                            desired = current
-        # Bounds changed in the spec always apply, even while holding.
-        desired = policy.bounds.clamp(r, desired)
-        pool_states[r] = ps
-        out[r] = PoolDecision(current, rec[r], desired, reason, capacity[r], source[r], stalled,
-                              slo_breached=rules.breached(*slo[r]))
+        desired, reason, stalled, pool_states[r] = _pool_decision(
+            policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
+            metrics_ok, now)
+        out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
+                              source[r], stalled, slo_breached=rules.breached(*slo[r]))
 
     if any(out[r].rollout_stalled for r in POOLS):
         limited_by = [*limited_by, "rollout-stalled"]
-    new_state = State(prefill=pool_states["prefill"], decode=pool_states["decode"])
     return Decision(
         prefill=out["prefill"],
         decode=out["decode"],
         reason=_overall_reason(out["prefill"], out["decode"]),
         limited_by=limited_by,
         inputs=inputs,
-        state=new_state,
+        state=State(prefill=pool_states["prefill"], decode=pool_states["decode"]),
         metrics_available=metrics_ok,
     )

@@ -6,6 +6,9 @@
 - `slo_breaches`: which pool the observed latency percentiles say is too small.
 - `prefill_tokens`: the formula's I discounted by the observed prefix-cache hit rate.
 - `burst_spread`: how much of a burst's peak rate the pool must serve within the TTFT target.
+- `effective_headroom`: the headroom the load's observed variability calls for, the spec's as the ceiling.
+- `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
+- `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ MIN_CAPACITY_SCALE = 0.4
 CAPACITY_RECOVERY = 0.01
 SLO_COMFORT = 1.0  # "met": a correction fades whenever the percentile is within the target
 GUARD_MIN_QUEUE = 0.5  # requests waiting on average over the window before the SLO guard grows a pool
+# ... and the wait that queue adds (Little's law: mean queue / λ) must be at least this share of the target:
+# a p99 broken by a few huge prompts (Mooncake: 126k tokens take 12.6 s on any pool size) while the queue
+# adds a second is not cured by a replica more, and each false guard step also cuts the capacity.
+GUARD_MIN_WAIT_SHARE = 0.2
 MAX_PREFIX_HIT = 0.95  # never trust a hit rate that would make prefill free
 
 
@@ -67,21 +74,52 @@ def prefill_tokens(mean_input: float, hit_rate: float | None) -> float:
 
 
 def burst_spread(role: str, burst_window: float | None, ttft_target: float | None) -> float:
-    """Share of a burst's rate a pool must serve: prompts arriving over b seconds may finish over b + the
-    TTFT target, so prefill needs b/(b+TTFT) of the peak rate; decode (and prefill without a TTFT target
-    or a known burst window) all of it."""
-    if role != "prefill" or not burst_window or not ttft_target:
+    """Share of a burst's rate a pool must serve: prompts arriving over b seconds may get their first
+    token over b + the TTFT target, so a pool needs b/(b+TTFT) of the peak rate (without a TTFT target or
+    a known burst window, all of it). Both pools: a request waiting for a decode slot waits for its first
+    token (a full decode batch delays TTFT, not TPOT: the batch bound caps the step time), and the
+    prefill pool, sized to this share, hands the burst on at that pace anyway."""
+    if not burst_window or not ttft_target:
         return 1.0
     return burst_window / (burst_window + ttft_target)
 
 
+def effective_headroom(ceiling: float, rate: float | None, peak: float | None, bursty_ratio: float) -> float:
+    """The headroom over the mean rate that the window's variability calls for, at most `ceiling` (the
+    spec's headroom). The window's peak burst rate measures how far the rate strays from its mean: at
+    a peak of `bursty_ratio` times the mean or more the whole ceiling applies; a peak close to the mean
+    (smooth load: Poisson noise and slow trends) needs little, since the burst rule and the SLO guard
+    catch what the mean misses. Unknown peak: the ceiling (the old, fixed behaviour)."""
+    if peak is None or not rate or rate <= 0 or not math.isfinite(peak) or ceiling <= 1.0:
+        return ceiling
+    spread = max(bursty_ratio - 1.0, 1e-9)
+    share = min(1.0, max(0.0, (peak / rate - 1.0) / spread))
+    return 1.0 + (ceiling - 1.0) * share
+
+
+def guard_applies(queue_mean: float | None, rate: float | None, target: float | None) -> bool:
+    """Whether a broken percentile had a queue in front of the pool that more replicas would shorten:
+    requests waiting (GUARD_MIN_QUEUE) and adding a real wait (Little's law: queue/λ) against the target.
+    Unknown queue: trust the percentile."""
+    if queue_mean is None:
+        return True
+    if queue_mean < GUARD_MIN_QUEUE:
+        return False
+    if not rate or rate <= 0 or target is None:
+        return True
+    return queue_mean / rate >= GUARD_MIN_WAIT_SHARE * target
+
+
+def pool_need(rate: float, peak: float | None, work: float, headroom: float, spread: float) -> tuple[float, float]:
+    """(need, burst need) in instances, unrounded: `work` is one request's instance-seconds (len/C). The
+    mean rate with headroom, or the peak burst rate spread over b + TTFT without headroom (the peak is
+    already the worst case), whichever is larger."""
+    burst = (peak or 0.0) * work * spread
+    return max(headroom * rate * work, burst), burst
+
+
 def breached(observed: float | None, target: float | None) -> bool:
     return target is not None and observed is not None and math.isfinite(observed) and observed > target
-
-
-def queued(queue_mean: float | None) -> bool:
-    """Whether the pool had a queue worth curing (unknown: trust the percentile)."""
-    return queue_mean is None or queue_mean >= GUARD_MIN_QUEUE
 
 
 def comfortable(observed: float | None, target: float | None) -> bool:

@@ -231,7 +231,12 @@ class Autoscaling(SpecModel):
     intervalSeconds: int = Field(default=30, ge=5, le=3600, description="Seconds between decisions.")
     windowSeconds: int = Field(default=120, ge=10, le=86400, description="Metrics window of one decision.")
     headroom: float = Field(default=1.5, ge=1.0, le=10.0, description="Provision for this multiple of the "
-                            "observed request rate.")
+                            "observed request rate (with adaptiveHeadroom: the most, for bursty load).")
+    adaptiveHeadroom: bool = Field(
+        default=True,
+        description="Headroom follows the window's variability: the full headroom when the peak burst rate is "
+        "at least twice the mean, down to none when it equals the mean (smooth load); false = always the "
+        "full headroom.")
     scaleDownStabilizationSeconds: int = Field(
         default=300, ge=0, le=86400,
         description="A pool shrinks only after lower recommendations for this many seconds, to the "

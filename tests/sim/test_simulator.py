@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -75,9 +76,10 @@ def test_operator_core_follows_the_ramp_up_and_back_down():
     core = pol.make("pdcluster", M.prefill_tps, M.decode_tps)
     r = simulate(trace, M, core)
     p_at = {round(t[0]): t[1] for t in r.timeline}
-    # 12 rps x ~2000 tokens x 1.5 / 10k = ~3.6 -> 4 prefill during the plateau; the minimum before and after
+    # 12 rps x ~2000 tokens / 10k = 2.4 instances during the plateau; smooth (Poisson) load, so the adaptive
+    # headroom adds little: 3 prefill (4 at the fixed 1.5); the minimum before and after
     assert p_at[300] == 1
-    assert max(p for t, p in p_at.items() if 600 < t <= 1200) >= 4
+    assert max(p for t, p in p_at.items() if 600 < t <= 1200) >= 3
     assert r.scale_events >= 2
     assert "ScaleUp" in core.decisions and "ScaleDown" in core.decisions
     assert "RolloutInProgress" in core.decisions  # pods take pod_start_s: decide waits for them
@@ -91,6 +93,21 @@ def test_operator_core_returns_to_the_minimum_after_the_plateau():
     r = simulate(trace, M, core)
     # 1 rps x ~2000 x 1.5 / 10k = 0.3: one prefill instance is plenty 20 minutes after the plateau
     assert r.timeline[-1][1] == 1
+
+
+def test_smooth_load_gets_less_headroom_and_keeps_the_slo():
+    # The fixed 1.5x headroom is pure cost on smooth load (Mooncake: 1.55x static-best): the adaptive
+    # headroom follows the peak/mean ratio of the window, so a smooth plateau costs less at the same SLO.
+    trace = synthetic(lambda t: 30.0, 1800)  # 30 rps x ~2000 tokens / 10k = 6 prefill instances
+    slo = SLO(ttft_s=5.0)
+    runs = {}
+    for adaptive in (False, True):
+        core = pol.make("pdcluster", M.prefill_tps, M.decode_tps, slo=slo, trace=trace)  # warm: steady cost
+        core.core = replace(core.core, adaptive_headroom=adaptive)
+        runs[adaptive] = simulate(trace, M, core)
+    cost = {a: r.prefill_instance_hours + r.decode_instance_hours for a, r in runs.items()}
+    assert cost[True] < 0.85 * cost[False]  # measured: 4.92 vs 6.46 instance-hours
+    assert attainment(runs[True], slo) >= 0.99
 
 
 def test_pod_start_delay_is_billed_and_delays_service():
