@@ -41,7 +41,7 @@ bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --out docs/benchmarks/sim/mooncake_conversation
 
-# Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~8 min;
+# Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~17 min;
 # docs/benchmarks/prefix_routing.md).
 bench-prefix: setup
 	$(PY) -m pdcluster.bench.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing

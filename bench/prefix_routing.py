@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdcluster.bench.prefix_routing", description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL (hash_ids) trace")
     p.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
-    p.add_argument("--duration", type=float, default=300.0, help="trace seconds to replay")
-    p.add_argument("--speedup", type=float, default=2.5, help="replay X times faster than the trace")
+    p.add_argument("--duration", type=float, default=240.0, help="trace seconds to replay")
+    p.add_argument("--speedup", type=float, default=1.0, help="replay X times faster than the trace")
     p.add_argument("--length-divisor", type=float, default=64.0,
                    help="divide prompt/output lengths and the 512-token prefix block by this (64: 8-token blocks)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompts clipped so prompt + output fit")
