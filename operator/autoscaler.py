@@ -9,9 +9,10 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
 - Capacities: the spec's, else learned from saturated windows (EWMA; `autoscaler_rules.learn_capacity`),
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
-- SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool grows it
-  by one even when the formula says enough, and cuts its capacity correction (which fades while the SLO
-  is met); once per window after the pool's last change.
+- SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
+  a real wait grows it (by current·observed/target, at least one) even when the formula says enough,
+  and cuts its capacity correction (which fades while the SLO is met); once per window after the pool's
+  last change.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
   size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
   the sliding window of that length, and not below the need of bursts that broke the SLO within
@@ -256,8 +257,8 @@ def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: 
 
 
 def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
-                   burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool,
-                   now: float) -> tuple[int, str, bool, PoolState]:
+                   burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool, now: float,
+                   slo: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
     """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
     current, stalled = view.current, False
     if not metrics_ok:
@@ -283,10 +284,10 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
     guard_up = guard and (hi is None or current < hi) and not budget_limited
     target = rec
     if guard_up and target <= current:
-        # The SLO is broken although the formula says enough: one more replica now, and the capacity the
-        # formula believes in is corrected for the next decisions. (When the formula already asks for
-        # more, the load explains the breach: no correction.)
-        target = current + 1
+        # The SLO is broken although the formula says enough: more replicas now (in proportion to the
+        # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
+        # next decisions. (When the formula already asks for more, the load explains the breach.)
+        target = current + rules.guard_step(current, *slo)
         ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
                      slo_breaches=ps.slo_breaches + 1)
     if target > current:
@@ -370,7 +371,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now)
+            metrics_ok, now, slo[r])
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 

@@ -8,6 +8,7 @@
 - `burst_spread`: how much of a burst's peak rate the pool must serve within the TTFT target.
 - `effective_headroom`: the headroom the load's observed variability calls for, the spec's as the ceiling.
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
+- `guard_step`: how many replicas the SLO guard adds (in proportion to the breach).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
 """
 
@@ -108,6 +109,15 @@ def guard_applies(queue_mean: float | None, rate: float | None, target: float | 
     if not rate or rate <= 0 or target is None:
         return True
     return queue_mean / rate >= GUARD_MIN_WAIT_SHARE * target
+
+
+def guard_step(current: int, observed: float | None, target: float | None) -> int:
+    """Replicas the SLO guard adds: in proportion to how far the percentile is over its target (HPA's
+    current x metric/target), at least one; `maxScaleUpStep` caps it. One replica per window was too slow
+    for a burst (Azure, no history: p99 TTFT 77 s against 5 s took three windows to grow 3 -> 5)."""
+    if not observed or not target or not math.isfinite(observed) or observed <= target:
+        return 1
+    return max(1, math.ceil(current * observed / target - 1e-9) - current)
 
 
 def pool_need(rate: float, peak: float | None, work: float, headroom: float, spread: float) -> tuple[float, float]:

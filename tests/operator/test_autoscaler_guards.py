@@ -86,15 +86,15 @@ def test_a_broken_ttft_grows_prefill_even_when_the_formula_says_enough() -> None
     state = asc.State()
     dec = asc.decide(pol, state, obs(4, ttft_seconds=6.0, tpot_seconds=0.05), asc.PoolView(3, 3),
                      asc.PoolView(3, 3), 1000.0)
-    assert dec.prefill.recommended == 2 and dec.prefill.desired == 4
+    assert dec.prefill.recommended == 2 and dec.prefill.desired == 9  # 3 x 6/2: in proportion to the breach
     assert dec.prefill.reason == asc.SLO_GUARD and dec.reason == asc.SLO_GUARD and dec.prefill.slo_breached
     assert dec.decode.desired == 3 and not dec.decode.slo_breached  # TPOT is fine: decode is not touched
     # the capacity the formula believes in is corrected, and kept in the state
     assert dec.state.prefill.capacity_scale == pytest.approx(rules.SLO_CAPACITY_CUT)
     assert dec.state.prefill.slo_breaches == 1 and dec.state.decode.capacity_scale == 1.0
     # still broken, but the change is younger than a window: no second step, and the corrected capacity
-    nxt = asc.decide(pol, dec.state, obs(4, ttft_seconds=3.0), asc.PoolView(4, 4), asc.PoolView(3, 3), 1030.0)
-    assert nxt.prefill.capacity == pytest.approx(CP * rules.SLO_CAPACITY_CUT) and nxt.prefill.desired == 4
+    nxt = asc.decide(pol, dec.state, obs(4, ttft_seconds=3.0), asc.PoolView(9, 9), asc.PoolView(3, 3), 1030.0)
+    assert nxt.prefill.capacity == pytest.approx(CP * rules.SLO_CAPACITY_CUT) and nxt.prefill.desired == 9
 
 
 def test_a_breach_the_load_explains_is_no_capacity_correction() -> None:
@@ -108,12 +108,12 @@ def test_a_breach_the_load_explains_is_no_capacity_correction() -> None:
 def test_a_broken_tpot_grows_decode() -> None:
     pol = policy(slo_tpot_seconds=0.05)
     dec = asc.decide(pol, asc.State(), obs(4, tpot_seconds=0.2), asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
-    assert (dec.prefill.desired, dec.decode.desired) == (3, 4) and dec.decode.reason == asc.SLO_GUARD
+    assert (dec.prefill.desired, dec.decode.desired) == (3, 12) and dec.decode.reason == asc.SLO_GUARD  # 3 x 4
 
 
 def test_the_guard_acts_once_per_window_and_not_during_a_rollout() -> None:
     pol = policy(slo_ttft_seconds=2.0, window_seconds=120)
-    o = obs(4, ttft_seconds=6.0)
+    o = obs(4, ttft_seconds=2.5)  # 1.25x the target: one replica a step (ceil(3 x 1.25) = 4)
     dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
     assert dec.prefill.desired == 4
     # the new pod is not ready: RolloutInProgress, no second step for the same breach
@@ -224,7 +224,7 @@ def test_a_breach_without_a_queue_grows_nothing() -> None:
     dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
     assert dec.prefill.desired == 3 and dec.prefill.slo_breached and dec.prefill.reason != asc.SLO_GUARD
     assert dec.state.prefill.capacity_scale == 1.0
-    o = obs(4, ttft_seconds=6.0, prefill_queue_mean=3.0)
+    o = obs(4, ttft_seconds=2.5, prefill_queue_mean=3.0)
     assert asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0).prefill.desired == 4
 
 
@@ -232,13 +232,13 @@ def test_the_guard_never_piles_replicas_onto_pending_pods() -> None:
     # The SLO is broken and the new pod stays Pending (no GPU left): past the rollout timeout the autoscaler
     # still decides (no wedge) on the formula, but the guard does not add to pods that never started.
     pol = policy(slo_ttft_seconds=2.0, rollout_timeout_seconds=600)
-    o = obs(4, ttft_seconds=9.0, prefill_queue_mean=5.0)
+    o = obs(4, ttft_seconds=2.5, prefill_queue_mean=5.0)
     dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
     assert dec.prefill.desired == 4
     stuck = asc.PoolView(4, 3)
     dec = asc.decide(pol, dec.state, o, stuck, asc.PoolView(3, 3), 1300.0)
     assert dec.prefill.reason == asc.ROLLOUT and dec.prefill.desired == 4
-    dec = asc.decide(pol, dec.state, obs(12, ttft_seconds=9.0, prefill_queue_mean=5.0), stuck,
+    dec = asc.decide(pol, dec.state, obs(12, ttft_seconds=2.5, prefill_queue_mean=5.0), stuck,
                      asc.PoolView(3, 3), 1700.0)
     assert "rollout-stalled" in dec.limited_by and dec.prefill.reason == asc.SCALE_UP  # the formula: 3.6 -> 4+
     dec = asc.decide(pol, dec.state, o, asc.PoolView(dec.prefill.desired, 3), asc.PoolView(3, 3), 2400.0)
@@ -300,3 +300,15 @@ def test_a_decode_burst_spreads_over_the_ttft_target_too() -> None:
     assert dec.decode.desired == 1
     assert rules.burst_spread("decode", 10.0, 15.0) == rules.burst_spread("prefill", 10.0, 15.0) == 0.4
     assert rules.burst_spread("decode", 10.0, None) == 1.0
+
+
+def test_a_far_broken_percentile_grows_the_pool_in_proportion_capped_by_the_step() -> None:
+    # Azure with no history: p99 TTFT 77 s against 5 s with a long queue. One replica per window took three
+    # windows (3 -> 4 -> 5) while the queue held 100 requests; now current x observed/target, at most
+    # maxScaleUpStep at once.
+    pol = policy(slo_ttft_seconds=5.0, max_up_step=4)
+    dec = asc.decide(pol, asc.State(), obs(5, ttft_seconds=77.0, prefill_queue_mean=100.0), asc.PoolView(3, 3),
+                     asc.PoolView(1, 1), 1000.0)
+    assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired == 7
+    assert rules.guard_step(3, 77.0, 5.0) == 44 and rules.guard_step(3, 6.0, 5.0) == 1
+    assert rules.guard_step(3, None, 5.0) == 1 and rules.guard_step(3, float("inf"), 5.0) == 1
