@@ -38,6 +38,7 @@ from pdcluster.bench import loadgen
 from pdcluster.bench import trace as tr
 from pdcluster.bench.replay import prompt_ids
 from pdcluster.bench.stats import RequestResult, percentile
+from pdcluster.worker.api import cli_args as types
 
 POLICIES = ("prefix", "least-loaded")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -242,20 +243,20 @@ def table(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdcluster.bench.prefix_routing", description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL (hash_ids) trace")
-    p.add_argument("--start", type=float, default=0.0, help="trace seconds to skip")
-    p.add_argument("--duration", type=float, default=240.0, help="trace seconds to replay")
-    p.add_argument("--speedup", type=float, default=1.0, help="replay X times faster than the trace")
-    p.add_argument("--length-divisor", type=float, default=64.0,
+    p.add_argument("--start", type=types.non_negative_float, default=0.0, help="trace seconds to skip")
+    p.add_argument("--duration", type=types.positive_float, default=240.0, help="trace seconds to replay")
+    p.add_argument("--speedup", type=types.positive_float, default=1.0, help="replay X times faster than the trace")
+    p.add_argument("--length-divisor", type=types.between(1, 4096), default=64.0,
                    help="divide prompt/output lengths and the 512-token prefix block by this (64: 8-token blocks)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompts clipped so prompt + output fit")
-    p.add_argument("--windows", type=int, default=4, help="interleaved slices (ABBA order)")
-    p.add_argument("--prefill", type=int, default=2)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--max-model-len", type=types.positive_int, default=2048, help="prompts clipped so prompt + output fit")
+    p.add_argument("--windows", type=types.positive_int, default=4, help="interleaved slices (ABBA order)")
+    p.add_argument("--prefill", type=types.positive_int, default=2, help="prefill workers per stack")
+    p.add_argument("--decode", type=types.positive_int, default=1, help="decode workers per stack")
+    p.add_argument("--threads", type=types.positive_int, default=1, help="torch threads per worker")
     p.add_argument("--block-size", type=int, choices=[8, 16, 32], default=8,
                    help="KV block tokens (8: one block per shrunk prefix block)")
-    p.add_argument("--port", type=int, default=18400, help="first stack's router; the second's is +20")
-    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    p.add_argument("--port", type=types.port, default=18400, help="first stack's router; the second's is +20")
+    p.add_argument("--timeout", type=types.positive_float, default=120.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)

@@ -56,3 +56,11 @@ def test_summary_hit_rates_and_percentiles() -> None:
     assert s["ok"] == 3 and s["errors"] == 1 and s["prefill_hit_rate"] == 0.25 and s["all_hit_rate"] is None
     assert s["ttft_p50_s"] == 0.2 and s["router_expected_tokens"] == 40
     assert "| prefix |" in pr.table({"policies": {"prefix": s}})
+
+
+@pytest.mark.parametrize("flag", [["--speedup", "nan"], ["--windows", "0"], ["--port", "99999"],
+                                  ["--length-divisor", "0.5"], ["--duration", "-1"], ["--threads", "0"]])
+def test_nonsense_flags_are_refused_before_anything_starts(flag: list[str], tmp_path: object) -> None:
+    with pytest.raises(SystemExit) as e:
+        pr.main(["--out", str(tmp_path), *flag])
+    assert e.value.code == 2
