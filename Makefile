@@ -40,6 +40,8 @@ TRACES ?= ../shared/traces
 bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --out docs/benchmarks/sim/mooncake_conversation
+	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --cold --out docs/benchmarks/sim/azure2023_code-cold
+	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --cold --out docs/benchmarks/sim/mooncake_conversation-cold
 
 # Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~17 min;
 # docs/benchmarks/prefix_routing.md).
