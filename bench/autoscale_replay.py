@@ -72,6 +72,17 @@ def failed_during_scale_down(records: Sequence[Mapping[str, object]], stops: Seq
     return out
 
 
+def in_flight_before(records: Sequence[Mapping[str, object]], t: float, window: float = 10.0) -> int:
+    """Requests in flight at some moment of [t - window, t]: `up` prints "stopped" after the worker's drain
+    (SIGTERM, at most 10 s), so these are the requests a stop could have hit."""
+    n = 0
+    for r in records:
+        t0 = float(r.get("start") or 0.0)  # type: ignore[arg-type]
+        if t0 <= t and t0 + float(r.get("latency") or 0.0) >= t - window:  # type: ignore[arg-type]
+            n += 1
+    return n
+
+
 def arrivals_per_bin(trace: tr.Trace, bin_s: float) -> list[int]:
     n = int(trace.duration_s // bin_s) + 1
     counts = [0] * n
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     lost = failed_during_scale_down(recs, stops)
     counts = {**goodput(recs, args.slo_ttft, args.slo_tpot, scaled.duration_s or 1.0),
               "failed_during_scale_down": len(lost),
+              "in_flight_at_each_stop": [in_flight_before(recs, t) for t in stops],
               "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")}),
               "max_prefill": max(s["prefill"] for s in w.samples), "max_decode": max(s["decode"] for s in w.samples),
               "scale_ups": sum("autoscale: started" in e["line"] for e in w.events), "scale_downs": len(stops)}

@@ -85,3 +85,11 @@ def test_markdown_table_marks_the_formula_and_averages_rounds():
     rows = markdown_table(summary).splitlines()
     assert rows[2].startswith("| 0:2 colocated | 1.00 | 1.00 | 50 %")
     assert rows[3].startswith("| 1:1 **(formula)** | 1.50 / 0.50 | 1.00 | 50 %")
+
+
+def test_in_flight_before_a_stop_counts_requests_overlapping_the_drain_window():
+    from pdcluster.bench.autoscale_replay import in_flight_before
+
+    recs = [{"start": 90.0, "latency": 5.0}, {"start": 80.0, "latency": 30.0}, {"start": 101.0, "latency": 1.0},
+            {"start": 50.0, "latency": 10.0}]
+    assert in_flight_before(recs, 100.0) == 2  # ended at 95 (in the window) and still running; not later/earlier
