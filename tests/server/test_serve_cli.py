@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -131,6 +132,9 @@ def test_serve_process_end_to_end(demo_model_dir: Path, tmp_path: Path) -> None:
         ids = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
         assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == "<<user=hi;>>"
         assert 'role="decode"' in httpx.get(f"{url}/metrics").text
+        # the event loop (main thread) never preempts a step on wake-up; the engine thread stays a normal one
+        policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_BATCH and os.SCHED_OTHER in policies
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

@@ -199,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from pdcluster.worker.engine.async_engine import AsyncEngine
     from pdcluster.worker.engine.llm_engine import EngineConfig
+    from pdcluster.worker.engine.thread_policy import yield_on_wakeup
     from pdcluster.worker.server.app import build_app
 
     config = make_config(EngineConfig, engine_config_kwargs(args))
@@ -221,6 +222,8 @@ def _run(args: argparse.Namespace) -> int:
 
     async def start() -> None:
         engine.start()
+        # after the engine thread exists (threads inherit it): HTTP work never preempts a step (thread_policy.py)
+        yield_on_wakeup()
 
     async def stop() -> None:
         await asyncio.to_thread(engine.shutdown)
