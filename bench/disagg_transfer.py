@@ -13,7 +13,9 @@
    compression buys; "wire" counts bytes actually sent.
 3. Overlap: a real engine prefills a long prompt with the layer hook shipping each layer as it is written;
    tail = time from the end of prefill to the last ACK, whole = first frame to last ACK. Also measured with
-   the hook disabled and the KV sent after prefill (what pipelining saves).
+   the hook disabled and the KV sent after prefill (what pipelining saves). TCP and NIXL backends.
+4. End to end (`bench/disagg_ttft.py`): TTFT, second token and whole request of a 2,048-token prompt through
+   `pdcluster up` (router -> prefill -> transfer -> decode), per backend.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ async def raw_tcp(total_bytes: int, chunk: int = 1 << 20) -> float:
 
 async def kv_transfer(layers: int, tokens: int, heads: int, dim: int, compression: str,
                       dtype: torch.dtype) -> dict[str, Any]:
-    recv = TCPConnector(SECRET, importer=lambda *a: None)
+    recv = TCPConnector(SECRET, importer=transfer_paths._Cache())
     port = await recv.listen()
     send = TCPConnector(SECRET, compression=compression)
     g = torch.Generator().manual_seed(0)
@@ -98,16 +100,20 @@ async def kv_transfer(layers: int, tokens: int, heads: int, dim: int, compressio
     return best
 
 
-async def overlap(model: Path, prompt_len: int, layerwise: bool) -> dict[str, Any]:
-    """Prefill on a real engine (in a thread) with KV leaving per layer (or all after prefill)."""
+async def overlap(model: Path, prompt_len: int, layerwise: bool, backend: str = "tcp") -> dict[str, Any] | None:
+    """Prefill on a real engine (in a thread) with KV leaving per layer (or all after prefill), through the
+    TCP or the NIXL backend."""
     from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
     from pdcluster.worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, max_batch_tokens=prompt_len, num_threads=1))
     mc = engine.model_config
-    recv = TCPConnector(SECRET, importer=lambda *a: None)
+    if backend == "nixl" and not _nixl_ok():
+        return None
+    layer_bytes = 2 * prompt_len * mc.num_kv_heads * mc.head_dim * 4
+    recv = transfer_paths._connector(backend, mc.num_layers * layer_bytes, importer=transfer_paths._Cache())
     port = await recv.listen()
-    send = TCPConnector(SECRET)
+    send = transfer_paths._connector(backend, mc.num_layers * layer_bytes)
     # max_tokens=2: with 1 the first token would finish the request and free its KV (nothing to send)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prompt = [(i * 31) % 900 + 3 for i in range(prompt_len)]
@@ -122,8 +128,10 @@ async def overlap(model: Path, prompt_len: int, layerwise: bool) -> dict[str, An
         await asyncio.to_thread(engine.step)  # one prefill step (prompt fits the token budget)
         t_prefill = time.perf_counter()
         if not layerwise:
+            engine.set_kv_connector(send)  # export_kv_range gathers into what the connector lends
             for layer in range(mc.num_layers):
-                send.save_kv_layer(rid, layer, *engine.export_kv(rid, layer))
+                k, v, scales = engine.export_kv_range(rid, layer, 0, prompt_len)
+                send.save_kv_layer(rid, layer, k, v, **({"scales": scales} if scales else {}))
         res = await send.wait_for_save(rid)
         t_done = time.perf_counter()
         engine.release(rid)
@@ -133,18 +141,25 @@ async def overlap(model: Path, prompt_len: int, layerwise: bool) -> dict[str, An
     await send.close()
     await recv.close()
     med = sorted(rows[1:], key=lambda r: r["tail_s"])[len(rows[1:]) // 2]
-    return {"layerwise": layerwise, "prompt_tokens": prompt_len, "layers": mc.num_layers, **med,
+    return {"backend": backend, "layerwise": layerwise, "prompt_tokens": prompt_len, "layers": mc.num_layers, **med,
             "tail_over_transfer": med["tail_s"] / med["transfer_s"] if med["transfer_s"] else None}
+
+
+def _nixl_ok() -> bool:
+    from pdcluster.worker.transfer.nixl_agent import availability
+
+    return availability().ok
 
 
 def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
     """One message size through every path, back to back (same machine state for all)."""
-    return {"mib": nbytes >> 20, "raw": transfer_paths.raw_tcp(nbytes, reps),
-            "tcp_fp32": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "none")),
-            "tcp_int8": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "int8")),
-            "nixl_fp32": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "none", backend="nixl")),
-            "nixl_int8": asyncio.run(transfer_paths.tcp_backend(nbytes, reps, "int8", backend="nixl")),
-            "nixl": transfer_paths.nixl_write(nbytes, reps)}
+    row: dict[str, Any] = {"mib": nbytes >> 20, "raw": transfer_paths.raw_tcp(nbytes, reps)}
+    for backend in ("tcp", "nixl"):
+        for name, compression, codes in (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True)):
+            row[f"{backend}_{name}"] = asyncio.run(transfer_paths.tcp_backend(nbytes, reps, compression,
+                                                                              backend=backend, codes=codes))
+    row["nixl"] = transfer_paths.nixl_write(nbytes, reps)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-prompt", type=int, default=1024)
     p.add_argument("--sizes-mib", default="1,16,64,256", help="message sizes for the side-by-side table")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ttft-requests", type=int, default=5,
+                   help="4. end-to-end 2,048-token TTFT per backend through `pdcluster up` (0: skip)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -171,25 +188,33 @@ def main(argv: list[str] | None = None) -> int:
         model = build_demo_model(Path(tmp) / "m", num_hidden_layers=8, hidden_size=512, intermediate_size=1024,
                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096,
                                  tokenizer=False, vocab_size=1024)
-        out["overlap"] = [asyncio.run(overlap(model, a.overlap_prompt, lw)) for lw in (True, False)]
-    print("message   raw TCP   TCP fp32   TCP int8   NIXL fp32   NIXL int8   NIXL WRITE   (GB/s of fp32 KV; "
-          "backends as % of raw)")
+        out["overlap"] = [r for b in ("tcp", "nixl") for lw in (True, False)
+                          if (r := asyncio.run(overlap(model, a.overlap_prompt, lw, b))) is not None]
+    cols = [("tcp_fp32", "TCP fp32"), ("tcp_int8", "TCP int8"), ("tcp_codes", "TCP codes"),
+            ("nixl_fp32", "NIXL fp32"), ("nixl_int8", "NIXL int8"), ("nixl_codes", "NIXL codes")]
+    print("GB/s of fp32 KV (int8: the fp32 bytes it stands for), best of", a.reps, "; backends as % of raw TCP;"
+          " codes = an int8 cache's codes + scales as they are")
+    print("message   raw TCP  " + "".join(f"{h:>15}" for _, h in cols) + "   NIXL WRITE")
 
     def cell(x: float | None, raw: float) -> str:
-        return f"{x:>6.2f} ({x / raw:.0%})" if x is not None else "   n/a      "
+        return f"{x:>7.2f} ({x / raw:>4.0%})" if x is not None else f"{'n/a':>15}"
 
     for r in out["paths"]:
         nixl = f"{r['nixl']:.2f}" if r["nixl"] is not None else "n/a"
-        print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  {cell(r['tcp_fp32'], r['raw'])}  {cell(r['tcp_int8'], r['raw'])}"
-              f"  {cell(r.get('nixl_fp32'), r['raw'])}  {cell(r.get('nixl_int8'), r['raw'])}  {nixl:>8}")
+        print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  " + "".join(f"{cell(r[c], r['raw']):>15}" for c, _ in cols)
+              + f"   {nixl:>8}")
     print(f"raw TCP loopback (asyncio streams): {out['raw_tcp_GBps']:.2f} GB/s")
     for r in out["kv"]:
         print(f"KV {r['dtype']:>8} {r['compression']:>4}: wire {r['wire_GBps']:.2f} GB/s, "
               f"effective (fp16-equivalent) {r['effective_fp16_GBps']:.2f} GB/s, {r['seconds'] * 1000:.0f} ms")
     for r in out["overlap"]:
-        print(f"overlap layerwise={r['layerwise']}: prefill {r['prefill_s'] * 1000:.1f} ms, transfer "
+        print(f"overlap {r['backend']} layerwise={r['layerwise']}: prefill {r['prefill_s'] * 1000:.1f} ms, transfer "
               f"{r['transfer_s'] * 1000:.1f} ms, tail after prefill {r['tail_s'] * 1000:.1f} ms "
               f"(tail/transfer {r['tail_over_transfer']:.2f})")
+    if a.ttft_requests:
+        from pdcluster.bench import disagg_ttft
+
+        disagg_ttft.main(["--requests", str(a.ttft_requests)] + (["--json", a.json + ".ttft.json"] if a.json else []))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -4,6 +4,10 @@
 #      bandwidth vs device copy bandwidth and vs SDPA, fp16/int8/int4 caches.
 #   2. GPU suite: the kernel tests with the real Triton compiler instead of the interpreter.
 #   3. A latency heat map of one worker serving a ~1.1B-parameter random Llama in bf16.
+#   4. NIXL WRITE between two agents' registered VRAM buffers.
+#   5. NIXL with GPU memory the way the KV transfer uses it (bench/nixl_gpu.py): READ from a peer's registered
+#      VRAM, a paged KV cache READ in place block by block (descriptors prepared once, no staging), and the
+#      NIXL backend fed from a CUDA export (device-to-host into registered staging, READ, MAC, import).
 # Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the tables into docs/benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,4 +58,6 @@ for mib in (16, 256):
     a.release_xfer_handle(h); a.remove_remote_agent(peer)
     a.deregister_memory(ra); b.deregister_memory(rb)
 PY
+echo "== 5. NIXL with VRAM descriptors: staging READ, paged cache READ in place, backend from a CUDA export"
+timeout 240 "$PY" -m pdcluster.bench.nixl_gpu --out "$OUT/nixl-gpu.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl-gpu-bench.log"
 echo "== done: $OUT"
