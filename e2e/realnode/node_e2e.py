@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -147,3 +148,38 @@ def dump(kube: Kube, *namespaces: str) -> str:
             cp = kube.run(*args, "-n", ns, check=False)
             parts.append(f"==== {' '.join(args)} ({ns}) ====\n{cp.stdout[-6000:]}{cp.stderr[-2000:]}")
     return "\n".join(parts)
+
+
+class Traffic:
+    """One client sending completions (short and long prompts) until stopped: back to back, or one every
+    `pause` seconds. Every failure is recorded (the scenarios assert there is none)."""
+
+    def __init__(self, port: int, model: str, pause: float = 0.0) -> None:
+        self.port, self.model, self.pause = port, model, pause
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            prompt = "count: " + " ".join(str(n) for n in range(i % 7 * 4 + 2))
+            try:
+                r = http_json(f"http://127.0.0.1:{self.port}/v1/completions",
+                              {"model": self.model, "prompt": prompt, "max_tokens": 6, "temperature": 0},
+                              timeout=90)
+                assert r["usage"]["completion_tokens"] >= 1, r
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - every failure is recorded and fails the test
+                self.failures.append(f"{type(e).__name__}: {e}")
+            i += 1
+            self._stop.wait(self.pause)
+
+    def __enter__(self) -> Traffic:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=120)

@@ -5,45 +5,22 @@ decode scaled 1 -> 2 by editing the spec (the new pod takes traffic), one decode
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
-from node_e2e import assert_route_to, ctr, dump, http_json, http_text, metric_sum, pods, port_forward, ready
+from node_e2e import (
+    Traffic,
+    assert_route_to,
+    ctr,
+    dump,
+    http_json,
+    http_text,
+    metric_sum,
+    pods,
+    port_forward,
+    ready,
+)
 from pdc_e2e import Kube, wait_until
-
-
-class Traffic:
-    """One client sending completions back to back (short and long prompts) until stopped."""
-
-    def __init__(self, port: int, model: str) -> None:
-        self.port, self.model = port, model
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set():
-            prompt = "count: " + " ".join(str(n) for n in range(i % 7 * 4 + 2))
-            try:
-                r = http_json(f"http://127.0.0.1:{self.port}/v1/completions",
-                              {"model": self.model, "prompt": prompt, "max_tokens": 6, "temperature": 0},
-                              timeout=90)
-                assert r["usage"]["completion_tokens"] >= 1, r
-                self.ok += 1
-            except Exception as e:  # noqa: BLE001 - every failure is recorded and fails the test
-                self.failures.append(f"{type(e).__name__}: {e}")
-            i += 1
-
-    def __enter__(self) -> Traffic:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(timeout=120)
 
 
 def _decode_pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
