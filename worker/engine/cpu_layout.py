@@ -28,7 +28,7 @@ def column_major_linears(model: nn.Module) -> int:
     """Re-store every Linear weight (and the MoE experts' stacked weights) column-major in place; returns
     how many tensors moved. Parameters keep their identity, so a tied lm_head / embedding stays tied (its
     embedding lookup then reads a strided row: ``hidden`` elements per token, negligible next to a step)."""
-    targets: dict[int, nn.Parameter] = {}
+    targets: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear):
             targets[id(module.weight)] = module.weight
