@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ def _wait(agent: Any, handle: Any) -> None:
         raise RuntimeError(f"nixl transfer ended in {state}")
 
 
+def _best_time(agent: Any, new_handle: Callable[[], Any], reps: int) -> float:
+    """Fastest of `reps` timed transfers (one untimed first, to warm UCX's lanes), each from a fresh handle."""
+    best = float("inf")
+    for rep in range(reps + 1):
+        h = new_handle()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _wait(agent, h)
+        torch.cuda.synchronize()
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+        agent.release_xfer_handle(h)
+    return best
+
+
 def vram_read(mib: int, reps: int = 3) -> dict[str, Any]:
     a, b = _agents()  # a reads b's buffer into its own (the decode side pulls, as the backend does)
     n = mib << 20
@@ -47,16 +63,7 @@ def vram_read(mib: int, reps: int = 3) -> dict[str, Any]:
     ra, rb = a.register_memory(dst), b.register_memory(src)
     peer = a.add_remote_agent(b.get_agent_metadata())
     local, remote = a.get_xfer_descs(dst), b.get_xfer_descs(src)
-    best = float("inf")
-    for rep in range(reps + 1):
-        h = a.initialize_xfer("READ", local, remote, peer)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _wait(a, h)
-        torch.cuda.synchronize()
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-        a.release_xfer_handle(h)
+    best = _best_time(a, lambda: a.initialize_xfer("READ", local, remote, peer), reps)
     exact = bool(torch.equal(src, dst))
     a.remove_remote_agent(peer)
     a.deregister_memory(ra)
@@ -86,16 +93,7 @@ def paged_read(tokens: int = 2048, layers: int = 16, block_size: int = 16, heads
     dst_ids = torch.randperm(blocks, generator=g)[:need].tolist()
     li = [t * blocks + i for t in range(2 * layers) for i in dst_ids]
     ri = [t * blocks + i for t in range(2 * layers) for i in src_ids]
-    best = float("inf")
-    for rep in range(reps + 1):
-        h = a.make_prepped_xfer("READ", local, li, remote, ri)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _wait(a, h)
-        torch.cuda.synchronize()
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-        a.release_xfer_handle(h)
+    best = _best_time(a, lambda: a.make_prepped_xfer("READ", local, li, remote, ri), reps)
     exact = all(torch.equal(o[dst_ids], t[src_ids]) for o, t in zip(ours, theirs, strict=True))
     nbytes = len(li) * per_block
     a.release_dlist_handle(local)
