@@ -1,7 +1,8 @@
 """Flow's retry and failover decisions against scripted workers (tests/router/fakes.py): a prefill stream that
 ends after its first token, a decode worker dying mid-stream with one and with two decode workers, a decode
 worker that never comes back (bounded wait, clear error), a worker that fails requests without dying, a
-garbled worker reply, and a client that leaves while /internal/decode is in flight (reservation released)."""
+garbled worker reply, a client that leaves while /internal/decode is in flight (reservation released), and a
+transport error with no text (the failure line still names it)."""
 
 from __future__ import annotations
 
@@ -192,3 +193,16 @@ async def test_client_leaving_during_decode_call_releases_the_reservation() -> N
     await settle(lambda: "/internal/cancel" in s.paths(DECODE))
     cancels = [b["request_id"] for b_, p, b in s.calls if b_ == DECODE and p == "/internal/cancel"]
     assert cancels == ["r-1"]
+
+
+async def test_a_textless_transport_error_still_names_what_broke(caplog: pytest.LogCaptureFixture) -> None:
+    # httpx's timeouts often carry no text: the attempt-failed line and the worker's last_error must still
+    # say what happened (seen under overload as "attempt N failed: decode worker ...: " and nothing more)
+    s = Script()
+    s.on(DECODE, "/internal/generate", streamed([*tokens(10, 1, final=False), httpx.ReadTimeout("")]))
+    flow = make_flow(s, threshold=10_000, max_retries=0)
+    with caplog.at_level("WARNING"), pytest.raises(UpstreamError):
+        await collect(flow, 3)
+    failed = [r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage()]
+    assert failed and failed[0].endswith("ReadTimeout")
+    assert flow.pool.get("decode", DECODE).last_error == "ReadTimeout"

@@ -26,6 +26,7 @@ from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to ap
     NoTransferPath,
     UpstreamError,
     WorkerFailed,
+    describe,
     error_of,
     no_decode_error,
     read_lines,
@@ -203,7 +204,7 @@ class Flow:
                                            json={"request_id": arid, "prompt_token_ids": prompt, "params": params})
                 ok = r.status_code == 200
             except httpx.TransportError as e:
-                self.pool.mark_failed("decode", w.url, str(e))
+                self.pool.mark_failed("decode", w.url, describe(e))
                 continue
             except asyncio.CancelledError:
                 # Deadline or client gone while the reservation was in flight: it may have succeeded on the
@@ -298,8 +299,8 @@ class Flow:
                     if not transferred:
                         raise WorkerFailed("prefill", p.url, "prefill stream ended early")
             except httpx.TransportError as e:
-                self.pool.mark_failed("prefill", p.url, str(e))
-                raise WorkerFailed("prefill", p.url, str(e)) from e
+                self.pool.mark_failed("prefill", p.url, describe(e))
+                raise WorkerFailed("prefill", p.url, describe(e)) from e
             if first is None:
                 raise WorkerFailed("prefill", p.url, "prefill stream ended without a first token")
             stage.move("decode")
@@ -375,6 +376,6 @@ class Flow:
                     if ev.get("finished"):
                         return
         except httpx.TransportError as e:
-            self.pool.mark_failed("decode", w.url, str(e))
-            raise WorkerFailed("decode", w.url, str(e)) from e
+            self.pool.mark_failed("decode", w.url, describe(e))
+            raise WorkerFailed("decode", w.url, describe(e)) from e
         raise WorkerFailed("decode", w.url, "stream ended without a final chunk")

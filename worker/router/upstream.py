@@ -22,6 +22,13 @@ class WorkerFailed(Exception):
         self.role, self.url = role, url
 
 
+def describe(exc: BaseException) -> str:
+    """An exception as a log/error line that is never empty: httpx's timeouts often carry no text, and an
+    "attempt failed: " line with nothing after it tells an operator nothing."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class NoCapacity(Exception):
     """Every candidate refused for lack of room (429s, no KV blocks): wait and try again."""
 
