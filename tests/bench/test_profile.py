@@ -119,7 +119,6 @@ def test_profile_unreachable_url_is_a_message(free_port, capsys):
 
 @pytest.mark.slow
 def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
-    pytest.importorskip("torch")
     from pdcluster.worker.local.demo_model import build_demo_model
 
     model = build_demo_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -27,7 +27,6 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def test_tiny_training_run_writes_a_complete_hf_folder(tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
     files = [f for f in tdm.stdlib_files() if f.name in ("bisect.py", "heapq.py", "keyword.py", "this.py",
                                                           "colorsys.py", "genericpath.py", "abc.py")]
     monkeypatch.setattr(tdm, "stdlib_files", lambda: files)

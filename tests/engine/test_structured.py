@@ -8,12 +8,11 @@ import re
 
 import pytest
 import torch
+import xgrammar
 
 from pdcluster.worker.engine.sampler import History, sample, shape_logits
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.structured import grammar_source, library_message, unpack_bitmask
-
-xgrammar = pytest.importorskip("xgrammar")
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},

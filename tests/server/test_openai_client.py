@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from ..disagg.harness import Cluster, cluster, metric
-
-openai = pytest.importorskip("openai")
 
 IDS = {"return_token_ids": True}
 

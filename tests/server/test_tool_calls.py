@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper
@@ -148,7 +149,6 @@ def urls() -> Iterator[tuple[str, str]]:
 
 
 def test_auto_with_hermes_parser_over_http(urls: tuple[str, str]) -> None:
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=urls[0] + "/v1", api_key="x", max_retries=0, timeout=30)
     for choice in ({"tool_choice": "auto"}, {}):  # OpenAI's default with tools is "auto"
         r = client.chat.completions.create(model="s", messages=MSGS, tools=TOOLS, max_tokens=200, **choice)
@@ -171,7 +171,6 @@ def test_auto_with_hermes_parser_over_http(urls: tuple[str, str]) -> None:
 
 
 def test_auto_without_a_parser_is_a_400_saying_so(urls: tuple[str, str]) -> None:
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=urls[1] + "/v1", api_key="x", max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="s", messages=MSGS, tools=TOOLS, tool_choice="auto", max_tokens=5)

@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from ..disagg.harness import Cluster, cluster, metric
-
-openai = pytest.importorskip("openai")
 
 PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "metric": {"type": "boolean"}},
           "required": ["city", "metric"]}
