@@ -24,7 +24,12 @@ def test_split_heads_are_contiguous() -> None:
 
 @pytest.mark.parametrize(
     "kv_heads,heads,tp,word",
-    [(8, 16, 3, "attention head"), (6, 12, 4, "KV head count"), (3, 12, 4, "KV head count"), (8, 16, 0, ">= 1")],
+    [
+        (8, 16, 3, "attention head"),
+        (6, 12, 4, "KV head count"),
+        (3, 12, 4, "KV head count"),
+        (8, 16, 0, ">= 1"),
+    ],
 )
 def test_bad_layouts_are_refused_with_the_reason(kv_heads: int, heads: int, tp: int, word: str) -> None:
     with pytest.raises(ValueError, match=word):
