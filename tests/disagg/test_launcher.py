@@ -38,6 +38,59 @@ def test_supervisor_restarts_a_dead_child_and_stops_all(tmp_path: Path) -> None:
     assert not p.alive
 
 
+_DEAF = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "print('ready', flush=True); time.sleep(60)"]  # a worker whose drain never ends
+
+
+def _start_deaf(sup: Supervisor, name: str) -> int:
+    p = sup.add(name, _DEAF)
+    deadline = time.monotonic() + 30
+    while b"ready" not in sup.log_path(name).read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.pid is not None
+    return p.pid
+
+
+def _poll_while(sup: Supervisor, cond: object, seconds: float) -> list[str]:
+    events: list[str] = []
+    deadline = time.monotonic() + seconds
+    while cond() and time.monotonic() < deadline:  # type: ignore[operator]
+        events += sup.poll()
+        time.sleep(0.05)
+    return events
+
+
+def test_scale_down_returns_while_the_worker_drains_and_kills_it_at_the_deadline(tmp_path: Path) -> None:
+    # Regression: disable() used to wait for the exit, freezing `up`'s loop (autoscaler, restarts) for
+    # up to 10 s per worker scaled down.
+    sup = Supervisor(tmp_path)
+    _start_deaf(sup, "w")
+    p = sup.procs["w"]
+    sup.disable("w", timeout=1.0)
+    assert p.alive and not p.enabled  # still draining when disable() returns
+    events = _poll_while(sup, lambda: p.alive or p.drain_until is not None, 30)
+    assert not p.alive and p.drain_until is None and p.restarts == 0
+    assert any("scaled down" in e for e in events)
+    assert not any("restart" in e for e in events)  # a scale-down is not a crash
+    sup.stop(timeout=5)
+
+
+def test_scale_up_during_a_drain_starts_a_new_process_once_the_old_one_exits(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    old = _start_deaf(sup, "w")
+    p = sup.procs["w"]
+    sup.disable("w", timeout=1.0)
+    sup.enable("w")
+    assert p.enabled and p.pid == old  # counted as running; the old one still holds the port
+    events = _poll_while(sup, lambda: p.pid == old, 30)
+    assert p.pid != old and p.alive and p.restarts == 0
+    assert any("started again after draining" in e for e in events)
+    sup.disable("w", timeout=1.0)
+    _poll_while(sup, lambda: p.alive, 30)
+    sup.stop(timeout=5)
+    assert not p.alive
+
+
 def _exit_with(code: int, message: str) -> list[str]:
     return [sys.executable, "-c", f"import sys; print({message!r}, file=sys.stderr); sys.exit({code})"]
 

@@ -61,6 +61,8 @@ class Proc:
     restart_at: float | None = None
     started_at: float = 0.0
     enabled: bool = True  # False: scaled down; not restarted
+    drain_until: float | None = None  # SIGTERMed by a scale-down: killed if still alive at this time
+    respawn: bool = False  # scaled up again while draining: start it once the old process has exited
 
     @property
     def pid(self) -> int | None:
@@ -109,7 +111,12 @@ class Supervisor:
         events: list[str] = []
         now = time.monotonic()
         for p in self.procs.values():
-            if self.stopping or not p.enabled or p.popen is None:
+            if self.stopping or p.popen is None:
+                continue
+            if p.drain_until is not None:
+                events += self._drain(p, now)
+                continue
+            if not p.enabled:
                 continue
             code = p.popen.poll()
             if code is None:
@@ -137,15 +144,42 @@ class Supervisor:
                                           f"{HEALTHY_AFTER:.0f} s of starting (last exit code {code}){said}")
 
     def disable(self, name: str, timeout: float = 10.0) -> None:
-        """Scale down: stop one process and do not restart it."""
+        """Scale down: ask one process to drain (SIGTERM) and do not restart it. Returns at once, so `up`'s
+        loop keeps serving its other duties while the worker finishes its requests; `poll` kills it if it
+        is still alive after `timeout` seconds."""
         p = self.procs[name]
-        p.enabled = False
-        self._terminate([p], timeout)
+        p.enabled, p.respawn = False, False
+        if p.alive and p.drain_until is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            p.drain_until = time.monotonic() + timeout
 
     def enable(self, name: str) -> None:
+        """Scale up. A process still draining from a scale-down is replaced once it has exited (its port is
+        still taken until then)."""
         p = self.procs[name]
-        if not p.alive:
+        p.enabled = True
+        if p.drain_until is not None:
+            p.respawn = True
+        elif not p.alive:
             self._spawn(p)
+
+    def _drain(self, p: Proc, now: float) -> list[str]:
+        assert p.popen is not None and p.drain_until is not None
+        if p.popen.poll() is None:
+            if now < p.drain_until:
+                return []
+            log.warning("%s did not drain in time: killing it", p.name)
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(5)
+        p.drain_until = None
+        if not p.respawn:
+            return [f"{p.name} stopped (scaled down)"]
+        p.respawn = False
+        self._spawn(p)
+        return [f"{p.name} started again after draining (pid {p.pid})"]
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM everything (graceful: servers drain), SIGKILL what is still alive after `timeout`."""
