@@ -91,15 +91,18 @@ def encode_layer(
     compression: str = "none",
     token_start: int = 0,
     scales: Scales | None = None,
+    head_start: int = 0,
 ) -> Frame:
     """Build one LAYER frame from K and V `[num_tokens, kv_heads, head_dim]` (CPU or GPU, any float dtype), or
-    from cache codes (int8 `[.., head_dim]`, uint8 packed int4 `[.., head_dim // 2]`) with their `scales`."""
+    from cache codes (int8 `[.., head_dim]`, uint8 packed int4 `[.., head_dim // 2]`) with their `scales`.
+    `head_start`: the global index of the first of these KV heads (a head range of a re-sharded transfer)."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim], got {tuple(k.shape)}/{tuple(v.shape)}")
     tokens, heads, width = k.shape
     dim = width * 2 if code_bits(k) == 4 else width
     common = dict(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
-                  token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim)
+                  token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim,
+                  head_start=head_start)
     dtype, flags, payload, wire_scales = wire_tensors(k, v, compression, scales)
     return Frame(**common, dtype=dtype, flags=flags,  # type: ignore[arg-type]
                  scales=_raw(*wire_scales) if wire_scales else b"", payload=_raw(*payload))

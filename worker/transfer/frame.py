@@ -14,7 +14,8 @@ Frame layout — all integers big-endian::
 
     offset size  field
     0      4     magic            b"PDKV"
-    4      1     version          3 (2 had per-frame HMAC-SHA256 + crc32, 1 no header MAC)
+    4      1     version          3 (2 had per-frame HMAC-SHA256 + crc32, 1 no header MAC); 4 = a data
+                                  frame of a head range starting at a nonzero global KV head (below)
     5      1     kind             1 = LAYER (KV for one layer), 2 = ACK (receiver -> sender),
                                   3 = ABORT (sender gives up; receiver drops the partial import),
                                   4 = STAGED (the layer lies in the sender's NIXL-registered staging
@@ -31,7 +32,10 @@ Frame layout — all integers big-endian::
     18     4     token_end        one past the last token position
     22     2     kv_heads
     24     2     head_dim
-    26     2     status           ACK only: 0 ok, else an ErrorCode; 0 for other kinds
+    26     2     status           ACK only: 0 ok, else an ErrorCode; 0 for other kinds in version 3.
+                                  head_start in version 4 (LAYER/STAGED only): the global index of the
+                                  frame's first KV head (re-sharding between TP layouts, `reshard.py`);
+                                  a frame starting at head 0 stays version 3, byte for byte as before
     28     4     scales_len       bytes of float32 scales (K then V, [num_tokens, kv_heads] each)
     32     4     payload_len      bytes of K then V, each [num_tokens, kv_heads, head_dim] of `dtype`
     36     16    header_tag       GMAC(key, nonce "hdr" + seq, bytes 0..36)
@@ -58,6 +62,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = b"PDKV"
 VERSION = 3
+VERSION_HEADS = 4  # a LAYER/STAGED frame whose heads start at a nonzero global head (bytes 26..27)
 HEADER = struct.Struct(">4sBBBBHHHIIHHHII")
 HEADER_SIZE = HEADER.size  # 36
 TAG_SIZE = 16
@@ -146,6 +151,7 @@ class Frame:
     dtype: DType = DType.F32
     flags: int = 0
     status: int = 0
+    head_start: int = 0  # global index of the first KV head carried (TP re-sharding); 0 = from the first
     scales: bytes | memoryview = b""  # parsed frames hold zero-copy views into the received buffer
     payload: bytes | memoryview = b""
 
@@ -173,6 +179,7 @@ class Header:
     status: int
     scales_len: int
     payload_len: int
+    head_start: int = 0
 
     @property
     def body_len(self) -> int:
@@ -196,8 +203,8 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
      scales_len, payload_len) = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise FrameError(ErrorCode.BAD_MAGIC, "not a pdcluster KV frame")
-    if version != VERSION:
-        raise FrameError(ErrorCode.BAD_VERSION, f"version {version}, this build speaks {VERSION}")
+    if version not in (VERSION, VERSION_HEADS):
+        raise FrameError(ErrorCode.BAD_VERSION, f"version {version}, this build speaks {VERSION} and {VERSION_HEADS}")
     try:
         kind_e, dtype_e = Kind(kind), DType(dtype)
     except ValueError as e:
@@ -217,6 +224,13 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
             raise FrameError(ErrorCode.BAD_HEADER, "quantized flag and dtype disagree")
         if dtype_e == DType.I4 and dim % 2:
             raise FrameError(ErrorCode.BAD_HEADER, f"int4 codes need an even head_dim, got {dim}")
+    head_start = 0
+    if version == VERSION_HEADS:  # bytes 26..27 are the data frame's first global KV head
+        if kind_e not in (Kind.LAYER, Kind.STAGED):
+            raise FrameError(ErrorCode.BAD_HEADER, f"version {VERSION_HEADS} is for LAYER/STAGED frames only")
+        head_start, status = status, 0
+        if head_start + heads > limits.max_kv_heads:
+            raise FrameError(ErrorCode.BAD_HEADER, f"heads [{head_start}, +{heads}) exceed limits")
     if kind_e != Kind.ACK and status != 0:
         raise FrameError(ErrorCode.BAD_HEADER, "status is only meaningful on ACK")
     want_scales, want_payload = expected_lengths(kind_e, flags, dtype_e, t1 - t0, heads, dim)
@@ -226,7 +240,7 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
     elif (scales_len, payload_len) != (want_scales, want_payload):
         raise FrameError(ErrorCode.BAD_HEADER, f"lengths {scales_len}/{payload_len} do not match the shape")
     hdr = Header(kind_e, flags, dtype_e, rid_len, layer, num_layers, t0, t1, heads, dim, status,
-                 scales_len, payload_len)
+                 scales_len, payload_len, head_start)
     if HEADER_SIZE + hdr.body_len > limits.max_frame_bytes:
         raise FrameError(ErrorCode.TOO_LARGE, f"frame of {HEADER_SIZE + hdr.body_len} bytes")
     return hdr
@@ -292,6 +306,7 @@ def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
         kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
         token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
         head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
+        head_start=hdr.head_start,
         scales=view[rid_end:scales_end], payload=view[scales_end:signed_end],
     )
 
@@ -301,9 +316,9 @@ def seal_frame(frame: Frame, key: FrameKey, seq: int, limits: Limits = DEFAULT_L
     the parser's rules, so we never emit what a receiver would refuse."""
     rid = frame.request_id.encode("utf-8")
     head = HEADER.pack(
-        MAGIC, VERSION, int(frame.kind), frame.flags, int(frame.dtype), len(rid), frame.layer,
-        frame.num_layers, frame.token_start, frame.token_end, frame.kv_heads, frame.head_dim,
-        frame.status, len(frame.scales), len(frame.payload),
+        MAGIC, VERSION_HEADS if frame.head_start else VERSION, int(frame.kind), frame.flags, int(frame.dtype),
+        len(rid), frame.layer, frame.num_layers, frame.token_start, frame.token_end, frame.kv_heads, frame.head_dim,
+        frame.head_start or frame.status, len(frame.scales), len(frame.payload),
     )
     parse_header(head, limits)  # raises on anything a receiver would refuse
     meta = rid + bytes(frame.scales)  # small next to the payload (int8 scales: 4 / head_dim of it)
