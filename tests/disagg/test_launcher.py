@@ -182,3 +182,19 @@ def test_up_passes_decode_wait_and_routing_to_a_router_that_accepts_them() -> No
     router_cli.add_arguments(p)
     parsed = p.parse_args(cmd[cmd.index("router") + 1:])
     assert parsed.decode_wait == 7.5 and parsed.routing == "least-loaded"
+
+
+def test_up_passes_the_tool_call_parser_to_the_router_and_every_worker(tmp_path: Path) -> None:
+    from pdcluster.worker.server import cli as serve_cli
+
+    args = _up_args("--tool-call-parser", "hermes")
+    router = launcher.router_cmd(args, ["http://127.0.0.1:8081"], ["http://127.0.0.1:8082"])
+    worker = launcher.worker_cmd(args, tmp_path, "decode", 8082)
+    for cmd, add in ((router, router_cli.add_arguments), (worker, serve_cli.add_arguments)):
+        p = argparse.ArgumentParser()
+        add(p)
+        sub = "router" if cmd is router else "serve"
+        assert p.parse_args(cmd[cmd.index(sub) + 1 :]).tool_call_parser == "hermes"
+    plain = _up_args()  # no flag: no parser anywhere ("auto" stays a 400 naming the flag)
+    assert "--tool-call-parser" not in launcher.router_cmd(plain, [], ["http://127.0.0.1:8082"])
+    assert "--tool-call-parser" not in launcher.worker_cmd(plain, tmp_path, "decode", 8082)

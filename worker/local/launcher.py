@@ -24,6 +24,7 @@ import httpx
 
 from pdcluster.worker.api import cli_args as types
 from pdcluster.worker.api import tracing
+from pdcluster.worker.api.tool_calls import PARSERS
 from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
 
 log = logging.getLogger("pdcluster.up")
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scale-down-stabilization", type=types.non_negative_float, default=300.0, metavar="S",
       help="with --autoscale: a pool shrinks only after it was oversized this long (default: %(default)s s, "
            "the CRD's)")
+    a("--tool-call-parser", choices=list(PARSERS), default=None,
+      help='passed to the router and every worker: parse tool calls out of the text for tool_choice "auto" '
+           '(hermes: <tool_call>{json}</tool_call> blocks); default none, "auto" is refused')
     a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
     a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
     tracing.add_argument(parser)  # passed on to the router and every worker (each exports its own spans)
@@ -91,7 +95,12 @@ def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> l
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
             "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
             "--kv-transfer-backend", getattr(args, "kv_transfer_backend", "auto"),
-            *_otlp(args)]
+            *_otlp(args), *_tool_calls(args)]
+
+
+def _tool_calls(args: argparse.Namespace) -> list[str]:
+    parser = getattr(args, "tool_call_parser", None)
+    return ["--tool-call-parser", parser] if parser else []
 
 
 def _otlp(args: argparse.Namespace) -> list[str]:
@@ -104,7 +113,7 @@ def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) 
            "--disaggregation-threshold", str(args.disaggregation_threshold),
            "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
            "--decode-wait", str(args.decode_wait), "--routing", args.routing,
-           "--health-interval", "0.5", "--log-level", "warning", *_otlp(args)]
+           "--health-interval", "0.5", "--log-level", "warning", *_otlp(args), *_tool_calls(args)]
     if prefill:
         cmd += ["--prefill", *prefill]
     return cmd + ["--decode", *decode]
