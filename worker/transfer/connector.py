@@ -29,6 +29,7 @@ import torch
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
+from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,12 @@ class LoadSpec:
     request_id: str
     num_layers: int
     num_tokens: int
-    kv_heads: int
+    kv_heads: int  # of this receiver's cache
     head_dim: int
+    # TP re-sharding (head_slice.py): the global index of this cache's first head, and the (first global
+    # head, count) ranges each layer arrives in; () = one range of all kv_heads from head_offset (today)
+    head_offset: int = 0
+    pieces: tuple[tuple[int, int], ...] = ()
 
 
 class KVConnector(KVConnectorBase):
@@ -114,9 +119,9 @@ class Received:
 class _Load:
     spec: LoadSpec
     started: float = field(default_factory=time.monotonic)
-    # layer -> token_start -> tokens imported (0 while that range is being imported): each range is written
-    # into the cache as it arrives, never held back to be joined with the layer's other ranges
-    ranges: dict[int, dict[int, int]] = field(default_factory=dict)
+    # layer -> (token_start, head_start) -> token-heads imported (0 while that range is being imported):
+    # each range is written into the cache as it arrives, never held back to be joined with the others
+    ranges: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
     loaded: set[int] = field(default_factory=set)
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -136,7 +141,7 @@ class TCPConnector(KVConnector):
         self.chunk_bytes = min(chunk_bytes, limits.max_frame_bytes // 2)
         self.stats = TransportStats()
         self.server: KVServer | None = None
-        self._outboxes: dict[str, tuple[Outbox, int]] = {}
+        self._outboxes: dict[str, tuple[Outbox | Fanout, int]] = {}
         self._loads: dict[str, _Load] = {}
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
@@ -146,7 +151,7 @@ class TCPConnector(KVConnector):
         # are keyed by (layer, token_start), so their order on the wire does not matter).
         self._encoder = concurrent.futures.ThreadPoolExecutor(
             max(1, min(encoder_threads, os.cpu_count() or 1)), thread_name_prefix="kv-encode")
-        self._encoding: dict[str, list[concurrent.futures.Future[list[Frame]]]] = {}
+        self._encoding: dict[str, list[concurrent.futures.Future[list[tuple[Outbox, Frame]]]]] = {}
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
@@ -168,6 +173,14 @@ class TCPConnector(KVConnector):
                      max_retries=self.max_retries, limits=self.limits, stats=self.stats)
         self._outboxes[request_id] = (box, num_layers)
 
+    def start_save_heads(self, request_id: str, routes: list[HeadRoute], num_layers: int) -> None:
+        """A transfer of head ranges of this sender's cache, one per route (TP re-sharding, head_slice.py):
+        then save_kv_layer / wait_for_save / abort_save as for start_save."""
+        self._loop = asyncio.get_running_loop()
+        boxes = [Outbox(r.host, r.port, self.secret, timeout=self.timeout, max_retries=self.max_retries,
+                        limits=self.limits, stats=self.stats) for r in routes]
+        self._outboxes[request_id] = (Fanout(routes, boxes), num_layers)
+
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                       token_start: int = 0, scales: codec.Scales | None = None) -> None:
         """Thread-safe and non-blocking: encoding runs on the encoder thread, sending on the loop.
@@ -180,10 +193,13 @@ class TCPConnector(KVConnector):
         box, num_layers = entry
         loop = self._loop
 
-        def encode() -> list[Frame]:
-            return self._frames(request_id, layer, num_layers, k, v, token_start, scales)
+        def encode() -> list[tuple[Outbox, Frame]]:
+            if isinstance(box, Fanout):
+                return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
+                                                                  s, head_start=h), k, v, scales)
+            return [(box, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
 
-        def enqueue(fut: concurrent.futures.Future[list[Frame]]) -> None:
+        def enqueue(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:
             err: BaseException | None = None
             try:
                 frames = fut.result()
@@ -197,8 +213,8 @@ class TCPConnector(KVConnector):
                 if err is not None:
                     box.close()
                     return
-                for f in frames:
-                    box.put(f)
+                for b, f in frames:
+                    b.put(f)
 
             loop.call_soon_threadsafe(put)
 
@@ -211,7 +227,7 @@ class TCPConnector(KVConnector):
         back here (the TCP backend lends none)."""
 
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
-                offset: int, scales: codec.Scales | None = None) -> list[Frame]:
+                offset: int, scales: codec.Scales | None = None, head_start: int = 0) -> list[Frame]:
         tokens = k.shape[0]
         quant = scales is not None or self.compression == "int8"
         item = 1 if quant and scales is None else k.element_size()
@@ -221,9 +237,9 @@ class TCPConnector(KVConnector):
         step = max(1, self.chunk_bytes // per_token)
         if step >= tokens:
             return [codec.encode_layer(request_id, layer, num_layers, k, v, compression=self.compression,
-                                       token_start=offset, scales=scales)]
+                                       token_start=offset, scales=scales, head_start=head_start)]
         return [codec.encode_layer(request_id, layer, num_layers, k[s:s + step], v[s:s + step],
-                                   compression=self.compression, token_start=offset + s,
+                                   compression=self.compression, token_start=offset + s, head_start=head_start,
                                    scales=(scales[0][s:s + step], scales[1][s:s + step]) if scales else None)
                 for s in range(0, tokens, step)]
 
@@ -305,20 +321,21 @@ class TCPConnector(KVConnector):
         if frame.kind not in (Kind.LAYER, Kind.STAGED):
             return ErrorCode.BAD_HEADER
         s = load.spec
-        if (frame.num_layers, frame.kv_heads, frame.head_dim) != (s.num_layers, s.kv_heads, s.head_dim) \
-                or frame.token_end > s.num_tokens:
-            load.error = (f"shape mismatch: got layers={frame.num_layers} heads={frame.kv_heads} "
-                          f"dim={frame.head_dim} tokens<{frame.token_end}, expected {s}")
+        if (frame.num_layers, frame.head_dim) != (s.num_layers, s.head_dim) or frame.token_end > s.num_tokens \
+                or (frame.head_start, frame.kv_heads) not in (s.pieces or ((s.head_offset, s.kv_heads),)):
+            load.error = (f"shape mismatch: got layers={frame.num_layers} heads={frame.kv_heads} from head "
+                          f"{frame.head_start} dim={frame.head_dim} tokens<{frame.token_end}, expected {s}")
             load.changed.set()
             return ErrorCode.SHAPE_MISMATCH
         ranges = load.ranges.setdefault(frame.layer, {})
-        if frame.layer in load.loaded or frame.token_start in ranges:
+        key = (frame.token_start, frame.head_start)
+        if frame.layer in load.loaded or key in ranges:
             return ErrorCode.OK  # a resend after reconnect: already imported (or being imported)
-        ranges[frame.token_start] = 0
+        ranges[key] = 0
         try:
             got = await self._decode(frame)
         except TransferError as e:  # e.g. a staged layer whose MAC fails: this load is over
-            ranges.pop(frame.token_start, None)
+            ranges.pop(key, None)
             if e.code in FATAL:
                 load.error = str(e)
                 load.changed.set()
@@ -327,8 +344,10 @@ class TCPConnector(KVConnector):
             if frame.request_id not in self._loads:  # cancelled while receiving
                 return ErrorCode.UNKNOWN_REQUEST
             if self.importer is not None:
+                # a head range says where it goes in this cache; a whole-layer load calls as it always did
+                heads = {"head_offset": frame.head_start - s.head_offset} if s.pieces else {}
                 res = self.importer(frame.request_id, frame.layer, got.k, got.v, token_start=frame.token_start,
-                                    scales=got.scales)
+                                    scales=got.scales, **heads)
                 if inspect.isawaitable(res):
                     await res
         except Exception as e:  # e.g. the reservation vanished: fail this load, not the listener
@@ -339,8 +358,8 @@ class TCPConnector(KVConnector):
         finally:
             got.release()  # the importer has copied the bytes into the cache: the receive memory is free
         load.bytes += got.nbytes
-        ranges[frame.token_start] = frame.num_tokens
-        if sum(ranges.values()) >= s.num_tokens:
+        ranges[key] = frame.num_tokens * frame.kv_heads
+        if sum(ranges.values()) >= s.num_tokens * s.kv_heads:
             load.loaded.add(frame.layer)
             del load.ranges[frame.layer]
             if len(load.loaded) == s.num_layers:

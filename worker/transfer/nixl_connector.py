@@ -37,6 +37,7 @@ import torch
 from pdcluster.worker.transfer import codec, nixl_wire
 from pdcluster.worker.transfer.connector import Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
+from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
 from pdcluster.worker.transfer.staging import Staging
 from pdcluster.worker.transfer.transport import TransferError
@@ -51,7 +52,7 @@ LARGE = 256 * 1024  # bytes above which MAC checks and decoding leave the event 
 @dataclass
 class _Outgoing:
     salt: bytes = field(default_factory=lambda: os.urandom(nixl_wire.SALT_SIZE))
-    regions: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, token_start) -> offset
+    regions: set[int] = field(default_factory=set)  # staging offsets of frames not yet acknowledged
     staged_bytes: int = 0
     descriptor_bytes: int = 0
 
@@ -93,6 +94,12 @@ class NixlConnector(TCPConnector):
             self._out[request_id] = _Outgoing()
         self._outboxes[request_id][0].on_ack = self._acked
 
+    def start_save_heads(self, request_id: str, routes: list[HeadRoute], num_layers: int) -> None:
+        super().start_save_heads(request_id, routes, num_layers)
+        with self._out_lock:
+            self._out[request_id] = _Outgoing()
+        self._outboxes[request_id][0].on_ack = self._acked
+
     def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
                       quantized: bool) -> torch.Tensor | None:
         """Engine thread: a staging region for the engine to gather this layer's range into, so the bytes sit
@@ -100,6 +107,8 @@ class NixlConnector(TCPConnector):
         of a float layer), when staging is full, or for a request we do not send."""
         if self.compression == "int8" and not quantized:
             return None
+        if isinstance(self._outboxes.get(request_id, (None,))[0], Fanout):
+            return None  # head ranges are cut out of the export (one copy each) and staged apiece
         with self._out_lock:
             if request_id not in self._out:
                 return None
@@ -122,7 +131,7 @@ class NixlConnector(TCPConnector):
             self.staging.free(lent[0])
 
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
-                offset: int, scales: codec.Scales | None = None) -> list[Frame]:
+                offset: int, scales: codec.Scales | None = None, head_start: int = 0) -> list[Frame]:
         """Encoder thread: describe one layer's token range where it lies in staging (the engine gathered it
         there: no copy), else stage it (one copy, or the int8 quantization's output); TCP frames when staging
         is full."""
@@ -146,7 +155,7 @@ class NixlConnector(TCPConnector):
                 self.fallback_layers += 1
                 log.info("kv transfer %s: no free staging for layer %d (%d bytes): sent over TCP", request_id,
                          layer, nbytes)
-                return super()._frames(request_id, layer, num_layers, k, v, offset, scales)
+                return super()._frames(request_id, layer, num_layers, k, v, offset, scales, head_start)
             off = got
         keep = False
         try:
@@ -159,13 +168,13 @@ class NixlConnector(TCPConnector):
                 out = self._out.get(request_id)
             if out is None:
                 return []  # aborted meanwhile: nothing will be sent
-            tag = nixl_wire.mac(self.secret, out.salt, request_id, layer, offset, self._view(off, nbytes))
+            tag = nixl_wire.mac(self.secret, out.salt, request_id, layer, offset, self._view(off, nbytes), head_start)
             desc = nixl_wire.Descriptor(self.agent.base + off, nbytes, 0, out.salt, tag, self.agent.name,
                                         self._metadata).pack()
             with self._out_lock:
                 if self._out.get(request_id) is not out:
                     return []
-                out.regions[(layer, offset)] = off
+                out.regions.add(off)
                 out.staged_bytes += nbytes
                 out.descriptor_bytes += len(desc)
                 keep = True
@@ -176,7 +185,7 @@ class NixlConnector(TCPConnector):
         dim = k.shape[2] * 2 if dtype == DType.I4 else k.shape[2]
         return [Frame(kind=Kind.STAGED, request_id=request_id, layer=layer, num_layers=num_layers,
                       token_start=offset, token_end=offset + tokens, kv_heads=heads, head_dim=dim,
-                      dtype=dtype, flags=flags, payload=desc)]
+                      dtype=dtype, flags=flags, payload=desc, head_start=head_start)]
 
     def _view(self, off: int, nbytes: int) -> memoryview:
         return memoryview(self.agent.buffer[off:off + nbytes].numpy())
@@ -185,17 +194,19 @@ class NixlConnector(TCPConnector):
         """The receiver has read and checked this layer: its region can be reused."""
         if frame.kind != Kind.STAGED:
             return
+        off = nixl_wire.unpack(frame.payload).addr - self.agent.base  # our own descriptor: where it lies
         with self._out_lock:
             out = self._out.get(frame.request_id)
-            off = out.regions.pop((frame.layer, frame.token_start), None) if out else None
-        if off is not None:
-            self.staging.free(off)
+            if out is None or off not in out.regions:
+                return
+            out.regions.discard(off)
+        self.staging.free(off)
 
     def _release(self, request_id: str) -> _Outgoing | None:
         with self._out_lock:
             out = self._out.pop(request_id, None)
         if out is not None:
-            for off in out.regions.values():
+            for off in out.regions:
                 self.staging.free(off)
             out.regions.clear()
         return out
@@ -251,7 +262,8 @@ class NixlConnector(TCPConnector):
         view = self._view(off, d.nbytes)
 
         def ok() -> bool:
-            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view)
+            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
+                                    frame.head_start)
 
         if not (await asyncio.to_thread(ok) if d.nbytes > LARGE else ok()):
             raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
@@ -259,7 +271,7 @@ class NixlConnector(TCPConnector):
         layer = Frame(kind=Kind.LAYER, request_id=frame.request_id, layer=frame.layer,
                       num_layers=frame.num_layers, token_start=frame.token_start, token_end=frame.token_end,
                       kv_heads=frame.kv_heads, head_dim=frame.head_dim, dtype=frame.dtype, flags=frame.flags,
-                      payload=view[:split], scales=view[split:])
+                      payload=view[:split], scales=view[split:], head_start=frame.head_start)
         return codec.wire_kv(layer)
 
     async def _alloc(self, nbytes: int) -> int:
