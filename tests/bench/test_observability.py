@@ -30,11 +30,12 @@ ADDED_SERIES = {
     "pdcluster_request_phase_seconds", "pdcluster_e2e_request_latency_seconds", "pdcluster_request_prompt_tokens",
     "pdcluster_request_generation_tokens", "pdcluster_request_success_total",
     "pdcluster_prefix_cache_query_tokens_total", "pdcluster_prefix_cache_hit_tokens_total", "pdcluster_build_info",
+    "pdcluster_decode_join_seconds",  # issue 13: the decode pool's per-request admission cost (t_join)
 }
 HISTOGRAMS = {"pdcluster_time_to_first_token_seconds", "pdcluster_time_per_output_token_seconds",
               "pdcluster_kv_transfer_seconds", "pdcluster_request_phase_seconds",
               "pdcluster_e2e_request_latency_seconds", "pdcluster_request_prompt_tokens",
-              "pdcluster_request_generation_tokens"}
+              "pdcluster_request_generation_tokens", "pdcluster_decode_join_seconds"}
 RUNBOOK_URL = re.compile(r"^https://\S+/docs/runbooks/(?P<alert>[A-Za-z]+)\.md$")
 METRIC = re.compile(r"\b(pdcluster[_:][A-Za-z0-9_:]*)")
 

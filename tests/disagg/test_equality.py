@@ -62,10 +62,12 @@ def test_disaggregated_greedy_equals_monolithic(tiny_model_dir: Path) -> None:
         loads = idle_everywhere(c)
         # both decode workers (block sizes 16 and 32) received KV from the block-size-8 prefill worker
         received = [metric(u, "pdcluster_kv_transfer_bytes_total") for u in c.decode]
+        joined = [metric(u, "pdcluster_decode_join_seconds_count") for u in c.decode]  # t_join was timed
         snap = httpx.get(f"{c.router}/cluster").json()
     assert got == want
     assert got_stream == want
     assert all(b > 0 for b in received), received
+    assert all(n > 0 for n in joined), joined
     assert all(d["used_blocks"] == 0 and d["pending_loads"] == 0 for d in loads), loads
     assert snap["router"]["retries"] == 0
 

@@ -42,6 +42,7 @@ def test_feeding_and_scrape_time_gauges() -> None:
     m.observe_tpot(0.01)
     m.kv_transfer(1000, 0.05)
     m.kv_transfer_failed()
+    m.decode_joined(0.03)
     m.rejected("queue_full")
     role = (("role", "decode"),)
     s = samples(m.render().decode())
@@ -53,6 +54,7 @@ def test_feeding_and_scrape_time_gauges() -> None:
     assert s[("pdcluster_kv_transfer_bytes_total", role)] == 1000
     assert s[("pdcluster_kv_transfer_seconds_count", role)] == 1
     assert s[("pdcluster_kv_transfer_failures_total", role)] == 1
+    assert s[("pdcluster_decode_join_seconds_sum", role)] == 0.03
     assert s[("pdcluster_requests_rejected_total", (("reason", "queue_full"), *role))] == 1
     assert s[("pdcluster_requests_waiting", role)] == 3  # waiting + swapped
     assert s[("pdcluster_requests_running", role)] == 3

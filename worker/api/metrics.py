@@ -69,6 +69,7 @@ SERIES = (
     "pdcluster_prefix_cache_query_tokens_total",
     "pdcluster_prefix_cache_hit_tokens_total",
     "pdcluster_build_info",
+    "pdcluster_decode_join_seconds",
 )
 
 # One request's journey, in order. The router sees router_queue, kv_transfer, decode_queue and decode; the
@@ -218,6 +219,11 @@ class WorkerMetrics:
         self._kv_bytes = counter("pdcluster_kv_transfer_bytes", "KV cache bytes transferred.").labels(**labels)
         self._kv_seconds = hist("pdcluster_kv_transfer_seconds", "Duration of one KV transfer.", TRANSFER_BUCKETS)
         self._kv_failures = counter("pdcluster_kv_transfer_failures", "Failed KV transfers.").labels(**labels)
+        # The decode pool's per-request cost that O/C_d leaves out (the planner's t_join): import, scheduling
+        # and the first step of a transferred request, from its KV being complete to its first output.
+        self._join = hist("pdcluster_decode_join_seconds",
+                          "Decode: seconds from a transferred request's KV being complete to its first output.",
+                          TRANSFER_BUCKETS)
         self._phase = Histogram("pdcluster_request_phase_seconds",
                                 "Time one request spent in each phase (see PHASES), observed where it is known.",
                                 names + ["phase"], buckets=PHASE_BUCKETS, registry=reg)
@@ -265,6 +271,10 @@ class WorkerMetrics:
     def kv_transfer(self, nbytes: int, seconds: float) -> None:
         self._kv_bytes.inc(nbytes)
         self._kv_seconds.observe(max(0.0, seconds))
+
+    def decode_joined(self, seconds: float) -> None:
+        """A transferred request's first output on the decode worker, `seconds` after its KV was complete."""
+        self._join.observe(max(0.0, seconds))
 
     def kv_transfer_failed(self) -> None:
         self._kv_failures.inc()

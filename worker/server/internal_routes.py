@@ -330,6 +330,7 @@ class Disaggregation:
                 w.metrics.kv_transfer_failed()
                 yield _line({"error": f"kv load failed: {e}", "finished": True, "finish_reason": "error"})
                 return
+            t_loaded = time.monotonic()
             stream = self.engine.open_stream(rid)
             try:
                 await self.engine.commit_import(rid, first)
@@ -346,6 +347,7 @@ class Disaggregation:
                     lps = out.logprobs
                     if skip_first and ids:  # the router already sent the first token (from prefill)
                         skip_first, ids, text, lps = False, ids[1:], "", (lps or [])[1:] or None
+                        w.metrics.decode_joined(time.monotonic() - t_loaded)  # the planner's t_join
                     elif ids:
                         now = time.monotonic()
                         w.metrics.observe_tpot((now - last) / len(ids))
