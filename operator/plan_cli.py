@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prompt tokens/s one prefill instance sustains (C_p)")
     a("--decode-capacity", type=cli_args.positive_float, required=True,
       help="output tokens/s one decode instance sustains (C_d)")
+    a("--decode-join-seconds", type=cli_args.non_negative_float, default=0.0,
+      help="decode instance-seconds of admitting one transferred request (t_join: KV import, first step), "
+           "from `pdcluster profile --url ROUTER` (default: %(default)s, the formula without it)")
     a("--request-rate", type=cli_args.non_negative_float, default=None,
       help="requests/s to provision for (λ) (default: none, only the ratio is computed)")
     a("--headroom", type=headroom, default=1.5, help="provision for this multiple of λ (default: %(default)s)")
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             bounds=Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode,
                           args.max_total_replicas),
+            decode_join_seconds=args.decode_join_seconds,
         )
     except PlanError as e:
         print(f"pdcluster plan: error: {e}", file=sys.stderr)
@@ -60,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"prefill: {result.prefill_seconds_per_request:.4g} s/request "
           f"(input {args.input_len:g} tokens / {args.prefill_capacity:g} tok/s)")
+    join = f" + {args.decode_join_seconds:g} s joining" if args.decode_join_seconds else ""
     print(f"decode:  {result.decode_seconds_per_request:.4g} s/request "
-          f"(output {args.output_len:g} tokens / {args.decode_capacity:g} tok/s)")
+          f"(output {args.output_len:g} tokens / {args.decode_capacity:g} tok/s{join})")
     print(f"ratio:   {result.ratio:.4g} decode instances per prefill instance (1:{result.ratio:.3g})")
     if result.prefill_replicas is None:
         print("replicas: pass --request-rate for replica counts")
@@ -71,4 +76,5 @@ def run(args: argparse.Namespace) -> int:
               f"(unrounded {result.raw_prefill:.4g} / {result.raw_decode:.4g})")
         if result.limited:
             print(f"limited by: {', '.join(result.limited_by)}")
+    print(f"advice:  {result.advice['message']}")
     return 0

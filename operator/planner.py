@@ -1,14 +1,18 @@
 """The P:D formula and the KV-cache budget: pure functions shared by the autoscaler and the CLI.
 
-Per request, prefill spends `I / C_p` seconds of one prefill instance and decode spends `O / C_d` seconds
-of one decode instance (I, O: mean input/output tokens; C_p, C_d: prompt/output tokens per second one
-instance sustains). At a request rate λ the pools need `λ·I/C_p` and `λ·O/C_d` instances; with headroom h
-(1.5: provision for 1.5x the observed rate):
+Per request, prefill spends `I / C_p` seconds of one prefill instance and decode spends `O / C_d + t_join`
+seconds of one decode instance (I, O: mean input/output tokens; C_p, C_d: prompt/output tokens per second one
+instance sustains; t_join: the decode instance-seconds of admitting one transferred request — KV import,
+scheduling, its first step — which C_d, measured on sequences already decoding, leaves out; measured by
+`pdcluster profile` or live from `pdcluster_decode_join_seconds`, 0 when unknown). At a request rate λ the
+pools need `λ·I/C_p` and `λ·(O/C_d + t_join)` instances; with headroom h (1.5: provision for 1.5x the
+observed rate):
 
-    P = ceil(h·λ·I / C_p)        D = ceil(h·λ·O / C_d)        ratio D/P = (O/C_d) / (I/C_p)
+    P = ceil(h·λ·I / C_p)        D = ceil(h·λ·(O / C_d + t_join))        ratio D/P = (O/C_d + t_join) / (I/C_p)
 
 then clamped to [min, max] per pool, and, when a total budget is set, both scaled down together so the
-ratio holds within the budget.
+ratio holds within the budget. When the decode share of the work is so small that the budget's ideal decode
+pool is under half an instance, `colocation_advice` says that disaggregation does not pay: colocate.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Plan:
     limited: bool
     limited_by: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
+    advice: dict[str, Any] = field(default_factory=dict)  # colocation_advice(): colocate or not
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,12 +85,38 @@ def _positive(name: str, value: float) -> float:
 
 
 def seconds_per_request(input_len: float, output_len: float, prefill_capacity: float,
-                        decode_capacity: float) -> tuple[float, float]:
+                        decode_capacity: float, decode_join_seconds: float = 0.0) -> tuple[float, float]:
+    """(I/C_p, O/C_d + t_join): one prefill and one decode instance's seconds per request."""
     i = _positive("input-len", input_len)
     o = _positive("output-len", output_len)
     cp = _positive("prefill-capacity", prefill_capacity)
     cd = _positive("decode-capacity", decode_capacity)
-    return i / cp, o / cd
+    tj = decode_join_seconds
+    if tj is None or not math.isfinite(tj) or tj < 0:
+        raise PlanError(f"decode-join-seconds must be >= 0 (got {tj})")
+    return i / cp, o / cd + tj
+
+
+# Below this many instances of ideal decode pool in the budget, a dedicated decode pool idles more than half
+# its time while costing prefill a whole instance: colocated workers (each prefills and decodes) do better.
+COLOCATE_BELOW_DECODE = 0.5
+
+
+def colocation_advice(prefill_seconds: float, decode_seconds: float, budget: int | None) -> dict[str, Any]:
+    """Does disaggregation pay for this work mix within a budget of `budget` instances? The fractional split
+    of the budget by work share gives the ideal decode pool; under COLOCATE_BELOW_DECODE of an instance the
+    answer is no (`pdcluster up --prefill 0`, or role=both workers). No budget: the share only, no verdict."""
+    share = decode_seconds / (prefill_seconds + decode_seconds)
+    if budget is None or budget < 1:
+        return {"decode_share": share, "budget": None, "ideal_decode": None, "colocate": None,
+                "message": f"decode is {100 * share:.3g} % of the work per request"}
+    ideal = budget * share
+    colocate = ideal < COLOCATE_BELOW_DECODE
+    msg = (f"decode is {100 * share:.3g} % of the work: of {budget} instances the ideal decode pool is "
+           f"{ideal:.2g}; " + ("disaggregation does not pay at this ratio and budget: colocate "
+                               "(`pdcluster up --prefill 0`, or workers with role both)" if colocate
+                               else "disaggregate"))
+    return {"decode_share": share, "budget": budget, "ideal_decode": ideal, "colocate": colocate, "message": msg}
 
 
 def replicas_for(load: float) -> int:
@@ -151,10 +182,11 @@ def plan(
     request_rate: float | None = None,
     headroom: float = 1.5,
     bounds: Bounds | None = None,
+    decode_join_seconds: float = 0.0,
 ) -> Plan:
     bounds = bounds or Bounds()
     bounds.validate()
-    sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity)
+    sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity, decode_join_seconds)
     if headroom is None or not math.isfinite(headroom) or headroom < 1.0:
         raise PlanError(f"headroom must be >= 1.0 (got {headroom})")
     if request_rate is not None and (not math.isfinite(request_rate) or request_rate < 0):
@@ -164,6 +196,7 @@ def plan(
         "output_len": output_len,
         "prefill_capacity": prefill_capacity,
         "decode_capacity": decode_capacity,
+        "decode_join_seconds": decode_join_seconds,
         "request_rate": request_rate,
         "headroom": headroom,
         "min_prefill": bounds.min_prefill,
@@ -174,11 +207,13 @@ def plan(
     }
     ratio = sd / sp
     if request_rate is None:
-        return Plan(sp, sd, ratio, None, None, None, None, False, [], inputs)
+        return Plan(sp, sd, ratio, None, None, None, None, False, [], inputs,
+                    colocation_advice(sp, sd, bounds.max_total))
     raw_p = headroom * request_rate * sp
     raw_d = headroom * request_rate * sd
     p, d, limited_by = clamp_pair(replicas_for(raw_p), replicas_for(raw_d), bounds)
-    return Plan(sp, sd, ratio, p, d, raw_p, raw_d, bool(limited_by), limited_by, inputs)
+    return Plan(sp, sd, ratio, p, d, raw_p, raw_d, bool(limited_by), limited_by, inputs,
+                colocation_advice(sp, sd, bounds.max_total or p + d))
 
 
 # --------------------------------------------------------------------------------------------------
