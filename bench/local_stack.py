@@ -79,12 +79,14 @@ def warm_up(router: str, out: Path) -> None:
 
 
 def replay(router: str, trace: Path, out: Path, *, start: float, duration: float, speedup: float,
-           max_model_len: int, timeout: float = 120.0) -> list[dict]:
+           max_model_len: int, max_output_tokens: int | None = None, timeout: float = 120.0) -> list[dict]:
     """`pdcluster bench --trace`: the records of requests.jsonl (one per trace request)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*PDCLUSTER, "bench", "--url", router, "--trace", str(trace), "--start", str(start),
            "--duration", str(duration), "--speedup", str(speedup), "--max-model-len", str(max_model_len),
            "--timeout", str(timeout), "--out", str(out)]
+    if max_output_tokens:  # outputs keep their real lengths (clipped), prompts alone shrink to fit
+        cmd += ["--max-output-tokens", str(max_output_tokens)]
     with (out / "bench.log").open("w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     path = out / "requests.jsonl"

@@ -11,6 +11,11 @@ Two ways to measure:
 
 Decode throughput at batch B is B / TPOT (B requests decoding together), so prefill work does not blur
 it; prefill capacity is prompt tokens / wall time with enough long prompts in flight to saturate.
+
+Against a router (`--url` of a disaggregated stack) it also measures t_join, the decode instance-seconds of
+admitting one transferred request (KV import, scheduling, its first step), which C_d leaves out: requests of
+two tokens, one at a time, and the decode workers' `pdcluster_decode_join_seconds` sum / count over them
+(the same series the autoscaler reads live). It goes into `pdcluster plan --decode-join-seconds`.
 """
 
 from __future__ import annotations
@@ -51,10 +56,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--model only: measure each point this many times and keep the fastest (a shared "
                         "machine only ever adds time, so the fastest run is the least disturbed)")
     p.add_argument("--timeout", type=cli_args.positive_float, default=300.0)
+    p.add_argument("--join-requests", type=cli_args.non_negative_int, default=16,
+                   help="--url of a router only: two-token requests of --prefill-len tokens, one at a time, to time "
+                        "t_join (0: skip) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + YAML")
 
 
 # ----------------------------------------------------------------------------------------------- URL mode
+
+JOIN_SERIES = "pdcluster_decode_join_seconds"
+
+
+def join_totals(metrics_text: str) -> tuple[float, float]:
+    """(sum, count) of pdcluster_decode_join_seconds in one /metrics answer, over its label sets."""
+    total, count = 0.0, 0.0
+    for line in metrics_text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(JOIN_SERIES + suffix + "{") or line.startswith(JOIN_SERIES + suffix + " "):
+                v = float(line.rsplit(" ", 1)[1])
+                total, count = (total + v, count) if suffix == "_sum" else (total, count + v)
+    return total, count
+
+
+def join_seconds(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """t_join from two (sum, count) readings: mean seconds per request joined in between; None if none."""
+    n = after[1] - before[1]
+    return (after[0] - before[0]) / n if n > 0 else None
+
+
+async def _decode_join(client, router: str, wave, prompt_len: int) -> dict | None:
+    """t_join through a router: None when `router` is not one (a role-both worker never transfers)."""
+    try:
+        view = (await client.get(f"{router.rstrip('/')}/cluster")).json()
+        urls = [w["url"] for w in view.get("decode", []) if w.get("healthy")]
+    except Exception:  # not a router, or one without /cluster: nothing to time
+        return None
+    if not urls:
+        return None
+
+    async def read() -> tuple[float, float]:
+        tot = [join_totals((await client.get(f"{u}/metrics")).text) for u in urls]
+        return sum(t for t, _ in tot), sum(c for _, c in tot)
+
+    before = await read()
+    res, _ = await wave(0, prompt_len, 2, 1)  # long enough to be disaggregated; two tokens: one transfer
+    after = await read()
+    t = join_seconds(before, after)
+    return {"seconds": t, "requests": int(after[1] - before[1]), "errors": sum(1 for r in res if not r.ok),
+            "decode_workers": len(urls)}
 
 
 async def _profile_url(args) -> dict:
@@ -70,6 +119,7 @@ async def _profile_url(args) -> dict:
             raise ConnectionError(f"{args.url} does not serve completions ({probe.result.error}: {probe.result.detail})")
 
         async def wave(n: int, prompt_len: int, out_len: int, conc: int):
+            n = n or args.join_requests
             payloads = [loadgen.build_payload(prompt_len, out_len, rng, probe.shape, model) for _ in range(n)]
             return await loadgen.run_requests(client, url, payloads, concurrency=conc, timeout=args.timeout)
 
@@ -89,7 +139,8 @@ async def _profile_url(args) -> dict:
             tpot = percentile(tpots, 50)
             decode.append({"batch": b, "output_tokens_per_second": (len(ok) / tpot) if tpot else None,
                            "tpot_p50": tpot, "errors": len(res) - len(ok)})
-    return {"target": args.url, "prefill": prefill, "decode": decode}
+        join = await _decode_join(client, args.url, wave, args.prefill_len) if args.join_requests else None
+    return {"target": args.url, "prefill": prefill, "decode": decode, "decode_join": join}
 
 
 # --------------------------------------------------------------------------------------------- model mode
@@ -192,6 +243,7 @@ def summarize(raw: dict, frac: float = 0.9, tpot_slo: float | None = None) -> di
     out = dict(raw)
     out["prefill_tokens_per_second"] = max((t for _, t in pre), default=None)
     out["prefill_knee_concurrency"] = find_knee(pre, frac)[0] if pre else None
+    out["decode_join_seconds"] = (raw.get("decode_join") or {}).get("seconds")
     if dec:
         knee = choose_decode_batch(dec, frac, tpot_slo)
         out["decode_knee"] = {**asdict(knee), "reason": knee.reason}
@@ -229,6 +281,9 @@ def format_report(s: dict) -> str:
                      f"measure larger --batch-sizes to find it")
     if knee:
         lines.append(f"  recommended max batch size: {knee['batch']} ({knee['reason']})")
+    if s.get("decode_join_seconds") is not None:
+        lines.append(f"  t_join (import + first step of a transferred request): {s['decode_join_seconds'] * 1000:.1f} ms "
+                     f"per request -> pdcluster plan --decode-join-seconds {s['decode_join_seconds']:.4g}")
     for r in s.get("block_sizes", []):
         lines.append(f"\nblock size {r['block_size']:>2}: prefill {r['prefill_tokens_per_second']:.0f} tok/s, "
                      f"decode peak {r['decode_peak_tokens_per_second'] or 0:.1f} tok/s")

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pdcluster.operator.planner import seconds_per_request
+from pdcluster.operator.planner import colocation_advice, seconds_per_request
 
 
 def splits(workers: int, colocated: bool = True) -> list[tuple[int, int]]:
@@ -29,8 +29,10 @@ class FormulaSplit:
     prefill: int
     decode: int
     prefill_seconds: float  # I / C_p: one prefill instance's seconds per request
-    decode_seconds: float  # O / C_d: one decode instance's seconds per request
+    decode_seconds: float  # O / C_d + t_join: one decode instance's seconds per request
     ideal_prefill: float  # the fractional prefill count the formula asks for within the budget
+    decode_join_seconds: float = 0.0  # t_join, the part of decode_seconds that is per request, not per token
+    colocate: bool = False  # the planner's advice: the ideal decode pool is too small to pay for itself
 
     @property
     def ratio(self) -> float:
@@ -39,14 +41,16 @@ class FormulaSplit:
 
 
 def formula_split(workers: int, input_len: float, output_len: float, prefill_capacity: float,
-                  decode_capacity: float) -> FormulaSplit:
+                  decode_capacity: float, decode_join_seconds: float = 0.0) -> FormulaSplit:
     """The planner's ratio fitted into `workers`: the disaggregated split (both pools >= 1) whose D/P is
-    nearest to (O/C_d)/(I/C_p) in log terms (a 2x error counts the same either way)."""
-    sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity)
+    nearest to (O/C_d + t_join)/(I/C_p) in log terms (a 2x error counts the same either way); `colocate`
+    is the planner's advice for this budget (then the split is still the nearest disaggregated one)."""
+    sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity, decode_join_seconds)
     target = sd / sp
     best = min(((p, d) for p, d in splits(workers, colocated=False)),
                key=lambda s: (abs(math.log((s[1] / s[0]) / target)), -s[0]))
-    return FormulaSplit(best[0], best[1], sp, sd, workers * sp / (sp + sd))
+    return FormulaSplit(best[0], best[1], sp, sd, workers * sp / (sp + sd), decode_join_seconds,
+                        bool(colocation_advice(sp, sd, workers)["colocate"]))
 
 
 def within_slo(rec: Mapping[str, object], slo_ttft: float, slo_tpot: float) -> bool:

@@ -4,8 +4,10 @@
 
     python -m pdcluster.bench.ratio_sweep --trace ../shared/traces/azure2023_code.csv --out DIR
 
-Capacities come from `pdcluster profile --url` against a 1:1 stack of the same workers (or from
---prefill-capacity/--decode-capacity); I and O are the slice's mean lengths after length scaling. The
+Capacities and t_join (the decode seconds of admitting one transferred request) come from `pdcluster
+profile --url` against a 1:1 stack of the same workers (or from --prefill-capacity/--decode-capacity/
+--decode-join-seconds); I and O are the slice's mean lengths after length scaling (with
+--max-output-tokens, outputs keep their real lengths up to that cap and prompts alone shrink). The
 splits run interleaved, round after round, so a machine whose load drifts hurts every split alike.
 Writes DIR/summary.json and DIR/goodput.png; the per-run request records stay under --work.
 """
@@ -29,6 +31,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="Azure CSV or Mooncake JSONL trace")
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="shrink lengths by one factor so the longest fits (the demo model allows 2048)")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="keep output lengths (clipped to this) and shrink prompts alone to fit --max-model-len")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port", type=int, default=18600, help="router port of the stacks started")
     p.add_argument("--out", type=Path, required=True, help="summary.json and the plot go here")
@@ -50,12 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot", type=float, default=0.5, help="seconds")
     p.add_argument("--prefill-capacity", type=float, default=None, help="prompt tok/s per instance (else profiled)")
     p.add_argument("--decode-capacity", type=float, default=None, help="output tok/s per instance (else profiled)")
+    p.add_argument("--decode-join-seconds", type=float, default=None,
+                   help="t_join: decode seconds per admitted request (else profiled; 0 = the formula without it)")
     return p.parse_args(argv)
 
 
-def load_slice(path: Path, start: float, duration: float, max_model_len: int) -> tr.Trace:
-    """The slice as the replay sends it (window first, then one length factor), before time scaling."""
-    return tr.scale_lengths(tr.time_window(tr.read_trace(path), start, start + duration), max_model_len)
+def load_slice(path: Path, start: float, duration: float, max_model_len: int,
+               max_output_tokens: int | None = None) -> tr.Trace:
+    """The slice as the replay sends it (window first, then the lengths), before time scaling."""
+    sl = tr.time_window(tr.read_trace(path), start, start + duration)
+    return tr.fit_prompts(sl, max_model_len, max_output_tokens) if max_output_tokens else \
+        tr.scale_lengths(sl, max_model_len)
 
 
 def measure_capacity(args: argparse.Namespace) -> dict:
@@ -66,7 +75,8 @@ def measure_capacity(args: argparse.Namespace) -> dict:
         raw = local_stack.profile(router)
     (work / "profile.json").write_text(json.dumps(raw, indent=1))
     return {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
-            "decode_tokens_per_second": raw["decode_tokens_per_second"], "source": "pdcluster profile --url (1:1)"}
+            "decode_tokens_per_second": raw["decode_tokens_per_second"],
+            "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)"}
 
 
 def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
@@ -79,7 +89,8 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
         local_stack.warm_up(router, work / "warmup")
         t0 = time.time()
         recs = local_stack.replay(router, args.trace, work / "replay", start=args.start, duration=args.duration,
-                                  speedup=args.speedup, max_model_len=args.max_model_len)
+                                  speedup=args.speedup, max_model_len=args.max_model_len,
+                                  max_output_tokens=args.max_output_tokens)
         wall = time.time() - t0
     g = rp.goodput(recs, args.slo_ttft, args.slo_tpot, span)
     ok = [r for r in recs if r.get("ok")]
@@ -114,7 +125,9 @@ def plot(summary: dict, path: Path) -> None:
     ax.axhline(0.9 * best, color="gray", ls="--", lw=1, label="90 % of the best split")
     ideal = summary["formula"]["ideal_prefill"]
     ax.set_xticks(range(len(order)), labels)
-    ax.set_xlabel(f"P:D split of {summary['workers']} workers (orange: the formula's; ideal P = {ideal:.2f})")
+    tj = summary["formula"].get("decode_join_seconds") or 0.0
+    ax.set_xlabel(f"P:D split of {summary['workers']} workers (orange: the formula's, t_join {1000 * tj:.0f} ms; "
+                  f"ideal P = {ideal:.2f})", fontsize=8)
     ax.set_ylabel("goodput (requests/s within SLO)")
     slo = summary["slo"]
     ax.set_title(f"Ratio sweep, pdcluster up: SLO TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s "
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         todo = chosen_splits(args)
-        sl = load_slice(args.trace, args.start, args.duration, args.max_model_len)
+        sl = load_slice(args.trace, args.start, args.duration, args.max_model_len, args.max_output_tokens)
     except ValueError as e:
         print(f"ratio_sweep: {e}", file=sys.stderr)
         return 2
@@ -169,12 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     span = args.duration / args.speedup
     if args.prefill_capacity and args.decode_capacity:
         cap = {"prefill_tokens_per_second": args.prefill_capacity,
-               "decode_tokens_per_second": args.decode_capacity, "source": "given"}
+               "decode_tokens_per_second": args.decode_capacity, "decode_join_seconds": None, "source": "given"}
     else:
         cap = measure_capacity(args)
+    if args.decode_join_seconds is not None:
+        cap["decode_join_seconds"] = args.decode_join_seconds
     print(f"capacities: {cap}", flush=True)
     f = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
-                         cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
+                         cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"],
+                         cap.get("decode_join_seconds") or 0.0)
+    f0 = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
+                          cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
     runs = []
     for rnd in range(args.rounds):
         # Interleaved, the order turned around every other round: drift in the machine's load hits all splits.
@@ -188,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,
                "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
                            "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
-                           "ideal_prefill": f.ideal_prefill}, "runs": runs}
+                           "ideal_prefill": f.ideal_prefill, "decode_join_seconds": f.decode_join_seconds,
+                           "colocate": f.colocate,
+                           "without_join": {"prefill": f0.prefill, "decode": f0.decode,
+                                            "ideal_prefill": f0.ideal_prefill}}, "runs": runs}
     if (f.prefill, f.decode) in todo:
         v = rp.verdict((((r["prefill"], r["decode"]), r["goodput_rps"]) for r in runs), (f.prefill, f.decode))
         summary["verdict"] = {"mean_goodput_rps": {key(k): g for k, g in v.mean_goodput.items()},

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=cli_args.positive_float, default=1.0, help="with --trace: replay X times faster")
     p.add_argument("--max-model-len", type=cli_args.positive_int, default=None,
                    help="with --trace: shrink lengths by one factor so the longest request fits")
+    p.add_argument("--max-output-tokens", type=cli_args.positive_int, default=None,
+                   help="with --trace and --max-model-len: keep output lengths (clipped to this) and shrink "
+                        "prompts alone to fit")
     p.add_argument("--start", type=cli_args.non_negative_float, default=0.0, help="with --trace: skip the first S seconds")
     p.add_argument("--duration", type=cli_args.positive_float, default=None, help="with --trace: replay only D seconds")
 
@@ -61,7 +64,11 @@ def load(args: argparse.Namespace) -> tr.Trace:
     t = tr.read_trace(args.trace)
     if args.start or args.duration is not None:
         t = tr.time_window(t, args.start, None if args.duration is None else args.start + args.duration)
-    if args.max_model_len is not None:
+    if getattr(args, "max_output_tokens", None) and args.max_model_len is None:
+        raise ValueError("--max-output-tokens needs --max-model-len (the prompts are shrunk to fit it)")
+    if args.max_model_len is not None and getattr(args, "max_output_tokens", None):
+        t = tr.fit_prompts(t, args.max_model_len, args.max_output_tokens)
+    elif args.max_model_len is not None:
         t = tr.scale_lengths(t, args.max_model_len)
     return tr.scale_time(t, args.speedup)
 

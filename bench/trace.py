@@ -196,6 +196,28 @@ def scale_lengths(trace: Trace, max_model_len: int) -> Trace:
                    block_tokens=max(1, round(trace.block_tokens * f)))
 
 
+def fit_prompts(trace: Trace, max_model_len: int, max_output: int) -> Trace:
+    """Keep output lengths real (clipped to `max_output`) and shrink prompts alone, by one factor, so the
+    longest prompt fits `max_model_len - max_output`.
+
+    `scale_lengths` shrinks outputs with prompts, which crushes a trace with long prompts (the Azure code
+    trace: 2,048 in / 28 out becomes ~300 / ~3 for 1,024 tokens) into one with almost no decode; this keeps
+    the decode work a request really asks for. Prefix blocks shrink with the prompts.
+    """
+    if max_output < 1 or max_model_len < max_output + 1:
+        raise TraceError(f"need max model length > max output >= 1 (got {max_model_len} and {max_output})")
+    room = max_model_len - max_output
+    longest = max(r.input_tokens for r in trace.requests)
+    f = min(1.0, room / longest) if longest > 0 else 1.0
+
+    def one(r: Request) -> Request:
+        i = min(room, max(1, round(r.input_tokens * f)))
+        return replace(r, input_tokens=i, output_tokens=max(1, min(max_output, r.output_tokens)))
+
+    return replace(trace, requests=tuple(one(r) for r in trace.requests),
+                   block_tokens=max(1, round(trace.block_tokens * f)))
+
+
 def time_window(trace: Trace, start_s: float = 0.0, end_s: float | None = None) -> Trace:
     """Requests arriving in [start_s, end_s), re-based to start at 0."""
     if start_s < 0 or (end_s is not None and end_s <= start_s):

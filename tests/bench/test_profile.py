@@ -128,3 +128,26 @@ def test_profile_model_in_process_compares_block_sizes(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "block size 32 vs 16" in out and "decodeTokensPerSecond" in out
+
+
+def test_join_seconds_from_two_metric_readings():
+    from pdcluster.bench.profile import join_seconds, join_totals
+
+    text = ('# HELP pdcluster_decode_join_seconds x\n'
+            'pdcluster_decode_join_seconds_bucket{le="0.05",role="decode"} 3.0\n'
+            'pdcluster_decode_join_seconds_sum{role="decode"} 0.12\n'
+            'pdcluster_decode_join_seconds_count{role="decode"} 4.0\n'
+            'pdcluster_decode_join_seconds_count_other{role="decode"} 99.0\n')
+    assert join_totals(text) == (0.12, 4.0)
+    assert join_totals("pdcluster_requests_total 3.0\n") == (0.0, 0.0)  # a worker without the series
+    assert join_seconds((0.12, 4.0), (0.52, 14.0)) == pytest.approx(0.04)
+    assert join_seconds((0.12, 4.0), (0.12, 4.0)) is None  # nothing joined: unknown, not 0
+
+
+def test_profile_of_a_worker_without_a_router_has_no_join_time(fake_server, capsys):
+    s = fake_server()
+    rc = main(["profile", "--url", s.url, "--batch-sizes", "1", "--prefill-len", "32", "--prefill-concurrency", "1",
+               "--decode-len", "4", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decode_join"] is None and out["decode_join_seconds"] is None

@@ -32,6 +32,33 @@ def test_formula_split_follows_the_per_request_seconds():
     assert (f.prefill, f.decode) == (4, 2)
 
 
+def test_formula_split_counts_the_decode_join_seconds():
+    # The last sweep's slice: I 302, O 2.8, C_p 481, C_d 211 -> O/C_d 13 ms, 3:1, and colocation advised.
+    f0 = rp.formula_split(4, 302, 2.8, 481, 211)
+    assert (f0.prefill, f0.decode) == (3, 1) and f0.decode_join_seconds == 0.0 and f0.colocate
+    # With t_join 0.2 s per request decode is ~25 % of the work: still 3:1 of 4, no longer "colocate".
+    f = rp.formula_split(4, 302, 2.8, 481, 211, decode_join_seconds=0.2)
+    assert f.decode_seconds == pytest.approx(2.8 / 211 + 0.2)
+    assert f.ideal_prefill == pytest.approx(4 * (302 / 481) / (302 / 481 + 2.8 / 211 + 0.2))
+    assert (f.prefill, f.decode) == (3, 1) and not f.colocate
+    # Large enough, it moves the split: 0.6 s of joining per request -> D/P ~ 1 -> 2:2.
+    assert (rp.formula_split(4, 302, 2.8, 481, 211, decode_join_seconds=0.6).prefill) == 2
+    with pytest.raises(ValueError, match="decode-join-seconds"):
+        rp.formula_split(4, 302, 2.8, 481, 211, decode_join_seconds=-0.1)
+
+
+def test_sweep_slice_keeps_outputs_with_max_output_tokens(tmp_path):
+    from pdcluster.bench.ratio_sweep import load_slice
+
+    rows = "\n".join(f'{{"timestamp": {i * 1000}, "input_length": {2000 * (i + 1)}, "output_length": {30 + i}}}'
+                     for i in range(4))
+    (tmp_path / "t.jsonl").write_text(rows + "\n")
+    kept = load_slice(tmp_path / "t.jsonl", 0, 10, 1024, max_output_tokens=32)
+    assert [r.output_tokens for r in kept.requests] == [30, 31, 32, 32]
+    crushed = load_slice(tmp_path / "t.jsonl", 0, 10, 1024)
+    assert max(r.output_tokens for r in crushed.requests) < 10
+
+
 def test_goodput_counts_only_successes_within_both_objectives():
     recs = [
         {"ok": True, "ttft": 0.5, "tpot": 0.05},   # good

@@ -44,3 +44,24 @@ def test_trace_replay_bad_input_exit_2(tmp_path, capsys):
     rc = main(["bench", "--url", "http://127.0.0.1:9", "--trace", str(tmp_path / "none.csv"), "--out",
                str(tmp_path / "o")])
     assert rc == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_trace_replay_keeps_outputs_with_max_output_tokens(fake_server, tmp_path):
+    s = fake_server()
+    lines = [json.dumps({"timestamp": i * 200, "input_length": 400 * (i + 1), "output_length": 20 + 10 * i})
+             for i in range(4)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    rc = main(["bench", "--url", s.url, "--trace", str(tmp_path / "t.jsonl"), "--speedup", "4",
+               "--max-model-len", "128", "--max-output-tokens", "40", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert [r["output_tokens"] for r in rows] == [20, 30, 40, 40]  # real lengths, clipped; not shrunk
+    assert max(r["input_tokens"] for r in rows) == 128 - 40
+
+
+def test_max_output_tokens_without_max_model_len_exit_2(tmp_path, capsys):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 4, "output_length": 2}) + "\n")
+    rc = main(["bench", "--url", "http://127.0.0.1:9", "--trace", str(tmp_path / "t.jsonl"),
+               "--max-output-tokens", "8", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--max-model-len" in capsys.readouterr().err

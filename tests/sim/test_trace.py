@@ -121,3 +121,23 @@ def test_real_file_first_rows(tmp_path, name, schema, first):
     assert all(b.t >= a.t for a, b in zip(t.requests, t.requests[1:], strict=False))
     if schema == "mooncake":
         assert t.requests[0].hash_ids[:3] == (0, 1, 2)
+
+
+def test_fit_prompts_keeps_real_output_lengths_clipped_to_the_cap():
+    # Azure-code-like: long prompts, short outputs; scale_lengths would crush outputs of 28 to ~3.
+    t = tr.parse_trace(mooncake([{"timestamp": i * 100, "input_length": 700 * (i + 1), "output_length": o,
+                                  "hash_ids": [1, 2]} for i, o in enumerate([28, 5, 400, 1, 60])]))
+    f = tr.fit_prompts(t, 1024, 256)
+    assert [r.output_tokens for r in f.requests] == [28, 5, 256, 1, 60]  # real, clipped to 256
+    assert max(r.input_tokens for r in f.requests) == 1024 - 256  # the longest prompt fills the room left
+    assert all(r.input_tokens + r.output_tokens <= 1024 for r in f.requests)
+    # one factor for the prompts: the mix keeps its shape; blocks shrink with them
+    assert f.requests[4].input_tokens == pytest.approx(5 * f.requests[0].input_tokens, rel=0.02)
+    assert f.block_tokens < t.block_tokens
+    crushed = tr.scale_lengths(t, 1024)
+    assert crushed.requests[0].output_tokens < 10  # what the flag exists to avoid
+    # prompts that already fit are kept as they are
+    assert [r.input_tokens for r in tr.fit_prompts(t, 10_000, 64).requests] == [r.input_tokens for r in t.requests]
+    for bad in ((100, 0), (100, 100)):
+        with pytest.raises(tr.TraceError, match="max output"):
+            tr.fit_prompts(t, *bad)
