@@ -3,9 +3,11 @@
 No I/O and no clock: `now` is an argument; the state lives in the PDCluster's status (`status.py`
 converts), so a restarted operator forgets neither capacities nor windows. Rules (docs/operator.md):
 
-- Need per pool: `max(h·λ·I'/C_p, λ_peak·I'/C_p·b/(b+TTFT))` prefill, `max(h·λ·O/C_d, λ_peak·O/C_d)`
-  decode, where I' = I·(1 - prefix hit rate) and λ_peak the highest `burstWindowSeconds` (b) rate in the
-  window; clamped to the bounds (`maxTotalReplicas` keeps the ratio). Zero traffic -> the minimums.
+- Need per pool: `max(h·λ·I'/C_p, λ_peak·I'/C_p·b/(b+TTFT))` prefill, `max(h·λ·w_d, λ_peak·w_d)` decode
+  with w_d = O/C_d + t_join (the observed decode admission seconds per request, with a configured C_d only:
+  `autoscaler_rules.join_seconds`), where I' = I·(1 - prefix hit rate) and λ_peak the highest
+  `burstWindowSeconds` (b) rate in the window; clamped to the bounds (`maxTotalReplicas` keeps the
+  ratio). Zero traffic -> the minimums.
 - Capacities: the spec's, else learned from saturated windows (EWMA; `autoscaler_rules.learn_capacity`),
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
@@ -69,6 +71,7 @@ class Observation:
     tpot_seconds: float | None = None  # observed TPOT at the SLO percentile over the window
     prefill_queue_mean: float | None = None  # requests waiting in the pool, averaged over the window
     decode_queue_mean: float | None = None
+    decode_join_seconds: float | None = None  # t_join: mean s from a request's KV complete to its first output
 
 
 @dataclass(frozen=True)
@@ -327,13 +330,14 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     slo = _slo_targets(policy, obs)
     headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
         if policy.adaptive_headroom else policy.headroom
+    join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"])
     inputs = {
         "requestRate": rate, "peakRequestRate": peak, "meanInputTokens": mean_in, "prefixHitRate": hit,
         "meanOutputTokens": lens["decode"],
         "prefillCapacity": capacity["prefill"], "decodeCapacity": capacity["decode"],
         "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
         "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
-        "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0],
+        "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0], "decodeJoinSeconds": join,
     }
 
     # 4. Raw needs (None = cannot compute: hold this pool). Bursts recur (the Azure code trace: 10 s
@@ -350,7 +354,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         elif rate == 0:
             need[r] = 0.0
         else:
-            work = lens[r] / capacity[r]  # type: ignore[operator]
+            work = lens[r] / capacity[r] + (join if r == "decode" else 0.0)  # type: ignore[operator]
             spread = rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
             need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]

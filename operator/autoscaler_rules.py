@@ -10,6 +10,7 @@
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
 - `guard_step`: how many replicas the SLO guard adds (in proportion to the breach).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
+- `join_seconds`: the decode pool's per-request admission cost (t_join) the formula adds to O/C_d.
 """
 
 from __future__ import annotations
@@ -160,3 +161,14 @@ class NeedWindow:
 
     def as_tuple(self) -> tuple[tuple[float, float], ...]:
         return tuple(self.samples)
+
+
+def join_seconds(observed: float | None, capacity_source: str) -> float:
+    """t_join in the decode need `λ·(O/C_d + t_join)`: the observed mean seconds from a transferred request's
+    KV being complete to its first output (`pdcluster_decode_join_seconds`), counted only with a configured
+    C_d. A configured C_d is profiled on sequences already decoding, which leaves the joins out; a learned one
+    is the output tok/s of saturated windows, joins included, so adding t_join would count them twice.
+    Missing, NaN or negative -> 0: the formula without the term."""
+    if capacity_source != "spec" or observed is None or not math.isfinite(observed) or observed <= 0:
+        return 0.0
+    return observed

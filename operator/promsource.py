@@ -18,6 +18,9 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
   the prefill workers) (optional: missing on workers without the counter -> no discount)
 - peak λ (with `burst_seconds`): max over the window of the `burst_seconds` request rate, a subquery
   `max_over_time(sum(rate(...[b]))[w:b/2])`; empty (scrape interval > b/2) -> the same at 3b (optional)
+- t_join = sum(rate(pdcluster_decode_join_seconds_sum{role="decode"})) / sum(rate(..._count)): mean seconds
+  from a transferred request's KV being complete to its first output on a decode worker (optional: missing
+  on older workers, or no transfer in the window -> the formula without the term)
 - TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
   (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
@@ -153,6 +156,10 @@ class PrometheusSource:
                 f"max_over_time(sum(rate(pdcluster_requests_total{decode}[{b}]))[{w}:{sub}])",
             )
 
+        join_sum = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_sum{decode}[{w}]))")
+        join_count = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_count{decode}[{w}]))")
+        join = join_sum / join_count if join_sum is not None and join_count else None
+
         def quantile(hist: str) -> float | None:
             if percentile is None:
                 return None
@@ -173,4 +180,5 @@ class PrometheusSource:
             tpot_seconds=quantile("pdcluster_time_per_output_token_seconds"),
             prefill_queue_mean=queue_mean(prefill),
             decode_queue_mean=queue_mean(decode),
+            decode_join_seconds=join,
         )

@@ -61,6 +61,21 @@ def test_observation_has_the_operators_definitions() -> None:
     )
 
 
+def test_observation_carries_the_decode_join_seconds() -> None:
+    """t_join = the decode workers' join-seconds sum increase / count increase; none joined -> None."""
+    def dec(s: float, n: float) -> tuple[str, dict[str, float]]:
+        return "decode", {"pdcluster_decode_join_seconds_sum": s, "pdcluster_decode_join_seconds_count": n}
+
+    first = Scrape(0.0, _router(0, 0, 0), {"decode-0": dec(1.0, 10), "decode-1": dec(0.0, 0),
+                                           "prefill-0": ("prefill", {"pdcluster_decode_join_seconds_sum": 99.0})})
+    last = Scrape(10.0, _router(40, 4000, 400), {"decode-0": dec(2.2, 40), "decode-1": dec(0.4, 10),
+                                                 "prefill-0": ("prefill", {"pdcluster_decode_join_seconds_sum": 999.0})})
+    obs = observation(first, last, {})
+    assert obs is not None and obs.decode_join_seconds == pytest.approx((1.2 + 0.4) / (30 + 10))
+    same = observation(last, Scrape(20.0, _router(40, 4000, 400), last.workers), {})
+    assert same is not None and same.decode_join_seconds is None
+
+
 def test_no_router_no_observation_and_no_traffic_no_lengths() -> None:
     assert observation(Scrape(0, None), Scrape(10, _router(1, 1, 1)), {}) is None
     idle = observation(Scrape(0, _router(5, 50, 5)), Scrape(10, _router(5, 50, 5)), {})

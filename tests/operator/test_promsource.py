@@ -28,6 +28,7 @@ IN, OUT = 2048, 512
 HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix cache
 # TTFT histogram of the router: per request, 60% under 0.5 s, 30% in (0.5, 1], 10% in (1, 5]
 TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
+JOIN = 0.04  # t_join: seconds from a request's KV being complete to its first output on a decode worker
 
 
 def _free_port() -> int:
@@ -66,6 +67,10 @@ class Workload:
         h.add_metric(["demo", "router", "r0"], [(str(le), share * n) for le, share in TTFT] + [("+Inf", n)],
                      sum_value=n)
         yield h
+        j = HistogramMetricFamily("pdcluster_decode_join_seconds", "join", labels=["pdcluster", "role", "worker"])
+        for w in ("d0", "d1"):  # each decode worker admits half the requests
+            j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2)
+        yield j
         g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):
             g.add_metric(["demo", "prefill", w], 3)  # the prefill queue never empties: saturated
@@ -168,6 +173,7 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)
     assert o.tpot_seconds is None  # no TPOT histogram exported: the guard for decode is skipped
     assert o.peak_request_rate == pytest.approx(RATE, rel=0.2)  # a steady rate: the peak is the mean
+    assert o.decode_join_seconds == pytest.approx(JOIN, rel=0.02)  # rate of the sum over rate of the count
     # without the SLO guard or a burst window, those queries are not asked
     o = source.observe("demo", window_seconds=WINDOW)
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None

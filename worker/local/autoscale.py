@@ -8,7 +8,8 @@ quantities are computed from counter deltas between the first and the last scrap
 - λ = requests/s at the router; I, O = the router's prompt/output tokens per request;
 - per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
   by how many of them answered;
-- saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window.
+- saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window;
+- t_join = the decode workers' `pdcluster_decode_join_seconds` sum increase / count increase.
 
 The autoscaler state (learned capacities, stabilization windows) lives in this process, as the operator
 keeps it in the PDCluster's status. Disabled workers are the "replicas" that can be added; the ones started
@@ -80,6 +81,12 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         before = {n: s for n, (_, s) in first.workers.items()}
         return sum(_increase(before.get(n), s, POOL_COUNTER[role]) for n, s in now.items()) / dt / len(now)
 
+    def join() -> float | None:  # mean decode admission seconds per transferred request, over the window
+        before = {n: s for n, (_, s) in first.workers.items()}
+        now = [(before.get(n), s) for n, (r, s) in last.workers.items() if r == "decode"]
+        n = sum(_increase(b, a, "pdcluster_decode_join_seconds_count") for b, a in now)
+        return sum(_increase(b, a, "pdcluster_decode_join_seconds_sum") for b, a in now) / n if n > 0 else None
+
     return Observation(
         request_rate=rate,
         mean_input_tokens=prompt / rate if rate > 0 else None,
@@ -88,6 +95,7 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         decode_tokens_per_instance=per_instance("decode"),
         prefill_saturated=bool(waiting.get("prefill")) and min(waiting["prefill"]) > 0,
         decode_saturated=bool(waiting.get("decode")) and min(waiting["decode"]) > 0,
+        decode_join_seconds=join(),
     )
 
 
