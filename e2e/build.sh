@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build (once) the binaries of the local control plane from the Go module proxy and cache them by version:
 #   ${PDCLUSTER_CACHE:-~/.cache/pdcluster}/bin/{etcd,kube-apiserver,kube-controller-manager,kube-scheduler,kubectl,kwok,helm}-<version>
-# and, for the real node (target `node`), kubelet-<version> and coredns-<version>.
+# and, for the real node (target `node`), kubelet-<version>, kube-proxy-<version> and coredns-<version>.
 # Versions come from e2e/versions.env. A binary already in the cache is not rebuilt, so a warm run takes
 # well under a second.
 #
-# usage: e2e/build.sh [all|k8s|etcd|kwok|helm|kubectl|node]...   (default: all; `node` = kubelet + coredns)
+# usage: e2e/build.sh [all|k8s|etcd|kwok|helm|kubectl|node]...   (default: all; `node` = kubelet + kube-proxy + coredns)
 #        e2e/build.sh --print-bin-dir                       (print the cache bin dir and exit)
 #
 # Environment: PDCLUSTER_CACHE, GO (go binary; default: go on PATH, else /usr/local/go/bin/go),
@@ -73,7 +73,7 @@ build_k8s() {  # [component...] (default: the control plane and kubectl)
      && gob get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
           "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
           "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" \
-          "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" 2>&1 | quiet \
+          "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" "k8s.io/kubernetes/cmd/kube-proxy@$K8S_VERSION" 2>&1 | quiet \
      && grep -q "k8s.io/kubernetes $K8S_VERSION" go.mod) \
     || { echo "build.sh: resolving k8s.io/kubernetes@$K8S_VERSION failed (see above)" >&2; exit 1; }
   log "kubernetes $K8S_VERSION: resolved in $((SECONDS - t0))s"
@@ -154,7 +154,7 @@ for t in "${targets[@]}"; do
     etcd) build_etcd ;;
     kwok) build_kwok ;;
     helm) build_helm ;;
-    node) build_k8s kubelet; build_coredns ;;
+    node) build_k8s kubelet kube-proxy; build_coredns ;;
     *) echo "build.sh: unknown target $t" >&2; exit 2 ;;
   esac
 done

@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback, with kwok simulating nodes and pods, and one real node
-# (kubelet + containerd on a bridge of its own, e2e/node.sh) when run as root with the node's packages.
+# (kubelet + containerd + kube-proxy on a bridge of its own, e2e/node.sh) when run as root with the node's
+# packages.
 #
 #   e2e/cluster.sh up       build (first time; cached by version), start etcd, kube-apiserver,
 #                           kube-controller-manager, kube-scheduler and kwok, create fake GPU nodes;
 #                           idempotent: a running cluster is reused. Last line: `export KUBECONFIG=<path>`.
-#   e2e/cluster.sh down     stop every process `up` started (by pid) and delete the cluster's state.
+#   e2e/cluster.sh down     stop every process `up` started (by pid) and delete the cluster's state; the real
+#                           node's sysctls and iptables go back to what they were before `up`.
 #   e2e/cluster.sh status   which components run (exit 0 when the API server is ready).
-#   e2e/cluster.sh routes   assert that every pod/service address of the real node routes via its bridge.
+#   e2e/cluster.sh routes   assert that every pod/service address of the real node routes via its bridge
+#                           (and, while the bridge forwards, that PDC-NODE-FWD is first in FORWARD).
 #   e2e/cluster.sh env      print `export KUBECONFIG=...` and `export PATH=<bin dir>:$PATH`.
 #
 # Nothing listens off loopback: every component binds 127.0.0.1. Certificates and the service-account key
 # pair are generated with openssl in the state dir; RBAC is on.
 # Environment: PDCLUSTER_CACHE (binaries; default ~/.cache/pdcluster), PDCLUSTER_CLUSTER_DIR (state; default
 # $PDCLUSTER_CACHE/cluster), PDCLUSTER_PORT_BASE (default 26400: etcd +0/+1, apiserver +43, kcm +57,
-# scheduler +59, kwok +80, kubelet health +48, CoreDNS health +53), PDCLUSTER_FAKE_NODES (default 3),
-# PDCLUSTER_NODE_GPUS (default 8), PDCLUSTER_REAL_NODE (1: the real node, 0: kwok only; default 1 when root
-# and containerd is installed), PDCLUSTER_NODE_NET (default 10.213: bridge 10.213.0.1/24, Services
+# scheduler +59, kwok +80, kubelet health +48, CoreDNS health +53, kube-proxy health +46 and metrics +47),
+# PDCLUSTER_FAKE_NODES (default 3), PDCLUSTER_NODE_GPUS (default 8), PDCLUSTER_REAL_NODE (1: the real node,
+# 0: kwok only; default 1 when root and containerd is installed), PDCLUSTER_NODE_NET (default 10.213: bridge 10.213.0.1/24, Services
 # 10.213.128.0/20).
 set -euo pipefail
 
@@ -136,10 +139,12 @@ EOF
     sign scheduler "/O=system:masters/CN=system:kube-scheduler" client.ext
     sign kwok "/O=system:masters/CN=kwok" client.ext
     # the real node: the kubelet as a node (Node authorizer), the API server's client cert for the kubelet
-    # (logs, exec, port-forward), CoreDNS (reads Services and EndpointSlices)
+    # (logs, exec, port-forward), CoreDNS (reads Services and EndpointSlices), kube-proxy (the user the
+    # default `system:node-proxier` ClusterRoleBinding names)
     sign kubelet "/O=system:nodes/CN=system:node:${PDCLUSTER_NODE_NAME:-pdc-node-0}" client.ext
     sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" client.ext
     sign coredns "/O=system:masters/CN=coredns" client.ext
+    sign kube-proxy "/CN=system:kube-proxy" client.ext
     touch .done
   )
 }
@@ -242,6 +247,7 @@ up() {
   write_kubeconfig "$DIR/kwok.kubeconfig" kwok
   write_kubeconfig "$DIR/kubelet.kubeconfig" kubelet
   write_kubeconfig "$DIR/coredns.kubeconfig" coredns
+  write_kubeconfig "$DIR/kube-proxy.kubeconfig" kube-proxy
 
   start etcd --name pdcluster-e2e --data-dir "$DIR/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \

@@ -2,18 +2,22 @@
 # One real Kubernetes node beside the kwok ones: kubelet + containerd + runc + CNI bridge + CoreDNS, on a
 # bridge of its own. Called by e2e/cluster.sh (up/down/status), which exports the variables below.
 #
-#   node.sh up       start containerd, import the images, start the kubelet and CoreDNS; wait for Ready
+#   node.sh up       start containerd, import the images, start the kubelet, CoreDNS and kube-proxy; wait
+#                    for Ready and kube-proxy's first sync, then enable forwarding on the bridge only
 #   node.sh down     cordon, delete the node's pods, stop everything, remove every mount, netns, veth,
-#                    iptables rule, cgroup and interface this script made; says what it removed
+#                    iptables rule, cgroup and interface this script made, restore the host's sysctls and
+#                    compare iptables with the snapshot taken before `up`; says what it removed
 #   node.sh status   which node processes run
 #   node.sh import   import images rebuilt since (a no-op for unchanged ones; `cluster.sh up` runs it)
 #   node.sh routes   assert that every pod/service address routes via the node's bridge (exit 1 if not)
 #
-# Network (docs/e2e.md): bridge $NODE_BRIDGE with $NODE_IP/24, pods in $NODE_POD_CIDR (no default route in
-# the pods: they reach only the bridge and the service range), Services in $SERVICE_CIDR, routed to the
-# bridge on the host too. The one NAT rule: pods -> the `kubernetes` Service -> the API server on loopback.
-# Nothing here forwards off the machine: ip_forward stays as it was, and containerd and the kubelet get a
-# loopback HTTP(S) proxy so that an image pull can never leave the machine.
+# Network (docs/e2e.md, e2e/node-net.sh): bridge $NODE_BRIDGE with $NODE_IP/24, pods in $NODE_POD_CIDR (no
+# default route in the pods: they reach only the bridge and the service range), Services in $SERVICE_CIDR,
+# routed to the bridge on the host too. Our NAT rule: pods -> the `kubernetes` Service -> the API server on
+# loopback; kube-proxy's: pods -> any other ClusterIP -> its endpoint pods, masqueraded. Nothing here
+# forwards off the machine: the global ip_forward stays as it was, the bridge alone forwards, and only to
+# itself (PDC-NODE-FWD first in FORWARD); containerd and the kubelet get a loopback HTTP(S) proxy so that
+# an image pull can never leave the machine.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,7 +33,6 @@ SOCK="$N/containerd.sock"
 KUBELET_HEALTH_PORT=$((PORT_BASE + 48)); COREDNS_HEALTH_PORT=$((PORT_BASE + 53))
 NO_PULL_PROXY=http://127.0.0.1:9              # discard port: a pull fails at once, on this machine
 CNI_BIN="$(dirname "$(dpkg -L containernetworking-plugins 2>/dev/null | grep '/bridge$' | head -1)" 2>/dev/null || echo /usr/lib/cni)"
-IPT_CHAINS_KUBELET=(KUBE-FIREWALL KUBE-KUBELET-CANARY KUBE-IPTABLES-HINT)
 
 log() { printf '[node %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -61,73 +64,9 @@ stop() {
 wait_for() { local what="$1" t="$2"; shift 2; local end=$((SECONDS + t))
   until "$@" >/dev/null 2>&1; do ((SECONDS < end)) || return 1; sleep 0.5; done; log "$what ready"; }
 
-# ------------------------------------------------------------------------------------------ network
-# Every address a pod or Service gets must route through the bridge; checked before any traffic is sent.
-routes() {
-  local a dev bad=0
-  for a in "$NODE_IP" "${NODE_POD_CIDR%.*}.10" "${NODE_POD_CIDR%.*}.250" "$KUBERNETES_SVC_IP" "$(last_svc_ip)"; do
-    dev="$(ip -4 route get "$a" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' | head -1)"
-    if [[ "$a" == "$NODE_IP" ]]; then [[ "$dev" == lo || "$dev" == "$NODE_BRIDGE" ]] || { log "route to $a goes via '$dev'"; bad=1; }
-    elif [[ "$dev" != "$NODE_BRIDGE" ]]; then log "route to $a goes via '$dev', not $NODE_BRIDGE"; bad=1; fi
-  done
-  return $bad
-}
-last_svc_ip() { python3 -c "import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[-2])" "$SERVICE_CIDR"; }
-
-net_up() {
-  if ip link show "$NODE_BRIDGE" >/dev/null 2>&1; then
-    [[ -f "$N/bridge.owner" ]] || die "$NODE_BRIDGE exists but was not made by this cluster ($N); refusing to touch it"
-  else
-    # the ranges must be unused on this machine: no route other than the default may cover them
-    local r
-    r="$(ip -4 route show | grep -v '^default' | awk '{print $1}' | while read -r net; do
-          python3 -c "import ipaddress,sys; a=ipaddress.ip_network(sys.argv[1],False); print(sys.argv[1]) if any(a.overlaps(ipaddress.ip_network(x)) for x in sys.argv[2:]) else None" \
-            "$net" "$NODE_POD_CIDR" "$SERVICE_CIDR"; done | grep -v None || true)"
-    [[ -z "$r" ]] || die "routes $r overlap the node's ranges ($NODE_POD_CIDR, $SERVICE_CIDR); set PDCLUSTER_NODE_NET"
-    mkdir -p "$N"
-    ip link add "$NODE_BRIDGE" type bridge
-    echo "$DIR" > "$N/bridge.owner"
-    ip addr add "$NODE_IP/24" dev "$NODE_BRIDGE"
-    ip link set "$NODE_BRIDGE" up
-    ip route add "$SERVICE_CIDR" dev "$NODE_BRIDGE"
-    log "bridge $NODE_BRIDGE $NODE_IP/24, route $SERVICE_CIDR dev $NODE_BRIDGE"
-  fi
-  # pods reach the API server (127.0.0.1) through the `kubernetes` Service: DNAT to loopback, which the
-  # kernel accepts from this bridge only (route_localnet on this interface, not globally)
-  sysctl -qw "net.ipv4.conf.$NODE_BRIDGE.route_localnet=1"
-  iptables -t nat -N PDC-NODE 2>/dev/null || iptables -t nat -F PDC-NODE
-  iptables -t nat -A PDC-NODE -d "$KUBERNETES_SVC_IP/32" -p tcp --dport 443 -j DNAT --to-destination "127.0.0.1:$API_PORT"
-  iptables -t nat -C PREROUTING -i "$NODE_BRIDGE" -j PDC-NODE 2>/dev/null \
-    || iptables -t nat -I PREROUTING -i "$NODE_BRIDGE" -j PDC-NODE
-  # defence in depth: nothing is forwarded between the bridge and any other interface
-  iptables -N PDC-NODE-FWD 2>/dev/null || iptables -F PDC-NODE-FWD
-  iptables -A PDC-NODE-FWD -i "$NODE_BRIDGE" ! -o "$NODE_BRIDGE" -j DROP
-  iptables -A PDC-NODE-FWD -o "$NODE_BRIDGE" ! -i "$NODE_BRIDGE" -j DROP
-  iptables -C FORWARD -j PDC-NODE-FWD 2>/dev/null || iptables -I FORWARD -j PDC-NODE-FWD
-  routes || die "a pod/service address does not route via $NODE_BRIDGE; stopping before any traffic"
-}
-
-net_down() {
-  local removed=()
-  iptables -t nat -D PREROUTING -i "$NODE_BRIDGE" -j PDC-NODE 2>/dev/null && removed+=("nat PREROUTING jump")
-  iptables -t nat -F PDC-NODE 2>/dev/null && iptables -t nat -X PDC-NODE 2>/dev/null && removed+=("nat PDC-NODE")
-  while iptables -D FORWARD -j PDC-NODE-FWD 2>/dev/null; do :; done
-  iptables -F PDC-NODE-FWD 2>/dev/null && iptables -X PDC-NODE-FWD 2>/dev/null && removed+=("filter PDC-NODE-FWD")
-  # the kubelet's own chains (it makes them unconditionally; nothing else on this machine runs a kubelet)
-  local ipt c t
-  for ipt in iptables ip6tables; do
-    command -v "$ipt" >/dev/null || continue
-    while $ipt -D INPUT -j KUBE-FIREWALL 2>/dev/null; do :; done
-    while $ipt -D OUTPUT -j KUBE-FIREWALL 2>/dev/null; do :; done
-    for t in filter nat mangle; do for c in "${IPT_CHAINS_KUBELET[@]}"; do
-      $ipt -t "$t" -F "$c" 2>/dev/null && $ipt -t "$t" -X "$c" 2>/dev/null && removed+=("$ipt $t $c")
-    done; done
-  done
-  if ip link show "$NODE_BRIDGE" >/dev/null 2>&1 && [[ -f "$N/bridge.owner" ]]; then
-    ip link del "$NODE_BRIDGE" && removed+=("bridge $NODE_BRIDGE (and its routes)")
-  fi
-  log "network removed: ${removed[*]:-nothing left}"
-}
+# the bridge, the route check, kube-proxy and the host snapshot `down` restores
+# shellcheck source=node-net.sh
+source "$HERE/node-net.sh"
 
 # ------------------------------------------------------------------------------------------ containerd
 containerd_up() {
@@ -285,11 +224,14 @@ up() {
   [[ $EUID -eq 0 ]] || die "the real node needs root (PDCLUSTER_REAL_NODE=0 runs kwok nodes only)"
   for c in containerd runc ctr ip iptables; do command -v "$c" >/dev/null || die "$c missing (run e2e/node-deps.sh)"; done
   [[ -x "$CNI_BIN/bridge" && -x "$CNI_BIN/host-local" && -x "$CNI_BIN/loopback" ]] || die "CNI plugins missing in $CNI_BIN"
-  [[ -x "$BIN/kubelet-$K8S_VERSION" && -x "$BIN/coredns-$COREDNS_VERSION" ]] || die "kubelet/coredns not built (e2e/build.sh node)"
+  [[ -x "$BIN/kubelet-$K8S_VERSION" && -x "$BIN/kube-proxy-$K8S_VERSION" && -x "$BIN/coredns-$COREDNS_VERSION" ]] \
+    || die "kubelet/kube-proxy/coredns not built (e2e/build.sh node)"
+  [[ -f "$DIR/kube-proxy.kubeconfig" ]] || die "no kube-proxy credentials: a cluster started by an older cluster.sh (down, then up)"
   runtime_up
   coredns_up
   kubelet_up
   wait_for "node $NODE_NAME" 120 node_ready || die "node $NODE_NAME not Ready; see $DIR/logs/kubelet.log"
+  proxy_up
   log "real node up in $((SECONDS - t0))s ($NODE_NAME, $NODE_IP, bridge $NODE_BRIDGE)"
 }
 
@@ -304,7 +246,7 @@ down() {
     while ((SECONDS < end)) && [[ -n "$(ctr_ tasks ls -q 2>/dev/null)" ]]; do sleep 1; done
     kc delete node "$NODE_NAME" --wait=false >/dev/null 2>&1 || true
   fi
-  stop coredns; stop kubelet
+  stop kube-proxy; stop coredns; stop kubelet
   local left=0 id
   if alive containerd; then
     for id in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; left=$((left + 1)); done
@@ -348,7 +290,7 @@ rmdir_cgroups() {  # the kubelet's kubepods hierarchy in each cgroup v1 controll
 
 status() {
   local c
-  for c in containerd kubelet coredns; do
+  for c in containerd kubelet coredns kube-proxy; do
     if alive "$c"; then echo "node $c: running (pid $(pid_of "$c"))"; else echo "node $c: stopped"; fi
   done
 }

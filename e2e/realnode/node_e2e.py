@@ -22,6 +22,7 @@ NODE_NAME = os.environ.get("PDCLUSTER_NODE_NAME", "pdc-node-0")
 CLUSTER_DIR = Path(os.environ.get("PDCLUSTER_CLUSTER_DIR", CACHE / "cluster"))
 CONTAINERD_SOCK = CLUSTER_DIR / "node" / "containerd.sock"
 TAINT_KEY = "pdcluster.dev/real-node"
+SERVICE_CIDR = f"{os.environ.get('PDCLUSTER_NODE_NET', '10.213')}.128.0/20"  # as e2e/cluster.sh gives it
 # Namespace annotations (PodNodeSelector and PodTolerationRestriction admission, enabled by cluster.sh):
 # every pod of the namespace lands on the real node, without touching the chart or the example.
 PINNED_ANNOTATIONS = {
