@@ -95,6 +95,20 @@ def replay(router: str, trace: Path, out: Path, *, start: float, duration: float
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def decode_join_totals(router: str) -> tuple[float, float]:
+    """(sum, count) of `pdcluster_decode_join_seconds` over the router's healthy decode workers: the live t_join
+    of a run is the sum over the count (0, 0 when nothing was transferred, e.g. colocated)."""
+    from pdcluster.bench.profile import join_totals
+
+    tot = []
+    for w in (cluster_view(router) or {}).get("decode", []):
+        try:
+            tot.append(join_totals(httpx.get(f"{w['url']}/metrics", timeout=5.0).text))
+        except httpx.HTTPError:
+            continue
+    return sum(t for t, _ in tot), sum(c for _, c in tot)
+
+
 def profile(router: str, batch_sizes: str = "1,2,4,8,16,32", prefill_len: int = 512) -> dict:
     """`pdcluster profile --url --json` against a 1:1 stack: per-instance capacities."""
     r = subprocess.run([*PDCLUSTER, "profile", "--url", router, "--batch-sizes", batch_sizes,

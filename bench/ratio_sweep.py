@@ -92,6 +92,7 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
                                   speedup=args.speedup, max_model_len=args.max_model_len,
                                   max_output_tokens=args.max_output_tokens)
         wall = time.time() - t0
+        join = local_stack.decode_join_totals(router)  # warm-up included: a few requests of 128-512 tokens
     g = rp.goodput(recs, args.slo_ttft, args.slo_tpot, span)
     ok = [r for r in recs if r.get("ok")]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
@@ -99,6 +100,7 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
     row = {"round": rnd, "prefill": p, "decode": d, **g, "wall_s": wall, "load1_before": load_before,
            "load1_after": os.getloadavg()[0], "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+           "decode_join_seconds_live": join[0] / join[1] if join[1] else None,
            "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")})}
     print(json.dumps(row), flush=True)
     return row
@@ -141,8 +143,8 @@ def plot(summary: dict, path: Path) -> None:
 def markdown_table(summary: dict) -> str:
     """One row per split: goodput per round and mean, attainment, TTFT/TPOT p50 (means over rounds)."""
     formula = tuple(summary["formula"][k] for k in ("prefill", "decode"))
-    lines = ["| split | goodput per round (req/s) | mean | within SLO | TTFT p50 (s) | TPOT p50 (s) | load1 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| split | goodput per round (req/s) | mean | within SLO | TTFT p50 (s) | TPOT p50 (s) | t_join live (ms) "
+             "| load1 |", "|---|---|---|---|---|---|---|---|"]
     for p, d in (tuple(s) for s in summary["splits"]):
         rs = [r for r in summary["runs"] if (r["prefill"], r["decode"]) == (p, d)]
         if not rs:
@@ -154,8 +156,10 @@ def markdown_table(summary: dict) -> str:
         name = f"{p}:{d}" + (" colocated" if p == 0 else "") + (" **(formula)**" if (p, d) == formula else "")
         per = " / ".join(f"{r['goodput_rps']:.2f}" for r in rs)
         load = " / ".join(f"{r['load1_before']:.0f}" for r in rs)
+        joins = [j for r in rs if (j := r.get("decode_join_seconds_live")) is not None]
+        join = " / ".join(f"{1000 * j:.0f}" for j in joins) or "–"
         lines.append(f"| {name} | {per} | {mean('goodput_rps'):.2f} | {100 * mean('attainment'):.0f} % "
-                     f"| {mean('ttft_p50_s'):.1f} | {mean('tpot_p50_s'):.2f} | {load} |")
+                     f"| {mean('ttft_p50_s'):.1f} | {mean('tpot_p50_s'):.2f} | {join} | {load} |")
     return "\n".join(lines)
 
 
