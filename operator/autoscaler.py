@@ -138,6 +138,7 @@ class PoolState:
     recent_bursts: tuple[tuple[float, float], ...] = ()  # (time, need of the peak λ) within the burst memory
     capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
     slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
+    tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (autoscaler_layout)
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def spec_schema() -> dict[str, Any]:
 
 
 def _pool_status(role: str) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "type": "object",
         "description": f"Replicas of the {role} Deployment.",
         "properties": {
@@ -125,6 +125,12 @@ def _pool_status(role: str) -> dict[str, Any]:
                                 "description": "Replicas the operator (or the autoscaler) asked for."},
         },
     }
+    if role != "router":
+        out["properties"].update(
+            tensorParallelSize={"type": "integer", "description": "Ranks (GPUs on a GPU pool) of one pod."},
+            gpus={"type": "integer", "description": "GPUs the pool's pods hold: replicas x GPUs per pod "
+                  "(0 on CPU)."})
+    return out
 
 
 def _status_schema() -> dict[str, Any]:

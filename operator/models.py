@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from pdcluster import __version__
+from pdcluster.operator import parallel
 from pdcluster.operator.pod_spec import (
     POD_OPTION_RULES,
     RESERVED_ENV,
@@ -79,6 +80,12 @@ _POOL_RULES: Any = [
         "!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
         "replicas must be within [minReplicas, maxReplicas]",
     ),
+    # An explicit GPU count must be one GPU per rank. Compared as text: a resource value is an int or a
+    # quantity string ("4"), and string() of either is what the user wrote (parallel.gpu_count_error).
+    *(_cel(f"!has(self.resources) || !has(self.resources.{kind}) || "
+           f"!('{parallel.GPU_RESOURCE}' in self.resources.{kind}) || "
+           f"string(self.resources.{kind}['{parallel.GPU_RESOURCE}']) == string(self.tensorParallelSize)",
+           parallel.GPU_COUNT_MESSAGE) for kind in ("requests", "limits")),
 ]
 
 
@@ -94,6 +101,14 @@ class _Pool(PodOptions):
     minReplicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas the autoscaler keeps.")
     maxReplicas: int = Field(default=8, ge=1, le=1000, description="Most replicas the autoscaler creates.")
     resources: Resources = Field(default_factory=Resources, description="Resources of each worker container.")
+    tensorParallelSize: int = Field(
+        default=1, ge=1, le=max(parallel.TP_SIZES), strict=True,
+        description="Ranks (one GPU each) one worker pod shards the model over: `pdcluster serve "
+        "--tensor-parallel-size`, and nvidia.com/gpu per pod when the pool runs on GPUs. 1, 2, 4, 8 or 16: "
+        "one pod's GPUs on one node. One pod is one instance: capacities stay per pod.",
+        json_schema_extra={"x-kubernetes-validations": [
+            _cel("self in " + str(list(parallel.TP_SIZES)), parallel.TP_RULE_MESSAGE)]},
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> _Pool:
@@ -101,6 +116,11 @@ class _Pool(PodOptions):
             raise ValueError("minReplicas must be <= maxReplicas")
         if self.replicas is not None and not (self.minReplicas <= self.replicas <= self.maxReplicas):
             raise ValueError("replicas must be within [minReplicas, maxReplicas]")
+        for error in (parallel.tp_error(self.tensorParallelSize),
+                      parallel.gpu_count_error(self.resources.requests, self.resources.limits,
+                                               self.tensorParallelSize)):
+            if error:
+                raise ValueError(error)
         return self
 
     @property
@@ -311,6 +331,17 @@ class PDClusterSpec(SpecModel):
     @property
     def worker_image(self) -> str:
         return self.image or DEFAULT_WORKER_IMAGE
+
+    def pool(self, role: str) -> PrefillPool | DecodePool:
+        return self.prefill if role == "prefill" else self.decode
+
+    def gpus_per_pod(self, role: str) -> int:
+        """nvidia.com/gpu of one `role` pod: its TP size on GPU pools, 0 on CPU (parallel.runs_on_gpus)."""
+        pool = self.pool(role)
+        res = pool.resources
+        on_gpus = parallel.runs_on_gpus(res.requests, res.limits, self.nodeSelector,
+                                        (t.key for t in self.tolerations))
+        return pool.tensorParallelSize if on_gpus else 0
 
     @model_validator(mode="after")
     def _budget(self) -> PDClusterSpec:

@@ -237,7 +237,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
     new_status = st.pdcluster_status(
         generation=generation, old_conditions=old_status.get("conditions"), conditions=conditions,
         deployments=after, desired=desired, router_replicas=spec.router.replicas,
-        endpoint=naming.endpoint(owner), autoscaler=scale.autoscaler_status, now=now_s)
+        endpoint=naming.endpoint(owner), autoscaler=scale.autoscaler_status, now=now_s,
+        layouts={r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in render.WORKER_ROLES})
     await _patch_status(ctx, body, new_status)
     opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
     if old_status.get("observedGeneration") != generation:

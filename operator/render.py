@@ -28,6 +28,7 @@ from pdcluster.operator.naming import (
     selector_labels,
     service_url,
 )
+from pdcluster.operator.parallel import GPU_RESOURCE, shm_size_limit
 from pdcluster.operator.podoptions import apply_pod_options
 from pdcluster.operator.policies import render_network_policy, render_pdb
 
@@ -107,6 +108,8 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         cmd += ["--dtype", spec.model.dtype]
     if kv.fullPrecisionLayers:
         cmd += ["--full-precision-layers", ",".join(str(i) for i in kv.fullPrecisionLayers)]
+    if pool.tensorParallelSize > 1:  # TP 1 renders as before: no rollout of existing pools on upgrade
+        cmd += ["--tensor-parallel-size", str(pool.tensorParallelSize)]
     return cmd
 
 
@@ -246,13 +249,16 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(pool.tensorParallelSize)}},
         {"name": "kv-secret", "secret": {"secretName": secret_name(owner), "defaultMode": 0o440}},
         {"name": "config", "configMap": {"name": config_map_name(owner)}},
     ]
     if model_volume is not None:
         volumes.append(model_volume)
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    resources = _resources(pool.resources)
+    if gpus := spec.gpus_per_pod(role):  # one per rank; a CPU pool requests none
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     container = {
         "name": "worker",
         "image": spec.worker_image,
@@ -263,7 +269,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
             {"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"},
         ],
         "env": _env(owner, role),
-        "resources": _resources(pool.resources),
+        "resources": resources,
         "volumeMounts": mounts,
         "securityContext": _container_security(),
         **_probes(),
@@ -287,7 +293,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
         "pdcluster.dev/config-hash": _hash([command, spec.kvCache.model_dump(), spec.kvTransfer.model_dump()]),
         "pdcluster.dev/kv-secret-hash": kv_secret_fingerprint,
     })
-    # Workers hold a GPU each: roll without surging so an upgrade never needs a spare GPU.
+    # Workers hold their GPUs: roll without surging so an upgrade never needs a spare GPU.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     return _deployment(owner, role, replicas, pod_spec, annotations, strategy)
 

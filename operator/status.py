@@ -91,9 +91,16 @@ def rollout_state(dep: dict[str, Any] | None) -> tuple[bool, bool, str]:
     return False, False, f"{ready}/{want} ready"
 
 
-def pool_status(dep: dict[str, Any] | None, desired: int) -> dict[str, int]:
+def pool_status(dep: dict[str, Any] | None, desired: int,
+                layout: tuple[int, int] | None = None) -> dict[str, int]:
+    """Replicas of a pool; for a worker pool also its `layout` (TP size, GPUs per pod) and the GPUs its
+    pods hold (replicas x GPUs per pod: 0 on CPU)."""
     _, replicas, ready = deployment_replicas(dep)
-    return {"replicas": replicas, "readyReplicas": ready, "desiredReplicas": int(desired)}
+    out = {"replicas": replicas, "readyReplicas": ready, "desiredReplicas": int(desired)}
+    if layout is not None:
+        tp, gpus_per_pod = layout
+        out.update(tensorParallelSize=int(tp), gpus=replicas * int(gpus_per_pod))
+    return out
 
 
 def ratio(prefill: int, decode: int) -> float | None:
@@ -105,13 +112,16 @@ def ratio(prefill: int, decode: int) -> float | None:
 def pdcluster_status(*, generation: int | None, old_conditions: list[dict[str, Any]] | None,
                      conditions: list[dict[str, Any]], deployments: dict[str, dict[str, Any] | None],
                      desired: dict[str, int], router_replicas: int, endpoint: str,
-                     autoscaler: dict[str, Any] | None, now: str) -> dict[str, Any]:
-    """The PDCluster's whole status after a pass (`now` RFC 3339; an empty `autoscaler` is left out)."""
+                     autoscaler: dict[str, Any] | None, now: str,
+                     layouts: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """The PDCluster's whole status after a pass (`now` RFC 3339; an empty `autoscaler` is left out;
+    `layouts`: (TP size, GPUs per pod) of each worker pool)."""
+    layouts = layouts or {}
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(old_conditions, conditions, now, generation),
-        "prefill": pool_status(deployments["prefill"], desired["prefill"]),
-        "decode": pool_status(deployments["decode"], desired["decode"]),
+        "prefill": pool_status(deployments["prefill"], desired["prefill"], layouts.get("prefill")),
+        "decode": pool_status(deployments["decode"], desired["decode"], layouts.get("decode")),
         "router": pool_status(deployments["router"], router_replicas),
         "ratio": ratio(desired["prefill"], desired["decode"]),
         "endpoint": endpoint,
@@ -171,6 +181,7 @@ def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
         s = stab.get(role) or {}
         g = (slo.get(role) if isinstance(slo, dict) else None) or {}
         cap = learned.get(cap_key)
+        tp = learned.get(f"{role}TensorParallelSize")  # the layout it was learned at (absent: TP 1)
         scale = g.get("capacityScale")
         breaches = g.get("breaches")
         return PoolState(
@@ -182,6 +193,7 @@ def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
             recent_bursts=_needs(s.get("recentBursts")),
             capacity_scale=float(scale) if isinstance(scale, int | float) and 0 < scale <= 1 else 1.0,
             slo_breaches=breaches if isinstance(breaches, int) and breaches >= 0 else 0,
+            tensor_parallel=tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None,
         )
 
     return State(prefill=pool("prefill", "prefillTokensPerSecond"),
@@ -219,6 +231,8 @@ def autoscaler_state_status(state: State) -> dict[str, Any]:
         "learnedCapacity": {
             "prefillTokensPerSecond": state.prefill.learned_capacity,
             "decodeTokensPerSecond": state.decode.learned_capacity,
+            "prefillTensorParallelSize": state.prefill.tensor_parallel,
+            "decodeTensorParallelSize": state.decode.tensor_parallel,
         },
         "stabilization": {"prefill": pool(state.prefill), "decode": pool(state.decode)},
         "slo": {"prefill": guard(state.prefill), "decode": guard(state.decode)},

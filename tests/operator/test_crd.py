@@ -210,6 +210,12 @@ BAD = [
     ("pull-secret-name", {"prefill": {"imagePullSecrets": [{}]}}, "schema"),
     ("priority-class", {"decode": {"priorityClassName": ""}}, "schema"),
     ("image-empty", {"image": ""}, "schema"),
+    ("tp-not-power-of-two", {"prefill": {"tensorParallelSize": 3}}, "cel"),
+    ("tp-over-one-node", {"decode": {"tensorParallelSize": 32}}, "schema"),
+    ("tp-zero", {"decode": {"tensorParallelSize": 0}}, "schema"),
+    ("gpus-not-tp", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}}, "cel"),
+    ("gpu-request-not-tp", {"prefill": {"tensorParallelSize": 4, "resources": {"requests": {"nvidia.com/gpu": "2"}}}},
+     "cel"),
 ]
 
 
