@@ -1,4 +1,9 @@
-"""`pdcluster plan`: prefill/decode replicas for a workload, on the autoscaler's own formula."""
+"""`pdcluster plan`: prefill/decode replicas for a workload, on the autoscaler's own formula.
+
+Capacities are per instance, an instance being one worker pod of its pool's layout: with
+`--prefill-tp/--decode-tp` (spec.<pool>.tensorParallelSize) the replica counts do not change, only the GPUs
+they hold (replicas x TP), which the plan reports. Measure the capacities at the layout you will deploy.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import argparse
 import json
 import sys
 
-from pdcluster.operator.planner import Bounds, PlanError, plan
+from pdcluster.operator import parallel
+from pdcluster.operator.planner import Bounds, Plan, PlanError, plan
 from pdcluster.worker.api import cli_args
 
 
@@ -40,7 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-decode", type=cli_args.positive_int, default=None, help="most decode replicas (default: no limit)")
     a("--max-total-replicas", type=cli_args.positive_int, default=None,
       help="budget for prefill + decode together, scaled down keeping the ratio (default: no limit)")
+    a("--prefill-tp", type=int, choices=parallel.TP_SIZES, default=1,
+      help="tensor-parallel size (GPUs) of one prefill instance; --prefill-capacity is per such instance "
+           "(default: %(default)s)")
+    a("--decode-tp", type=int, choices=parallel.TP_SIZES, default=1,
+      help="tensor-parallel size (GPUs) of one decode instance; --decode-capacity is per such instance "
+           "(default: %(default)s)")
     a("--json", action="store_true", help="print one JSON object (default: text)")
+
+
+def gpus(result: Plan, prefill_tp: int, decode_tp: int) -> dict[str, int | None]:
+    """GPUs the planned pools hold: replicas x TP (None without a request rate)."""
+    p = parallel.pool_gpus(result.prefill_replicas, prefill_tp)
+    d = parallel.pool_gpus(result.decode_replicas, decode_tp)
+    return {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "prefill_gpus": p, "decode_gpus": d,
+            "total_gpus": None if p is None or d is None else p + d}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"pdcluster plan: error: {e}", file=sys.stderr)
         return 2
+    layout = gpus(result, args.prefill_tp, args.decode_tp)
     if args.json:
-        print(json.dumps(result.to_dict(), sort_keys=True))
+        print(json.dumps({**result.to_dict(), **layout}, sort_keys=True))
         return 0
     print(f"prefill: {result.prefill_seconds_per_request:.4g} s/request "
           f"(input {args.input_len:g} tokens / {args.prefill_capacity:g} tok/s)")
@@ -74,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"replicas at {args.request_rate:g} req/s x{args.headroom:g} headroom: "
               f"{result.prefill_replicas} prefill, {result.decode_replicas} decode "
               f"(unrounded {result.raw_prefill:.4g} / {result.raw_decode:.4g})")
+        if args.prefill_tp > 1 or args.decode_tp > 1:
+            print(f"GPUs:    {layout['prefill_gpus']} prefill ({result.prefill_replicas} x TP {args.prefill_tp}) + "
+                  f"{layout['decode_gpus']} decode ({result.decode_replicas} x TP {args.decode_tp}) "
+                  f"= {layout['total_gpus']}")
         if result.limited:
             print(f"limited by: {', '.join(result.limited_by)}")
     print(f"advice:  {result.advice['message']}")
