@@ -60,6 +60,11 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     moe: MoeSpec | None = None
+    # Tensor parallelism: this config is rank tp_rank's slice of tp_full (head and MLP counts, vocabulary
+    # divided; parallel/shard.py builds it). tp_full is None for an unsharded model.
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_full: ModelConfig | None = None
 
     @property
     def family(self) -> Family:

@@ -40,7 +40,31 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads
     host_bandwidth: float = 8e9  # bytes/s assumed for swap, used by preemption_mode="auto"
     debug_logits: bool = False  # put each sampled position's float32 logits in RequestOutput.extra["logits"]
+    # Ranks the model is sharded over (one process each, parallel/runner.py); 1 = today's single process
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0  # seconds a step's collective may wait for a silent rank
 
     def validate(self) -> None:
         """ValueError naming the field, for any declared option out of its type, choices or bounds."""
         options.validate(vars(self))
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0, got {self.tensor_parallel_timeout!r}")
+
+    def runner_kwargs(self, max_model_len: int) -> dict[str, Any]:
+        """ModelRunner's keyword arguments (after the model config): the same on every tensor-parallel rank."""
+        return dict(
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            full_precision_layers=tuple(self.full_precision_layers),
+            num_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_batch_size=self.max_batch_size,
+            swap_space_bytes=int(self.swap_space * (1 << 30)),
+        )

@@ -21,6 +21,7 @@ from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.kv_transfer import KVTransferMixin
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.parallel.runner import TPModelRunner
 from pdcluster.worker.engine.sampler import History, logprobs_of, sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Scheduler
@@ -46,20 +47,11 @@ class LLMEngine(KVTransferMixin):
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._grammars: dict[str, GrammarState] = {}  # structured-output requests' matchers
-        self.runner = ModelRunner(
-            self.model_config,
-            dtype=config.dtype,
-            device=config.device,
-            block_size=config.block_size,
-            kv_cache_dtype=config.kv_cache_dtype,
-            full_precision_layers=tuple(config.full_precision_layers),
-            num_blocks=config.num_kv_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=self.max_model_len,
-            max_batch_size=config.max_batch_size,
-            swap_space_bytes=int(config.swap_space * (1 << 30)),
-        )
+        self.runner: ModelRunner | TPModelRunner
+        if config.tensor_parallel_size > 1:  # rank 0 of N processes (parallel/runner.py)
+            self.runner = TPModelRunner(self.model_config, config, self.max_model_len)
+        else:
+            self.runner = ModelRunner(self.model_config, **config.runner_kwargs(self.max_model_len))
         num_blocks = self.runner.cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         host = self.runner.num_host_blocks
@@ -130,6 +122,8 @@ class LLMEngine(KVTransferMixin):
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        if prefill_only and self.config.tensor_parallel_size > 1:  # rank 0's cache holds only its KV heads
+            raise ValueError("prefill-only requests (KV export) are not supported under tensor parallelism yet")
         grammar = self._new_grammar(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, prefill_only=prefill_only)
         self.seqs[request_id] = seq
@@ -163,6 +157,16 @@ class LLMEngine(KVTransferMixin):
     def kv_layout(self) -> KVLayout:
         mc = self.model_config
         return KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.block_size)
+
+    @property
+    def fault(self) -> str | None:
+        """Why this engine can no longer run a step (a tensor-parallel rank died), else None."""
+        return self.runner.fault if isinstance(self.runner, TPModelRunner) else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower processes, if any (idempotent)."""
+        if isinstance(self.runner, TPModelRunner):
+            self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)

@@ -13,6 +13,8 @@ from safetensors import safe_open
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_layout import column_major_linears
 from pdcluster.worker.engine.model import DecoderForCausalLM
+from pdcluster.worker.engine.parallel.collectives import install as install_collectives
+from pdcluster.worker.engine.parallel.shard import slice_weight
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -129,6 +131,8 @@ def load_model(
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if cfg.tp_size > 1:  # this rank's slice only (parallel/shard.py)
+            tensor = slice_weight(name, tensor, cfg)
         target, expert, offset = _target(name, cfg)
         if target not in params:
             raise ValueError(f"{folder}: unexpected tensor {hf_name!r} (not a {cfg.model_type} checkpoint?)")
@@ -156,6 +160,8 @@ def load_model(
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{folder}: checkpoint is missing tensors: {', '.join(missing[:3])}{more}")
     model.init_rope(max_len or cfg.max_position_embeddings)
+    if cfg.tp_size > 1:  # sums and gathers across ranks (parallel/collectives.py)
+        install_collectives(model, cfg)
     if device.type == "cpu":  # the batch-1 decode GEMVs stream column-major weights ~1.7x faster (cpu_layout.py)
         column_major_linears(model)
     return model.eval()

@@ -1,0 +1,56 @@
+"""What rank 0 tells the followers about each step, and how a follower rebuilds the batch from it.
+
+The scheduler and block manager live on rank 0 only; a follower needs, per sequence, just what the model
+runner reads: its length, where the new tokens start, those tokens, and its block table (block ids are the
+same on every rank: each rank's cache has the same blocks, holding its own KV heads). Swap copies travel too,
+so every rank moves the same blocks between its device and host caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.scheduler import Batch
+from pdcluster.worker.engine.sequence import Sequence
+
+_PARAMS = SamplingParams()  # the runner never reads a follower's sampling parameters
+
+
+@dataclass
+class SeqStep:
+    length: int  # tokens in the sequence after this step's new ones
+    start: int  # tokens already in the cache
+    tokens: list[int]  # the new tokens (prefill chunk, or the one decode token)
+    block_table: list[int]
+
+
+@dataclass
+class StepMsg:
+    is_prefill: bool
+    seqs: list[SeqStep]
+    num_new_tokens: list[int]
+    copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+
+
+def encode(batch: Batch) -> StepMsg:
+    seqs = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if batch.is_prefill:
+            start = seq.num_computed_tokens
+            seqs.append(SeqStep(len(seq), start, seq.token_ids[start : start + n], list(seq.block_table)))
+        else:
+            seqs.append(SeqStep(len(seq), len(seq) - 1, [seq.last_token_id], list(seq.block_table)))
+    return StepMsg(batch.is_prefill, seqs, list(batch.num_new_tokens), list(batch.copies))
+
+
+def decode(msg: StepMsg) -> Batch:
+    """A Batch the ModelRunner runs exactly as rank 0's (token ids outside the new ones are never read)."""
+    seqs = []
+    for i, s in enumerate(msg.seqs):
+        tail = s.length - s.start - len(s.tokens)
+        seq = Sequence(f"tp-step-{i}", [0] * s.start + s.tokens + [0] * tail, _PARAMS)
+        seq.num_computed_tokens = s.start
+        seq.block_table = s.block_table
+        seqs.append(seq)
+    return Batch(seqs, msg.num_new_tokens, msg.is_prefill, msg.copies)
