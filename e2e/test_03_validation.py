@@ -22,6 +22,10 @@ CASES = [
     ("autoscaling-without-prometheus", {"autoscaling": {"enabled": True, "prometheusUrl": None}},
      ["prometheusUrl is required"]),
     ("unknown-field", {"prefil": {"replicas": 2}}, ["spec.prefil", ("field not declared in schema", "unknown field")]),
+    ("tp-not-power-of-two", {"prefill": {"tensorParallelSize": 3}},
+     ["spec.prefill.tensorParallelSize", "must be 1, 2, 4, 8 or 16"]),
+    ("gpus-not-tp", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
+     ["spec.decode", "must equal tensorParallelSize"]),
 ]
 
 

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         rep = out["kv_replication"]
         how = f"each KV head on {rep} ranks" if rep > 1 else f"{args.kv_heads} / {tp}"
         print(f"per rank:  TP {tp}: {out['kv_heads_per_rank']} kv head(s) ({how}): "
-              f"{out['bytes_per_token_per_rank']:,} B/token, {_gb(out['total_bytes_per_rank'])}")
+              f"{out['bytes_per_token_per_rank']:,} B/token, {_gb(out['total_bytes_per_rank'])}"
+              + (f", {out['total_bytes_with_scales_per_rank'] / 1e9:.1f} GB with scales"
+                 if out["scale_bytes_per_token"] else ""))
     if "weight_bytes" in out:
         line = f"weights:   {args.params / 1e9:.4g}B params x {args.weight_dtype} = {_gb(out['weight_bytes'])}"
         if tp > 1:
