@@ -13,9 +13,10 @@ Decode throughput at batch B is B / TPOT (B requests decoding together), so pref
 it; prefill capacity is prompt tokens / wall time with enough long prompts in flight to saturate.
 
 Against a router (`--url` of a disaggregated stack) it also measures t_join, the decode instance-seconds of
-admitting one transferred request (KV import, scheduling, its first step), which C_d leaves out: requests of
-two tokens, one at a time, and the decode workers' `pdcluster_decode_join_seconds` sum / count over them
-(the same series the autoscaler reads live). It goes into `pdcluster plan --decode-join-seconds`.
+admitting one transferred request (KV import, scheduling), which C_d leaves out: requests of four tokens,
+one at a time, and the decode workers' mean `pdcluster_decode_join_seconds` (KV complete -> first output)
+less their mean step (`pdcluster_time_per_output_token_seconds`) over them, as the autoscaler computes it
+live (`autoscaler_rules.join_cost`). It goes into `pdcluster plan --decode-join-seconds`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import asdict
 
 from pdcluster.bench.capacity import capacity_yaml, choose_decode_batch, find_knee
 from pdcluster.bench.stats import parse_int_list, percentile
+from pdcluster.operator.autoscaler_rules import join_cost
 from pdcluster.worker.api import cli_args
 
 
@@ -57,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "machine only ever adds time, so the fastest run is the least disturbed)")
     p.add_argument("--timeout", type=cli_args.positive_float, default=300.0)
     p.add_argument("--join-requests", type=cli_args.non_negative_int, default=16,
-                   help="--url of a router only: two-token requests of --prefill-len tokens, one at a time, to time "
+                   help="--url of a router only: four-token requests of --prefill-len tokens, one at a time, to time "
                         "t_join (0: skip) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + YAML")
 
@@ -65,21 +67,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------------- URL mode
 
 JOIN_SERIES = "pdcluster_decode_join_seconds"
+STEP_SERIES = "pdcluster_time_per_output_token_seconds"
 
 
-def join_totals(metrics_text: str) -> tuple[float, float]:
-    """(sum, count) of pdcluster_decode_join_seconds in one /metrics answer, over its label sets."""
+def join_totals(metrics_text: str, series: str = JOIN_SERIES) -> tuple[float, float]:
+    """(sum, count) of one histogram (default pdcluster_decode_join_seconds) in one /metrics answer, over its
+    label sets."""
     total, count = 0.0, 0.0
     for line in metrics_text.splitlines():
         for suffix in ("_sum", "_count"):
-            if line.startswith(JOIN_SERIES + suffix + "{") or line.startswith(JOIN_SERIES + suffix + " "):
+            if line.startswith(series + suffix + "{") or line.startswith(series + suffix + " "):
                 v = float(line.rsplit(" ", 1)[1])
                 total, count = (total + v, count) if suffix == "_sum" else (total, count + v)
     return total, count
 
 
 def join_seconds(before: tuple[float, float], after: tuple[float, float]) -> float | None:
-    """t_join from two (sum, count) readings: mean seconds per request joined in between; None if none."""
+    """The mean of a histogram between two (sum, count) readings; None if nothing was observed."""
     n = after[1] - before[1]
     return (after[0] - before[0]) / n if n > 0 else None
 
@@ -94,16 +98,19 @@ async def _decode_join(client, router: str, wave, prompt_len: int) -> dict | Non
     if not urls:
         return None
 
-    async def read() -> tuple[float, float]:
-        tot = [join_totals((await client.get(f"{u}/metrics")).text) for u in urls]
+    async def read(series: str) -> tuple[float, float]:
+        tot = [join_totals((await client.get(f"{u}/metrics")).text, series) for u in urls]
         return sum(t for t, _ in tot), sum(c for _, c in tot)
 
-    before = await read()
-    res, _ = await wave(0, prompt_len, 2, 1)  # long enough to be disaggregated; two tokens: one transfer
-    after = await read()
-    t = join_seconds(before, after)
-    return {"seconds": t, "requests": int(after[1] - before[1]), "errors": sum(1 for r in res if not r.ok),
-            "decode_workers": len(urls)}
+    before = {s: await read(s) for s in (JOIN_SERIES, STEP_SERIES)}
+    # long enough to be disaggregated; four tokens: one transfer, then steps whose time is O/C_d's
+    res, _ = await wave(0, prompt_len, 4, 1)
+    after = {s: await read(s) for s in (JOIN_SERIES, STEP_SERIES)}
+    admit = join_seconds(before[JOIN_SERIES], after[JOIN_SERIES])
+    step = join_seconds(before[STEP_SERIES], after[STEP_SERIES])
+    return {"seconds": join_cost(admit, step), "admission_seconds": admit, "step_seconds": step,
+            "requests": int(after[JOIN_SERIES][1] - before[JOIN_SERIES][1]),
+            "errors": sum(1 for r in res if not r.ok), "decode_workers": len(urls)}
 
 
 async def _profile_url(args) -> dict:
@@ -282,8 +289,11 @@ def format_report(s: dict) -> str:
     if knee:
         lines.append(f"  recommended max batch size: {knee['batch']} ({knee['reason']})")
     if s.get("decode_join_seconds") is not None:
-        lines.append(f"  t_join (import + first step of a transferred request): {s['decode_join_seconds'] * 1000:.1f} ms "
-                     f"per request -> pdcluster plan --decode-join-seconds {s['decode_join_seconds']:.4g}")
+        j = s.get("decode_join") or {}
+        lines.append(f"  t_join (admitting a transferred request, less one step): {s['decode_join_seconds'] * 1000:.1f} ms "
+                     f"per request (admission {1000 * (j.get('admission_seconds') or 0):.1f} ms, step "
+                     f"{1000 * (j.get('step_seconds') or 0):.1f} ms) -> pdcluster plan --decode-join-seconds "
+                     f"{s['decode_join_seconds']:.4g}")
     for r in s.get("block_sizes", []):
         lines.append(f"\nblock size {r['block_size']:>2}: prefill {r['prefill_tokens_per_second']:.0f} tok/s, "
                      f"decode peak {r['decode_peak_tokens_per_second'] or 0:.1f} tok/s")

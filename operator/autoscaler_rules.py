@@ -10,6 +10,7 @@
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
 - `guard_step`: how many replicas the SLO guard adds (in proportion to the breach).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
+- `join_cost`: t_join from the decode workers' admission time and step time (the step is O/C_d's).
 - `join_seconds`: the decode pool's per-request admission cost (t_join) the formula adds to O/C_d.
 """
 
@@ -161,6 +162,19 @@ class NeedWindow:
 
     def as_tuple(self) -> tuple[tuple[float, float], ...]:
         return tuple(self.samples)
+
+
+def join_cost(join_mean: float | None, step_mean: float | None) -> float | None:
+    """t_join from the decode workers' mean `pdcluster_decode_join_seconds` (a request's KV complete -> its
+    first output) and mean decode step (`pdcluster_time_per_output_token_seconds` of the decode workers).
+    The first output leaves with the step that carries the request, a step whose tokens O/C_d already counts,
+    so one step is taken off; what remains is import, scheduling and the wait for the step in progress (an
+    upper bound of the work: under load that wait grows with the step). No step series -> the whole
+    admission time; no admission series -> None (unknown)."""
+    if join_mean is None or not math.isfinite(join_mean):
+        return None
+    step = step_mean if step_mean is not None and math.isfinite(step_mean) and step_mean > 0 else 0.0
+    return max(0.0, join_mean - step)
 
 
 def join_seconds(observed: float | None, capacity_source: str) -> float:

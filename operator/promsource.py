@@ -18,9 +18,10 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
   the prefill workers) (optional: missing on workers without the counter -> no discount)
 - peak λ (with `burst_seconds`): max over the window of the `burst_seconds` request rate, a subquery
   `max_over_time(sum(rate(...[b]))[w:b/2])`; empty (scrape interval > b/2) -> the same at 3b (optional)
-- t_join = sum(rate(pdcluster_decode_join_seconds_sum{role="decode"})) / sum(rate(..._count)): mean seconds
-  from a transferred request's KV being complete to its first output on a decode worker (optional: missing
-  on older workers, or no transfer in the window -> the formula without the term)
+- t_join = the mean of `pdcluster_decode_join_seconds{role="decode"}` (rate of its sum / rate of its count:
+  a transferred request's KV complete -> its first output) less the decode workers' mean step (the same of
+  `pdcluster_time_per_output_token_seconds`): `autoscaler_rules.join_cost` (optional: missing on older
+  workers, or no transfer in the window -> the formula without the term)
 - TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
   (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
@@ -34,6 +35,7 @@ import math
 from typing import Any
 
 from pdcluster.operator.autoscaler import Observation
+from pdcluster.operator.autoscaler_rules import join_cost
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +160,10 @@ class PrometheusSource:
 
         join_sum = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_sum{decode}[{w}]))")
         join_count = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_count{decode}[{w}]))")
-        join = join_sum / join_count if join_sum is not None and join_count else None
+        step_sum = self.scalar(f"sum(rate(pdcluster_time_per_output_token_seconds_sum{decode}[{w}]))")
+        step_count = self.scalar(f"sum(rate(pdcluster_time_per_output_token_seconds_count{decode}[{w}]))")
+        join = join_cost(join_sum / join_count if join_sum is not None and join_count else None,
+                         step_sum / step_count if step_sum is not None and step_count else None)
 
         def quantile(hist: str) -> float | None:
             if percentile is None:

@@ -140,6 +140,9 @@ def test_join_seconds_from_two_metric_readings():
             'pdcluster_decode_join_seconds_count_other{role="decode"} 99.0\n')
     assert join_totals(text) == (0.12, 4.0)
     assert join_totals("pdcluster_requests_total 3.0\n") == (0.0, 0.0)  # a worker without the series
+    tpot = 'pdcluster_time_per_output_token_seconds_sum{role="decode"} 0.5\n' \
+           'pdcluster_time_per_output_token_seconds_count{role="decode"} 50.0\n'
+    assert join_totals(text + tpot, "pdcluster_time_per_output_token_seconds") == (0.5, 50.0)
     assert join_seconds((0.12, 4.0), (0.52, 14.0)) == pytest.approx(0.04)
     assert join_seconds((0.12, 4.0), (0.12, 4.0)) is None  # nothing joined: unknown, not 0
 

@@ -62,16 +62,20 @@ def test_observation_has_the_operators_definitions() -> None:
 
 
 def test_observation_carries_the_decode_join_seconds() -> None:
-    """t_join = the decode workers' join-seconds sum increase / count increase; none joined -> None."""
-    def dec(s: float, n: float) -> tuple[str, dict[str, float]]:
-        return "decode", {"pdcluster_decode_join_seconds_sum": s, "pdcluster_decode_join_seconds_count": n}
+    """t_join = the decode workers' mean join seconds (sum increase / count increase) less their mean step
+    (the TPOT histogram's, the same way); none joined -> None."""
+    def dec(s: float, n: float, step_s: float = 0.0, steps: float = 0.0) -> tuple[str, dict[str, float]]:
+        return "decode", {"pdcluster_decode_join_seconds_sum": s, "pdcluster_decode_join_seconds_count": n,
+                          "pdcluster_time_per_output_token_seconds_sum": step_s,
+                          "pdcluster_time_per_output_token_seconds_count": steps}
 
-    first = Scrape(0.0, _router(0, 0, 0), {"decode-0": dec(1.0, 10), "decode-1": dec(0.0, 0),
+    first = Scrape(0.0, _router(0, 0, 0), {"decode-0": dec(1.0, 10, 1.0, 100), "decode-1": dec(0.0, 0),
                                            "prefill-0": ("prefill", {"pdcluster_decode_join_seconds_sum": 99.0})})
-    last = Scrape(10.0, _router(40, 4000, 400), {"decode-0": dec(2.2, 40), "decode-1": dec(0.4, 10),
+    last = Scrape(10.0, _router(40, 4000, 400), {"decode-0": dec(2.2, 40, 5.0, 500), "decode-1": dec(0.4, 10),
                                                  "prefill-0": ("prefill", {"pdcluster_decode_join_seconds_sum": 999.0})})
     obs = observation(first, last, {})
-    assert obs is not None and obs.decode_join_seconds == pytest.approx((1.2 + 0.4) / (30 + 10))
+    # admission 1.6 s / 40 = 40 ms, step 4 s / 400 = 10 ms -> 30 ms
+    assert obs is not None and obs.decode_join_seconds == pytest.approx(0.04 - 0.01)
     same = observation(last, Scrape(20.0, _router(40, 4000, 400), last.workers), {})
     assert same is not None and same.decode_join_seconds is None
 

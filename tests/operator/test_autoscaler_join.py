@@ -56,3 +56,12 @@ def test_a_learned_decode_capacity_already_includes_the_joins() -> None:
     d = asc.decide(pol, st, observation(30.0, 0.05), asc.PoolView(1, 1), asc.PoolView(1, 1), 0.0)
     assert d.decode.capacity_source == "learned" and d.inputs["decodeJoinSeconds"] == 0.0
     assert d.decode.recommended == 1
+
+
+def test_join_cost_takes_one_step_off_the_admission_time() -> None:
+    # the first output leaves with the step that carries the request, whose tokens O/C_d counts already
+    assert rules.join_cost(0.040, 0.010) == pytest.approx(0.030)
+    assert rules.join_cost(0.040, None) == 0.040  # no step series: the whole admission time
+    assert rules.join_cost(0.008, 0.010) == 0.0  # never negative
+    assert rules.join_cost(None, 0.010) is None and rules.join_cost(math.nan, 0.01) is None
+    assert rules.join_cost(0.040, math.nan) == 0.040

@@ -9,7 +9,8 @@ quantities are computed from counter deltas between the first and the last scrap
 - per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
   by how many of them answered;
 - saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window;
-- t_join = the decode workers' `pdcluster_decode_join_seconds` sum increase / count increase.
+- t_join = the decode workers' mean `pdcluster_decode_join_seconds` less their mean step
+  (`pdcluster_time_per_output_token_seconds`), from sum and count increases (`autoscaler_rules.join_cost`).
 
 The autoscaler state (learned capacities, stabilization windows) lives in this process, as the operator
 keeps it in the PDCluster's status. Disabled workers are the "replicas" that can be added; the ones started
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 import httpx
 
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
+from pdcluster.operator.autoscaler_rules import join_cost
 
 POOLS = ("prefill", "decode")
 # Which counter measures a pool's work (as in promsource): prompt tokens for prefill, output tokens for decode.
@@ -81,11 +83,15 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         before = {n: s for n, (_, s) in first.workers.items()}
         return sum(_increase(before.get(n), s, POOL_COUNTER[role]) for n, s in now.items()) / dt / len(now)
 
-    def join() -> float | None:  # mean decode admission seconds per transferred request, over the window
+    def join() -> float | None:  # decode admission seconds per transferred request, less one step
         before = {n: s for n, (_, s) in first.workers.items()}
         now = [(before.get(n), s) for n, (r, s) in last.workers.items() if r == "decode"]
-        n = sum(_increase(b, a, "pdcluster_decode_join_seconds_count") for b, a in now)
-        return sum(_increase(b, a, "pdcluster_decode_join_seconds_sum") for b, a in now) / n if n > 0 else None
+
+        def mean(series: str) -> float | None:
+            n = sum(_increase(b, a, series + "_count") for b, a in now)
+            return sum(_increase(b, a, series + "_sum") for b, a in now) / n if n > 0 else None
+
+        return join_cost(mean("pdcluster_decode_join_seconds"), mean("pdcluster_time_per_output_token_seconds"))
 
     return Observation(
         request_rate=rate,
