@@ -88,3 +88,15 @@ def test_spec_fields_reach_the_engine_config(example: pathlib.Path) -> None:
     assert tuple(config.full_precision_layers) == tuple(spec.kvCache.fullPrecisionLayers)
     assert config.max_batch_size == spec.decode.maxBatchSize
     assert config.max_model_len == spec.model.maxModelLen
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_each_pools_tensor_parallel_size_reaches_serve(example: pathlib.Path) -> None:
+    """spec.<pool>.tensorParallelSize (issue 16) is the worker's --tensor-parallel-size, pool by pool."""
+    spec = models.parse_spec(yaml.safe_load(example.read_text())["spec"])
+    for d in _children(example):
+        role = d["metadata"]["name"].rsplit("-", 1)[1]
+        if d["kind"] != "Deployment" or role == "router":
+            continue
+        args = _parser(serve_cli).parse_args(_container(d)["command"][2:])
+        assert args.tensor_parallel_size == spec.pool(role).tensorParallelSize
