@@ -95,18 +95,28 @@ def replay(router: str, trace: Path, out: Path, *, start: float, duration: float
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def decode_join_totals(router: str) -> tuple[float, float]:
-    """(sum, count) of `pdcluster_decode_join_seconds` over the router's healthy decode workers: the live t_join
-    of a run is the sum over the count (0, 0 when nothing was transferred, e.g. colocated)."""
-    from pdcluster.bench.profile import join_totals
+def decode_join(router: str) -> dict[str, float | None]:
+    """The live t_join of a run, read from the router's healthy decode workers at its end: mean admission
+    (`pdcluster_decode_join_seconds`), mean step (`pdcluster_time_per_output_token_seconds`) and t_join as the
+    autoscaler computes it (`autoscaler_rules.join_cost`); None when nothing was transferred (colocated)."""
+    from pdcluster.bench.profile import JOIN_SERIES, STEP_SERIES, join_totals
+    from pdcluster.operator.autoscaler_rules import join_cost
 
-    tot = []
+    tot: dict[str, list[tuple[float, float]]] = {JOIN_SERIES: [], STEP_SERIES: []}
     for w in (cluster_view(router) or {}).get("decode", []):
         try:
-            tot.append(join_totals(httpx.get(f"{w['url']}/metrics", timeout=5.0).text))
+            text = httpx.get(f"{w['url']}/metrics", timeout=5.0).text
         except httpx.HTTPError:
             continue
-    return sum(t for t, _ in tot), sum(c for _, c in tot)
+        for series, acc in tot.items():
+            acc.append(join_totals(text, series))
+
+    def mean(series: str) -> float | None:
+        n = sum(c for _, c in tot[series])
+        return sum(t for t, _ in tot[series]) / n if n else None
+
+    admit, step = mean(JOIN_SERIES), mean(STEP_SERIES)
+    return {"admission_s": admit, "step_s": step, "t_join_s": join_cost(admit, step)}
 
 
 def profile(router: str, batch_sizes: str = "1,2,4,8,16,32", prefill_len: int = 512) -> dict:

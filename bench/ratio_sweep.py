@@ -92,7 +92,7 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
                                   speedup=args.speedup, max_model_len=args.max_model_len,
                                   max_output_tokens=args.max_output_tokens)
         wall = time.time() - t0
-        join = local_stack.decode_join_totals(router)  # warm-up included: a few requests of 128-512 tokens
+        join = local_stack.decode_join(router)  # warm-up included: a few requests of 128-512 tokens
     g = rp.goodput(recs, args.slo_ttft, args.slo_tpot, span)
     ok = [r for r in recs if r.get("ok")]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
@@ -100,7 +100,8 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
     row = {"round": rnd, "prefill": p, "decode": d, **g, "wall_s": wall, "load1_before": load_before,
            "load1_after": os.getloadavg()[0], "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-           "decode_join_seconds_live": join[0] / join[1] if join[1] else None,
+           "decode_join_seconds_live": join["t_join_s"], "decode_admission_seconds_live": join["admission_s"],
+           "decode_step_seconds_live": join["step_s"],
            "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")})}
     print(json.dumps(row), flush=True)
     return row
