@@ -20,6 +20,7 @@ from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import FrameKey, decode_frame, encode_frame
+from tests.kv_read import export_kv
 
 KEY = FrameKey(b"x" * 32)  # one direction of an authenticated connection
 MAX_NEW = 12
@@ -52,7 +53,7 @@ def run_disagg(pre: LLMEngine, dec: LLMEngine, rid: str, p: list[int],
     n_layers = pre.model_config.num_layers
     assert dec.reserve_for_import(rid, p, GREEDY)
     for layer in range(n_layers):
-        k, v = pre.export_kv(rid, layer)
+        k, v = export_kv(pre, rid, layer)
         wire = encode_frame(codec.encode_layer(rid, layer, n_layers, k, v, compression=compression), KEY)
         k2, v2 = codec.decode_layer(decode_frame(wire, KEY))
         dec.import_kv_layer(rid, layer, k2, v2)

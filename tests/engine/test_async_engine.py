@@ -8,6 +8,7 @@ import pytest
 
 from pdcluster.worker.engine.async_engine import AsyncEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from tests.kv_read import export_kv
 
 from .conftest import prompt_of
 
@@ -89,7 +90,7 @@ async def test_imported_request_streams_through_open_stream(aengine, make_engine
     prefill = make_engine()
     prefill.add_request("p", prompt, params, prefill_only=True)
     first = prefill.step()[0].new_token_ids[0]
-    kv = [prefill.export_kv("p", layer) for layer in range(prefill.model_config.num_layers)]
+    kv = [export_kv(prefill, "p", layer) for layer in range(prefill.model_config.num_layers)]
     prefill.release("p")
 
     assert await aengine.call(lambda e: e.reserve_for_import("d", prompt, params))

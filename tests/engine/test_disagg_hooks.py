@@ -9,6 +9,7 @@ import torch
 
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from tests.kv_read import export_kv
 
 from .conftest import prompt_of
 
@@ -74,7 +75,7 @@ def test_chunked_prefill_and_prefix_hits_export_each_token_once(make_engine):
     for rid, p in prompts.items():
         got = rec.assembled(rid, layers)
         for layer in range(layers):
-            k, v = engine.export_kv(rid, layer)
+            k, v = export_kv(engine, rid, layer)
             assert got[layer][0].shape[0] == len(p)
             assert torch.equal(got[layer][0], k) and torch.equal(got[layer][1], v)
         engine.release(rid)
@@ -97,7 +98,7 @@ def test_export_import_matches_monolithic(make_engine, decode_kw):
     for rid, p in PROMPTS.items():
         # what left mid-forward equals what is in the cache afterwards, and has the right shape
         for layer, (k, v) in enumerate(streamed[rid]):
-            k2, v2 = prefill.export_kv(rid, layer)
+            k2, v2 = export_kv(prefill, rid, layer)
             assert k.shape == (len(p), 2, 16)
             assert torch.equal(k, k2) and torch.equal(v, v2)
         prefill.release(rid)

@@ -8,6 +8,7 @@ import torch
 from pdcluster.kernels import kv_bytes_per_token
 from pdcluster.worker.engine.llm_engine import EngineConfig
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from tests.kv_read import export_kv
 
 from .conftest import prompt_of, run_with_logits
 
@@ -142,7 +143,7 @@ def _prefill(engine, prompts):
         for out in engine.step():
             first[out.request_id] = out.new_token_ids[0]
     kv = {
-        rid: [tuple(t.clone() for t in engine.export_kv(rid, layer)) for layer in range(LAYERS)]
+        rid: [tuple(t.clone() for t in export_kv(engine, rid, layer)) for layer in range(LAYERS)]
         for rid in prompts
     }
     for rid in prompts:

@@ -9,6 +9,7 @@ import torch
 
 from pdcluster.worker.engine.sampler import _filter, sample, token_seed
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from tests.kv_read import export_kv
 
 from .conftest import prompt_of
 
@@ -72,7 +73,7 @@ def test_seeded_disaggregated_equals_single_worker(make_engine):
     prefill = make_engine(block_size=8)
     prefill.add_request("r", prompt, SEEDED, prefill_only=True)
     first = prefill.step()[0].new_token_ids[0]
-    kv = [prefill.export_kv("r", layer) for layer in range(prefill.model_config.num_layers)]
+    kv = [export_kv(prefill, "r", layer) for layer in range(prefill.model_config.num_layers)]
     prefill.release("r")
     decode = make_engine(block_size=32)
     assert decode.reserve_for_import("r", prompt, SEEDED)

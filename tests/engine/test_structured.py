@@ -13,6 +13,7 @@ import xgrammar
 from pdcluster.worker.engine.sampler import History, sample, shape_logits
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.structured import grammar_source, library_message, unpack_bitmask
+from tests.kv_read import export_kv
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
@@ -114,7 +115,7 @@ def test_resume_and_import_replay_the_grammar(make_engine) -> None:
     first = None
     while first is None:
         first = next((o.new_token_ids[0] for o in prefill.step() if o.new_token_ids), None)
-    kv = [prefill.export_kv("r", layer) for layer in range(prefill.model_config.num_layers)]
+    kv = [export_kv(prefill, "r", layer) for layer in range(prefill.model_config.num_layers)]
     prefill.release("r")
     decode = make_engine()
     assert decode.reserve_for_import("r", prompt, p)

@@ -23,25 +23,13 @@ if TYPE_CHECKING:
 
 
 class KVTransferMixin:
-    def export_kv(self: LLMEngine, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[num_tokens, kv_heads, head_dim]`` (model dtype, dequantized) of a request's KV so far.
-
-        During a prefill step's forward this covers the chunk being written too."""
-        seq = self.seqs[request_id]
-        n = self._inflight.get(request_id, seq.num_computed_tokens)
-        table = torch.tensor(seq.block_table[: self.block_manager.blocks_for(n)], device=self.runner.device)
-        return self.runner.cache.read(layer, table, n)
-
     def _exports(self: LLMEngine, batch: Batch) -> list[tuple[Sequence, int, int]]:
         """(seq, first token not yet sent, tokens written once this step ends) of the prefill-only requests
-        in a prefill batch, when a connector is attached; also records the in-flight ends for export_kv."""
+        in a prefill batch, when a connector is attached."""
         if not batch.is_prefill or self.kv_connector is None:
             return []
-        ends = {s.request_id: s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
-        exports = [(s, s.num_exported_tokens, ends[s.request_id]) for s in batch.seqs if s.prefill_only]
-        if exports:
-            self._inflight = ends
-        return exports
+        return [(s, s.num_exported_tokens, s.num_computed_tokens + n)
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if s.prefill_only]
 
     def _save_layer(self: LLMEngine, layer: int, exports: list[tuple[Sequence, int, int]]) -> None:
         """Inside the forward, right after ``layer``'s KV is written: hand each exporting request's new token

@@ -68,7 +68,6 @@ class LLMEngine(KVTransferMixin):
         self.seqs: dict[str, Sequence] = {}  # every request that holds state here
         self.kv_connector: KVConnectorBase | None = None  # where prefill-only requests send their KV
         self.idle = False
-        self._inflight: dict[str, int] = {}  # prefill seqs of the running step -> tokens written by its end
         self._pending: list[RequestOutput] = []  # outputs produced between steps (imports)
         self._detok: dict[str, StopText] = {}
         self._prefill_tps = 2000.0  # running estimate of prefill tokens/s, for "auto" preemption
@@ -117,7 +116,7 @@ class LLMEngine(KVTransferMixin):
         prefill_only: bool = False,
     ) -> None:
         """Queue a request; raises ValueError for invalid input. With ``prefill_only`` the request finishes
-        after its first token but keeps its KV blocks (for export_kv) until ``release``, and its KV leaves
+        after its first token but keeps its KV blocks (for export) until ``release``, and its KV leaves
         layer by layer through the attached KV connector, if any (see kv_connector.py)."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -187,10 +186,7 @@ class LLMEngine(KVTransferMixin):
         exports = self._exports(batch)
         hook = (lambda layer: self._save_layer(layer, exports)) if exports else None  # noqa: E731
         t0 = time.perf_counter()
-        try:
-            logits = self.runner.execute(batch, hook)
-        finally:
-            self._inflight = {}
+        logits = self.runner.execute(batch, hook)
         for seq, _, end in exports:
             seq.num_exported_tokens = end
         if batch.is_prefill:
