@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pdcluster import __version__
 from pdcluster.operator import parallel
@@ -116,12 +116,18 @@ class _Pool(PodOptions):
             raise ValueError("minReplicas must be <= maxReplicas")
         if self.replicas is not None and not (self.minReplicas <= self.replicas <= self.maxReplicas):
             raise ValueError("replicas must be within [minReplicas, maxReplicas]")
-        for error in (parallel.tp_error(self.tensorParallelSize),
-                      parallel.gpu_count_error(self.resources.requests, self.resources.limits,
-                                               self.tensorParallelSize)):
-            if error:
-                raise ValueError(error)
+        error = parallel.gpu_count_error(self.resources.requests, self.resources.limits, self.tensorParallelSize)
+        if error:
+            raise ValueError(error)
         return self
+
+    @field_validator("tensorParallelSize", mode="before")
+    @classmethod
+    def _tp(cls, v: Any) -> Any:
+        # before the bounds, so that 32 gets the CEL rule's message too, not only "<= 16"
+        if isinstance(v, int) and not isinstance(v, bool) and parallel.tp_error(v):
+            raise ValueError(parallel.TP_RULE_MESSAGE)
+        return v
 
     @property
     def initial_replicas(self) -> int:

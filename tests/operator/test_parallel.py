@@ -75,7 +75,7 @@ def test_bad_tp_is_refused(tp: Any) -> None:
         _spec({"tensorParallelSize": tp})
 
 
-@pytest.mark.parametrize("tp", [3, 6, 12])
+@pytest.mark.parametrize("tp", [0, 3, 6, 12, 32, 64, -4])
 def test_bad_tp_message_names_the_rule(tp: int) -> None:
     with pytest.raises(ValidationError, match="must be 1, 2, 4, 8 or 16"):
         _spec(decode={"tensorParallelSize": tp})
