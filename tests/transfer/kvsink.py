@@ -19,9 +19,11 @@ class Sink:
     def __init__(self) -> None:
         self.parts: dict[Key, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.raw: list[tuple[Key, int, torch.Tensor, torch.Tensor, codec.Scales | None]] = []
+        self.head_offsets: list[int] = []  # where each head range went in the receiver's cache (re-sharding)
 
     def __call__(self, rid: str, layer: int, k: torch.Tensor, v: torch.Tensor, *, token_start: int = 0,
-                 scales: codec.Scales | None = None) -> None:
+                 scales: codec.Scales | None = None, head_offset: int = 0) -> None:
+        self.head_offsets.append(head_offset)
         fk, fv = codec.to_float(k, v, scales)
         self.parts.setdefault((rid, layer), {})[token_start] = (fk.clone(), fv.clone())
         kept = (scales[0].clone(), scales[1].clone()) if scales is not None else None
