@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--api-key", default=None, metavar="KEY",
       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (else $PDCLUSTER_API_KEY; "
            "default: no key). The router calls workers' /internal/* routes, which take the internal token instead")
+    a("--tensor-parallel-size", type=cli_args.positive_int, default=1, metavar="N",
+      help="shard the model over N ranks, one process each, started by this worker (CPU: gloo; CUDA: one GPU "
+           "per rank, NCCL); N must divide the attention heads, and the KV heads or be a multiple of them "
+           "(default 1)")
     tracing.add_argument(parser)
     t = parser.add_argument_group("KV transfer (prefill -> decode)")
     t.add_argument("--kv-transfer-port", type=cli_args.port, default=None)
@@ -133,7 +137,8 @@ def check_model_folder(path: str) -> Path:
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Flag values under EngineConfig's field names (the flags' dests are those names)."""
-    return {"model": args.model, **{opt.name: getattr(args, opt.name) for opt in ENGINE_OPTIONS}}
+    values = {"model": args.model, **{opt.name: getattr(args, opt.name) for opt in ENGINE_OPTIONS}}
+    return {**values, "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1)}
 
 
 def make_config(config_cls: Any, values: dict[str, Any]) -> Any:
@@ -156,6 +161,27 @@ def check_port_free(host: str, port: int) -> None:
             s.bind(addr)
         except OSError as e:
             raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def check_tensor_parallel(args: argparse.Namespace, folder: Path) -> None:
+    """--tensor-parallel-size must fit the model's head counts (and the GPUs) before anything loads."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp == 1:
+        return
+    import torch
+
+    from pdcluster.worker.engine.config import ModelConfig
+    from pdcluster.worker.engine.parallel.shard import check_tp
+
+    try:
+        check_tp(ModelConfig.from_folder(folder), tp)
+    except ValueError as e:
+        raise UsageError(f"--tensor-parallel-size {tp} does not fit {str(folder)!r}: {e}") from None
+    if args.role != "both":
+        raise UsageError("--tensor-parallel-size > 1 needs --role both: KV transfer between sharded workers "
+                         "is not supported yet")
+    if args.device == "cuda" and torch.cuda.device_count() < tp:
+        raise UsageError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,6 +220,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    check_tensor_parallel(args, folder)
 
     import uvicorn
 
@@ -227,6 +254,7 @@ def _run(args: argparse.Namespace) -> int:
 
     async def stop() -> None:
         await asyncio.to_thread(engine.shutdown)
+        await asyncio.to_thread(engine.engine.close)  # tensor-parallel followers, if any
 
     app = build_app(
         engine,

@@ -49,6 +49,12 @@ def find_attr(engine: Any, name: str) -> Any:
     return value
 
 
+def engine_fault(engine: Any) -> str | None:
+    """Why the engine can no longer run a step (e.g. a tensor-parallel rank died), else None."""
+    fault = find_attr(engine, "fault")
+    return fault if isinstance(fault, str) else None
+
+
 def probe_limits(engine: Any) -> ModelLimits:
     """Find vocab size and context length on the engine without depending on its exact layout."""
     candidates = [engine]
@@ -125,8 +131,11 @@ class WorkerServer:
         return self.engine.stats()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        status = "draining" if self.draining else ("ok" if self.ready else "starting")
+        fault = engine_fault(self.engine)
+        status = "failed" if fault else "draining" if self.draining else ("ok" if self.ready else "starting")
         body = {"status": status, "role": self.role, "model": self.served_model_name, "in_flight": self.in_flight}
+        if fault:
+            body["error"] = str(fault)
         return (200 if status == "ok" else 503), body
 
     async def drain(self, wait: bool = False, timeout: float | None = None) -> bool:
@@ -155,9 +164,10 @@ class WorkerServer:
         if self.draining:
             self.metrics.rejected("draining")
             raise errors.unavailable("worker is draining and accepts no new requests", code="draining")
-        if not self.ready:
+        fault = engine_fault(self.engine)
+        if not self.ready or fault:
             self.metrics.rejected("not_ready")
-            raise errors.unavailable("worker is not ready yet")
+            raise errors.unavailable(f"worker failed: {fault}" if fault else "worker is not ready yet")
         if self.max_queue_depth is not None and self._waiting() >= self.max_queue_depth:
             self.metrics.rejected("queue_full")
             raise errors.queue_full()

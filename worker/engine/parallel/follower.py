@@ -47,7 +47,7 @@ def serve(spec: dict) -> None:
     agree_num_blocks(runner)
     box: list[step.StepMsg | None] = [None]
     while True:
-        dist.broadcast_object_list(box, src=0)  # type: ignore[arg-type]
+        dist.broadcast_object_list(box, src=0, group=group.step_group())  # type: ignore[arg-type]
         msg = box[0]
         if msg is None:  # rank 0 is closing
             break

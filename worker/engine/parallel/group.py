@@ -1,8 +1,10 @@
 """The tensor-parallel process group of this process: started once per rank, torn down on close.
 
-Two groups over the same ranks: the default (WORLD) group carries rank 0's step broadcast, and waits as long
-as a server may sit idle; the compute group carries the all_reduce / all_gather inside each forward, with a
-short timeout so a rank that stops answering fails the step instead of hanging the worker. Rendezvous is on
+Three groups over the same ranks. WORLD serves the start-up (rendezvous, agreeing on the cache size), with a
+long timeout. The step group carries rank 0's per-step broadcast: its timeout is local to each rank, so rank
+0 gives up on a silent follower after the short timeout while a follower waits as long as the server sits
+idle. The compute group carries the all_reduce / all_gather inside each forward, with the short timeout
+everywhere: a rank that stops answering fails the step instead of hanging the worker. Rendezvous is on
 127.0.0.1 only (gloo also binds its pairs to the loopback interface); gloo on CPU, NCCL on CUDA for compute.
 """
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # a follower waits this long for rank 0's next step
 _compute: dist.ProcessGroup | None = None
+_step: dist.ProcessGroup | None = None
 
 
 def free_port() -> int:
@@ -31,7 +34,7 @@ def compute_backend(device: str) -> str:
 
 def init(rank: int, size: int, port: int, device: str, timeout_s: float) -> None:
     """Join the group (blocks until every rank has); ``timeout_s`` bounds each collective of a step."""
-    global _compute
+    global _compute, _step
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's pairs on loopback
     dist.init_process_group(
         "gloo",
@@ -40,11 +43,14 @@ def init(rank: int, size: int, port: int, device: str, timeout_s: float) -> None
         world_size=size,
         timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S),
     )
-    made = dist.new_group(
-        list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=compute_backend(device)
-    )
+    _compute = _new_group(size, timeout_s, compute_backend(device))
+    _step = _new_group(size, timeout_s if rank == 0 else IDLE_TIMEOUT_S, "gloo")  # pickled steps: CPU
+
+
+def _new_group(size: int, timeout_s: float, backend: str) -> dist.ProcessGroup:
+    made = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     assert isinstance(made, dist.ProcessGroup)  # every rank is a member (NON_GROUP_MEMBER is for others)
-    _compute = made
+    return made
 
 
 def compute_group() -> dist.ProcessGroup:
@@ -53,8 +59,14 @@ def compute_group() -> dist.ProcessGroup:
     return _compute
 
 
+def step_group() -> dist.ProcessGroup:
+    if _step is None:
+        raise RuntimeError("the tensor-parallel group is not started (parallel.group.init)")
+    return _step
+
+
 def teardown() -> None:
-    global _compute
+    global _compute, _step
     if dist.is_initialized():
         dist.destroy_process_group()
-    _compute = None
+    _compute = _step = None

@@ -117,7 +117,7 @@ class TPModelRunner:
         if self.fault is not None:
             raise RuntimeError(self.fault)
         try:
-            dist.broadcast_object_list([step.encode(batch)], src=0)
+            dist.broadcast_object_list([step.encode(batch)], src=0, group=group.step_group())
             logits = self.local.execute(batch)
         except Exception as e:  # the ranks are out of step now: nothing more can run
             self._set_fault(f"tensor-parallel step failed ({type(e).__name__}: {e})")
@@ -174,7 +174,7 @@ class TPModelRunner:
         self._closed = True
         if healthy:
             try:
-                dist.broadcast_object_list([None], src=0)
+                dist.broadcast_object_list([None], src=0, group=group.step_group())
             except Exception:  # a follower that is gone already
                 log.debug("goodbye broadcast failed", exc_info=True)
         for proc in self.followers:
