@@ -234,7 +234,7 @@ up() {
   mkdir -p "$DIR"
   link_tools
   if api_ready && pid_alive kube-controller-manager && pid_alive kube-scheduler && pid_alive kwok \
-     && { [[ "$REAL_NODE" != 1 ]] || [[ "$("$HERE/node.sh" status)" == *"kubelet: running"* ]]; }; then
+     && { [[ "$REAL_NODE" != 1 ]] || [[ "$("$HERE/node.sh" status)" == *"kubelet: running"*"kube-proxy: running"* ]]; }; then
     log "cluster already running (reused)"
     if [[ "$REAL_NODE" == 1 ]]; then "$HERE/node.sh" import; fi
     echo "export KUBECONFIG=$KUBECONFIG_PATH"

@@ -196,6 +196,6 @@ net_down() {
   if ip link show "$NODE_BRIDGE" >/dev/null 2>&1 && [[ -f "$N/bridge.owner" ]]; then
     ip link del "$NODE_BRIDGE" && removed+=("bridge $NODE_BRIDGE (and its routes)")
   fi
-  log "network removed: $(IFS=,; echo "${removed[*]:-nothing left}")"
+  log "network removed: $( ((${#removed[@]})) && printf '%s; ' "${removed[@]}" || echo "nothing left")"
   host_restore
 }

@@ -226,7 +226,7 @@ up() {
   [[ -x "$CNI_BIN/bridge" && -x "$CNI_BIN/host-local" && -x "$CNI_BIN/loopback" ]] || die "CNI plugins missing in $CNI_BIN"
   [[ -x "$BIN/kubelet-$K8S_VERSION" && -x "$BIN/kube-proxy-$K8S_VERSION" && -x "$BIN/coredns-$COREDNS_VERSION" ]] \
     || die "kubelet/kube-proxy/coredns not built (e2e/build.sh node)"
-  [[ -f "$DIR/kube-proxy.kubeconfig" ]] || die "no kube-proxy credentials: a cluster started by an older cluster.sh (down, then up)"
+  [[ -f "$DIR/pki/kube-proxy.crt" ]] || die "no kube-proxy certificate: a cluster started by an older cluster.sh (cluster.sh down, then up)"
   runtime_up
   coredns_up
   kubelet_up
