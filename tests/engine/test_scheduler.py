@@ -115,3 +115,32 @@ def test_partial_prefill_yields_blocks_to_an_earlier_request_when_nothing_runs()
     for q in (early, late):
         s.remove(q)
     s.bm.check_no_leaks()
+
+
+def test_mixed_step_decodes_first_and_fills_the_rest_of_the_budget():
+    s = make(max_batch_tokens=16, mixed=True)
+    a, b = seq(6, "a"), seq(40, "b")
+    s.add(a)
+    run_prefill(s, s.schedule())  # a decodes from here
+    s.add(b)
+    batch = s.schedule()
+    assert batch.is_prefill and batch.num_decode == 1
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 15]  # the decode token comes off the budget
+    a.num_computed_tokens += 1
+    s.finish_prefill_chunk(b, 15)
+    batch = s.schedule()  # no decode-only turn in between
+    assert batch.num_decode == 1 and batch.seqs == [a, b] and batch.num_new_tokens == [1, 15]
+
+
+def test_mixed_step_admits_no_prefill_when_decode_had_to_preempt():
+    s = make(num_blocks=4, max_batch_tokens=64, mixed=True, watermark=0.0, preemption_mode="recompute")
+    a, b = seq(16, "a"), seq(15, "b")  # 2 blocks each
+    s.add(a)
+    s.add(b)
+    run_prefill(s, s.schedule())
+    a.num_computed_tokens += 1  # a's next token needs a third block: only by preempting b (the latest)
+    a.token_ids.append(0)
+    s.add(seq(3, "c"))
+    batch = s.schedule()
+    assert s.num_preemptions == 1 and b in s.waiting
+    assert not batch.is_prefill and batch.seqs == [a]  # neither the victim nor c prefilled in that step

@@ -50,6 +50,9 @@ class AttnMetadata:
     # Decode of sliding-window layers: slots of the last `window` positions [seqs, <=window] and their mask
     window_slots: torch.Tensor | None = None
     window_mask: torch.Tensor | None = None
+    # A mixed step: the first num_decode tokens are decode rows (the decode fields above describe them),
+    # the rest are the prefill chunks
+    num_decode: int = 0
 
 
 def window_slots(
@@ -137,7 +140,10 @@ class Attention(nn.Module):
         if md.is_prefill:
             if md.layer_hook is not None:
                 md.layer_hook(self.layer)
-            out = self._prefill(q, k, v, md, cache)
+            nd = md.num_decode
+            out = self._prefill(q[nd:], k[nd:], v[nd:], md, cache)
+            if nd:  # a mixed step: the decode rows attend over the cache, after this step's writes
+                out = torch.cat((self._decode(q[:nd], md, cache), out), 0)
         else:
             out = self._decode(q, md, cache)
         return self.o_proj(out.reshape(n, self.q_size))

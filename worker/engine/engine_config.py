@@ -39,6 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads
     host_bandwidth: float = 8e9  # bytes/s assumed for swap, used by preemption_mode="auto"
+    # Decode tokens and prefill chunks share a step (scheduler.py); False: they alternate (A/B benchmarks)
+    mixed_steps: bool = True
+    compile_decode: bool = False  # torch.compile the decode step (model_runner.py); costs minutes at startup
     debug_logits: bool = False  # put each sampled position's float32 logits in RequestOutput.extra["logits"]
     # Ranks the model is sharded over (one process each, parallel/runner.py); 1 = today's single process
     tensor_parallel_size: int = 1
@@ -67,4 +70,5 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_batch_size=self.max_batch_size,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
+            compile_decode=self.compile_decode,
         )

@@ -64,6 +64,7 @@ class LLMEngine(KVTransferMixin):
             watermark=config.watermark,
             preemption_mode=config.preemption_mode,
             choose_mode=self._cheaper_preemption,
+            mixed=config.mixed_steps,
         )
         self.seqs: dict[str, Sequence] = {}  # every request that holds state here
         self.kv_connector: KVConnectorBase | None = None  # where prefill-only requests send their KV
@@ -189,19 +190,19 @@ class LLMEngine(KVTransferMixin):
         logits = self.runner.execute(batch, hook)
         for seq, _, end in exports:
             seq.num_exported_tokens = end
+        nd = batch.num_decode if batch.is_prefill else len(batch.seqs)  # decoding seqs lead a mixed step
+        done = batch.seqs[:nd]
+        for s in done:
+            s.num_computed_tokens += 1
+            self.block_manager.commit(s)
         if batch.is_prefill:
-            n_tokens = sum(batch.num_new_tokens)
+            n_tokens = sum(batch.num_new_tokens[nd:])
             self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
-            done = [
+            done = done + [
                 s
-                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:], strict=True)
                 if self.scheduler.finish_prefill_chunk(s, n)
             ]
-        else:
-            done = batch.seqs
-            for s in done:
-                s.num_computed_tokens += 1
-                self.block_manager.commit(s)
         if not done:
             return outputs
         tokens = self._sample(logits, done)
@@ -218,9 +219,10 @@ class LLMEngine(KVTransferMixin):
                 out.logprobs = self._logprobs(seq, logits[i], token)
             if self.config.debug_logits:
                 out.extra["logits"] = logits[i].clone()
-            if batch.is_prefill:  # the first token: where its TTFT went, and how much came from the cache
+            first = batch.is_prefill and i >= nd  # its prompt's last chunk ran in this step
+            if first:  # the first token: where its TTFT went, and how much came from the cache
                 out.extra["scheduled_at"], out.extra["cached_tokens"] = seq.first_scheduled_at, seq.num_cached_tokens
-            if batch.is_prefill and not seq.is_finished:
+            if first and not seq.is_finished:
                 if seq.prefill_only:
                     seq.status = SequenceStatus.PREFILLED  # holds its blocks until release()
                     out.finished, out.extra["kv_held"] = True, True

@@ -34,6 +34,7 @@ class ModelRunner:
         max_model_len: int,
         max_batch_size: int,
         swap_space_bytes: int,
+        compile_decode: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
@@ -67,6 +68,12 @@ class ModelRunner:
         # Swap space never needs more blocks than the device has; allocated on the first swap-out.
         self.num_host_blocks = min(swap_space_bytes // self.block_bytes, num_blocks)
         self._host_cache: PagedKVCache | None = None
+        # Decode steps through inductor (fused elementwise ops, fewer dispatches); dynamic shapes so batch
+        # sizes and lengths share one graph. Prefill and mixed steps stay eager: their per-chunk loop would
+        # recompile for every chunk count. Off by default: see docs/benchmarks/engine.md for the compile cost.
+        self._decode_forward: Callable[..., torch.Tensor] = (
+            torch.compile(self.model, dynamic=True) if compile_decode else self.model
+        )
 
     def _new_cache(self, num_blocks: int, device: torch.device) -> PagedKVCache:
         c = self.cfg
@@ -125,21 +132,38 @@ class ModelRunner:
         self.run_copies(batch.copies)
         if not batch.seqs:
             return torch.empty(0, self.cfg.vocab_size)
-        md, input_ids, sample_idx = (
-            self._prepare_prefill(batch) if batch.is_prefill else self._prepare_decode(batch.seqs)
-        )
+        sample_idx: torch.Tensor | None  # None: every row samples
+        if batch.num_decode:
+            md, input_ids, sample_idx = self._prepare_mixed(batch)
+        elif batch.is_prefill:
+            md, input_ids, sample_idx = self._prepare_prefill(batch)
+        else:
+            md, input_ids, sample_idx = self._prepare_decode(batch.seqs)
         md.layer_hook = layer_hook if batch.is_prefill else None
-        hidden = self.model(input_ids, md, self.cache)
+        hidden = (self.model if batch.is_prefill else self._decode_forward)(input_ids, md, self.cache)
         if sample_idx is not None:
             hidden = hidden[sample_idx]
         return self.model.compute_logits(hidden)
 
-    def _prepare_prefill(self, batch: Batch) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor | None]:
+    def _prepare_mixed(self, batch: Batch) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
+        """The decode rows first (every one samples), then the prefill chunks: one token axis, the decode
+        part's attention metadata plus the chunks (attention splits the rows at ``md.num_decode``)."""
+        nd = batch.num_decode
+        dec, dec_ids, _ = self._prepare_decode(batch.seqs[:nd])
+        pre, pre_ids, pre_sample = self._prepare_prefill(batch, nd)
+        dec.is_prefill, dec.num_decode, dec.prefill = True, nd, pre.prefill
+        dec.positions = torch.cat((dec.positions, pre.positions))
+        dec.slot_mapping = torch.cat((dec.slot_mapping, pre.slot_mapping))
+        sample_idx = torch.cat((torch.arange(nd, device=self.device), pre_sample + nd))
+        return dec, torch.cat((dec_ids, pre_ids)), sample_idx
+
+    def _prepare_prefill(self, batch: Batch, first: int = 0) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
+        """The prefill chunks of ``batch.seqs[first:]``."""
         ids: list[int] = []
         positions, slots = [], []
         chunks: list[PrefillSeq] = []
         sample_idx: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n in zip(batch.seqs[first:], batch.num_new_tokens[first:], strict=True):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.append(torch.arange(start, start + n))

@@ -1,9 +1,12 @@
 """Continuous batching: which sequences run in the next step, and who makes room when blocks run out.
 
-A step is either a prefill step (chunks of waiting prompts, bounded by ``max_batch_tokens``; a prompt longer
-than what is left of the budget is cut, and continues next time) or a decode step (one token for each
-running sequence, at most ``max_batch_size``). After a prefill step, a decode step runs whenever anything
-is decoding, so a stream of long prompts slows decoding by at most half but never stops it.
+A step is a prefill step (chunks of waiting prompts, bounded by ``max_batch_tokens``; a prompt longer than
+what is left of the budget is cut, and continues next time), a decode step (one token for each running
+sequence, at most ``max_batch_size``), or, with ``mixed`` (the engine's default), a mixed step: every running
+sequence's next token plus prefill chunks in what is left of the token budget, in one forward. Mixed steps
+read the weights once for both, and a waiting prompt never waits for a decode-only turn. Without ``mixed``,
+after a prefill step a decode step runs whenever anything is decoding (so long prompts slow decoding by at
+most half but never stop it).
 
 Order is strictly FCFS by arrival: a request that cannot get blocks blocks those behind it (no starvation
 of big requests), swapped-out requests come back before new ones are admitted, and the victim of a
@@ -31,6 +34,9 @@ class Batch:
     is_prefill: bool
     # ("out", device ids, host ids) / ("in", host ids, device ids), to run in this order before the forward
     copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    # A mixed step (is_prefill and num_decode > 0): its first num_decode sequences decode one token each and
+    # the rest are prefill chunks. 0 for a prefill step; a decode step has is_prefill False.
+    num_decode: int = 0
 
 
 class Scheduler:
@@ -44,12 +50,14 @@ class Scheduler:
         watermark: float = 0.15,
         preemption_mode: PreemptionMode = "auto",
         choose_mode: Callable[[Sequence], Literal["swap", "recompute"]] | None = None,
+        mixed: bool = False,
     ) -> None:
         self.bm, self.host = block_manager, host_blocks
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.preemption_mode = preemption_mode
         self.choose_mode = choose_mode
+        self.mixed = mixed
         self.waiting: list[Sequence] = []  # sorted by arrival; the head may be part-way through prefill
         self.running: list[Sequence] = []  # sorted by arrival
         self.swapped: list[Sequence] = []  # sorted by arrival
@@ -96,6 +104,8 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         copies: list[tuple[str, list[int], list[int]]] = []
         self._swap_in(copies)
+        if self.mixed and self.running and self.waiting and not self.swapped:
+            return self._schedule_mixed(copies)
         prefill_turn = not (self.last_was_prefill and self.running)
         if prefill_turn and not self.swapped and self.waiting:
             batch = self._schedule_prefill()
@@ -129,12 +139,27 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
 
-    def _schedule_prefill(self) -> Batch | None:
+    def _schedule_mixed(self, copies: list[tuple[str, list[int], list[int]]]) -> Batch:
+        """Decode every running sequence, then fill what is left of the token budget with prefill chunks.
+        A step that had to preempt admits no prefill: blocks are short, and a recompute victim must not be
+        prefilled again in the step that just evicted it."""
+        preemptions = self.num_preemptions
+        decode = self._schedule_decode(copies)
+        self.last_was_prefill = False
+        if self.num_preemptions != preemptions or not self.waiting:
+            return decode
+        prefill = self._schedule_prefill(self.max_batch_tokens - len(decode.seqs))
+        if prefill is None:
+            return decode
+        return Batch(decode.seqs + prefill.seqs, decode.num_new_tokens + prefill.num_new_tokens, True, copies,
+                     num_decode=len(decode.seqs))
+
+    def _schedule_prefill(self, budget: int | None = None) -> Batch | None:
         seqs: list[Sequence] = []
         counts: list[int] = []
-        budget = self.max_batch_tokens
+        budget = self.max_batch_tokens if budget is None else budget
         for seq in list(self.waiting):
-            if budget == 0 or len(self.running) + len(seqs) >= self.max_batch_size:
+            if budget <= 0 or len(self.running) + len(seqs) >= self.max_batch_size:
                 break
             prefix = self.bm.lookup_prefix(seq) if not seq.block_table else []
             start = len(prefix) * self.bm.block_size if prefix else seq.num_computed_tokens

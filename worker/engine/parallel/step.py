@@ -31,6 +31,7 @@ class StepMsg:
     seqs: list[SeqStep]
     num_new_tokens: list[int]
     copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    num_decode: int = 0  # a mixed step's leading decode rows (scheduler.Batch)
 
 
 def encode(batch: Batch) -> StepMsg:
@@ -41,7 +42,7 @@ def encode(batch: Batch) -> StepMsg:
             seqs.append(SeqStep(len(seq), start, seq.token_ids[start : start + n], list(seq.block_table)))
         else:
             seqs.append(SeqStep(len(seq), len(seq) - 1, [seq.last_token_id], list(seq.block_table)))
-    return StepMsg(batch.is_prefill, seqs, list(batch.num_new_tokens), list(batch.copies))
+    return StepMsg(batch.is_prefill, seqs, list(batch.num_new_tokens), list(batch.copies), batch.num_decode)
 
 
 def decode(msg: StepMsg) -> Batch:
@@ -53,4 +54,4 @@ def decode(msg: StepMsg) -> Batch:
         seq.num_computed_tokens = s.start
         seq.block_table = s.block_table
         seqs.append(seq)
-    return Batch(seqs, msg.num_new_tokens, msg.is_prefill, msg.copies)
+    return Batch(seqs, msg.num_new_tokens, msg.is_prefill, msg.copies, msg.num_decode)
