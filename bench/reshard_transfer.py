@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import statistics
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 from pdcluster.bench import reshard_rank
 from pdcluster.worker.transfer import reshard
 
-CASES = [(1, 1, True), (2, 2, False), (2, 1, False), (1, 2, False), (2, 4, False)]  # (a, b, today's path)
+# (a, b, today's path): TP 1 -> 1 both ways (start_save vs one head route of all heads), then re-sharding
+CASES = [(1, 1, True), (1, 1, False), (2, 2, False), (2, 1, False), (1, 2, False), (2, 4, False)]
 
 
 def _spawn(cfg: dict[str, Any]) -> tuple[Any, Connection]:
@@ -49,7 +51,7 @@ def case(heads: int, a: int, b: int, *, layers: int = 3, tokens: int = 37, dim: 
          seed: int = 1) -> dict[str, Any]:
     """One request of a run: `heads` KV heads from prefill TP `a` to decode TP `b`. `die` = (decode rank,
     layer): that receiver SIGKILLs itself while importing that layer."""
-    return {"rid": f"{heads}h-{a}to{b}-{kv_dtype}-{seed}", "heads": heads, "a": a, "b": b, "layers": layers,
+    return {"rid": f"{heads}h-{a}to{b}-{kv_dtype}-{seed}{'-whole' if whole else ''}", "heads": heads, "a": a, "b": b, "layers": layers,
             "tokens": tokens, "dim": dim, "kv_dtype": kv_dtype, "whole": whole, "chunks": chunks,
             "die": list(die) if die else None, "seed": seed}
 
@@ -91,32 +93,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--compression", choices=["none", "int8"], default="none")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}; {args.heads} KV heads x {args.dim}, {args.tokens} tokens, "
           f"{args.layers} layers, f32 cache, wire {args.compression}")
     print("| backend | layout | path | MiB sent per prefill rank per layer | MiB received per decode rank per layer "
-          "| time per layer (slowest sender) | max error |")
+          "| time per layer, slowest sender: median (runs) | max error |")
     print("|---|---|---|---|---|---|---|")
     wire = "int8" if args.compression == "int8" else "f32"
-    cases = [case(args.heads, a, b, layers=args.layers, tokens=args.tokens, dim=args.dim, whole=whole)
-             for a, b, whole in CASES]
+    # a warm-up request first (connections, page faults, NIXL peers), then the layouts interleaved, repeated
+    warm = case(args.heads, 1, 1, layers=1, tokens=args.tokens, dim=args.dim, seed=99)
+    cases = [warm] + [case(args.heads, a, b, layers=args.layers, tokens=args.tokens, dim=args.dim, whole=whole,
+                           seed=rep + 1) for rep in range(args.repeat) for a, b, whole in CASES]
     for backend in (["tcp", "nixl"] if args.backend == "both" else [args.backend]):
         senders, receivers = run(cases, backend=backend, compression=args.compression, timeout=120.0, wait=900.0)
-        for c in cases:
-            got = [s["cases"][c["rid"]] for s in senders if c["rid"] in s.get("cases", {})]
-            put = [r["cases"][c["rid"]] for r in receivers if c["rid"] in r.get("cases", {})]
-            lb = reshard.layer_bytes(reshard.plan(c["heads"], c["a"], c["b"]), c["a"], c["tokens"], c["dim"], wire)
-            layout = f"TP {c['a']} -> TP {c['b']}"
-            if len(got) != c["a"] or len(put) != c["b"] or not all(x.get("ok") for x in got + put):
-                print(f"| {backend} | {layout} | FAILED: {senders} {receivers} |")
-                continue
-            per_layer = max(x["seconds"] for x in got) / c["layers"]
-            path = "start_save (today)" if c["whole"] else "head routes"
-            mib = [", ".join(f"{x / 2**20:.1f}" for x in xs) for xs in (lb.sent, lb.received)]
-            print(f"| {backend} | {layout} | {path} | {mib[0]} | {mib[1]} | {per_layer * 1e3:.1f} ms "
-                  f"| {max(x['max_err'] for x in put):g} |", flush=True)
+        for a, b, whole in CASES:
+            times, errs = [], []
+            for c in cases[1:]:
+                if (c["a"], c["b"], c["whole"]) != (a, b, whole):
+                    continue
+                got = [s["cases"][c["rid"]] for s in senders if c["rid"] in s.get("cases", {})]
+                put = [r["cases"][c["rid"]] for r in receivers if c["rid"] in r.get("cases", {})]
+                if len(got) != a or len(put) != b or not all(x.get("ok") for x in got + put):
+                    print(f"| {backend} | TP {a} -> TP {b} | FAILED: {got} {put} |")
+                    break
+                times.append(max(x["seconds"] for x in got) / c["layers"])
+                errs.append(max(x["max_err"] for x in put))
+            else:
+                lb = reshard.layer_bytes(reshard.plan(args.heads, a, b), a, args.tokens, args.dim, wire)
+                mib = [", ".join(f"{x / 2**20:.1f}" for x in xs) for xs in (lb.sent, lb.received)]
+                path = "start_save (today)" if whole else "head routes"
+                runs = " / ".join(f"{t * 1e3:.0f}" for t in times)
+                print(f"| {backend} | TP {a} -> TP {b} | {path} | {mib[0]} | {mib[1]} "
+                      f"| {statistics.median(times) * 1e3:.0f} ms ({runs}) | {max(errs):g} |", flush=True)
     print(f"load average after {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -75,14 +75,22 @@ class Fanout:
 
     def __init__(self, routes: list[HeadRoute], boxes: list[Outbox]) -> None:
         self.routes, self.boxes = routes, boxes
+        # memory the save was exported into, handed back when no route sends from it (every route a copy)
+        self.release: Callable[[torch.Tensor], None] | None = None
 
     def frames(self, encode: Encode, k: torch.Tensor, v: torch.Tensor,
                scales: codec.Scales | None) -> list[tuple[Outbox, Frame]]:
         """Each route's frames of one save, with the outbox each goes to (encoder thread)."""
         out: list[tuple[Outbox, Frame]] = []
-        for route, box in zip(self.routes, self.boxes, strict=True):
-            sk, sv, ss = slice_heads(k, v, scales, route.src, route.count)
-            out += [(box, f) for f in encode(sk, sv, ss, route.head_start)]
+        used = False
+        try:
+            for route, box in zip(self.routes, self.boxes, strict=True):
+                sk, sv, ss = slice_heads(k, v, scales, route.src, route.count)
+                used = used or sk is k  # a route of all heads sends the export itself (it owns it from here)
+                out += [(box, f) for f in encode(sk, sv, ss, route.head_start)]
+        finally:
+            if not used and self.release is not None:
+                self.release(k)
         return out
 
     @property

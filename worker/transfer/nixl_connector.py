@@ -98,7 +98,10 @@ class NixlConnector(TCPConnector):
         super().start_save_heads(request_id, routes, num_layers)
         with self._out_lock:
             self._out[request_id] = _Outgoing()
-        self._outboxes[request_id][0].on_ack = self._acked
+        fan = self._outboxes[request_id][0]
+        fan.on_ack = self._acked
+        if isinstance(fan, Fanout):  # head ranges cut out of a lent export are copies: the region comes back
+            fan.release = self._dropped
 
     def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
                       quantized: bool) -> torch.Tensor | None:
@@ -107,8 +110,6 @@ class NixlConnector(TCPConnector):
         of a float layer), when staging is full, or for a request we do not send."""
         if self.compression == "int8" and not quantized:
             return None
-        if isinstance(self._outboxes.get(request_id, (None,))[0], Fanout):
-            return None  # head ranges are cut out of the export (one copy each) and staged apiece
         with self._out_lock:
             if request_id not in self._out:
                 return None
