@@ -16,9 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pdcluster.bench import cpu_limits as cl
 
 PDCLUSTER = [sys.executable, "-m", "pdcluster"]
 
@@ -38,15 +41,31 @@ def healthy(view: dict | None) -> tuple[int, int]:
     return tuple(sum(1 for w in view.get(role, []) if w.get("healthy")) for role in ("prefill", "decode"))  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class CpuLimit:
+    """A CPU limit per process of the stack (a pod's `limits.cpu`): each worker and the router in a cgroup of
+    their own (bench/cpu_limits.py)."""
+
+    worker: float
+    router: float
+
+
 @contextlib.contextmanager
-def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: float = 240.0) -> Iterator[str]:
-    """`pdcluster up --port PORT ARGS...`; yields the router URL once `want` (P, D) workers are healthy."""
+def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: float = 240.0,
+       cpu: CpuLimit | None = None, throttling: dict | None = None) -> Iterator[str]:
+    """`pdcluster up --port PORT ARGS...`; yields the router URL once `want` (P, D) workers are healthy.
+    With `cpu`, every worker and the router run under their own CPU limit from their first moments; on exit
+    `throttling` (if given) gets each group's cpu.stat, and the groups are removed whatever happened."""
     router = f"http://127.0.0.1:{port}"
-    with log.open("w") as out:
-        proc = subprocess.Popen([*PDCLUSTER, "up", "--port", str(port), "--host", "127.0.0.1", *args],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    groups = cl.CpuGroups() if cpu else None  # before the stack starts: a host without cgroups fails here
+    proc = None
     try:
+        with log.open("w") as out:
+            proc = subprocess.Popen([*PDCLUSTER, "up", "--port", str(port), "--host", "127.0.0.1", *args],
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if groups and cpu:
+            confine(groups, proc, cpu, sum(want))
         deadline = time.monotonic() + timeout
         while healthy(cluster_view(router)) != want:
             if proc.poll() is not None:
@@ -54,9 +73,36 @@ def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: fl
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pdcluster up: {want} workers not healthy within {timeout:.0f} s; see {log}")
             time.sleep(0.5)
+        if groups and cpu:
+            confine(groups, proc, cpu, sum(want))  # again: anything forked between the first scan and its move
         yield router
+        if groups is not None and throttling is not None:
+            throttling.update({name: groups.stat(name) for name in groups.groups})
     finally:
-        stop(proc)
+        try:
+            if proc is not None:
+                stop(proc)
+        finally:
+            if groups is not None:
+                groups.close()
+
+
+def confine(groups: cl.CpuGroups, proc: subprocess.Popen[bytes], cpu: CpuLimit, workers: int,
+            timeout: float = 60.0) -> None:
+    """Moves every worker and the router of `up` (and their children) into their groups, as soon as `up` has
+    started them (it starts them all at once; they are still importing when they move)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        where = cl.assign(cl.process_table(), proc.pid)
+        for name in sorted(set(where.values())):
+            groups.limit(name, cpu.router if name == "router" else cpu.worker)
+            groups.move(name, [pid for pid, g in where.items() if g == name])
+        names = set(where.values())
+        if "router" in names and len(names - {"router"}) >= workers:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"pdcluster up: found {sorted(names)} of {workers} workers + router to limit")
+        time.sleep(0.05)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pdcluster.bench import local_stack
+from pdcluster.bench import cpu_limits, local_stack
 from pdcluster.bench import ratio_plan as rp
 from pdcluster.bench import trace as tr
 from pdcluster.bench.stats import percentile
@@ -36,6 +38,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port", type=int, default=18600, help="router port of the stacks started")
     p.add_argument("--out", type=Path, required=True, help="summary.json and the plot go here")
+    p.add_argument("--worker-cpu", type=float, default=0.4,
+                   help="CPU limit of each worker (a cgroup v1 CFS quota, as a pod's limits.cpu); 0 = no limits. "
+                        "The default fits 4 workers + the router into 2 cores")
+    p.add_argument("--router-cpu", type=float, default=0.4, help="CPU limit of the router (with --worker-cpu)")
     p.add_argument("--work", type=Path, default=Path("/tmp/pdcluster-bench-ratio"), help="per-run records")
 
 
@@ -67,16 +73,39 @@ def load_slice(path: Path, start: float, duration: float, max_model_len: int,
         tr.scale_lengths(sl, max_model_len)
 
 
+def cpu_limit(args: argparse.Namespace) -> local_stack.CpuLimit | None:
+    """The per-process CPU limits of the runs (None: unlimited, every process shares the whole machine)."""
+    if not args.worker_cpu:
+        return None
+    cpu_limits.check_budget(args.worker_cpu, args.workers, args.router_cpu, os.cpu_count() or 1)
+    cpu_limits.quota_us(args.router_cpu)
+    return local_stack.CpuLimit(worker=args.worker_cpu, router=args.router_cpu)
+
+
+def uptime() -> str:
+    """`uptime` as run (the load average at a run's edges, as the project's benchmark pages report it)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def throttled(stats: dict[str, dict[str, int]]) -> dict[str, float | None]:
+    """Share of CFS periods throttled, per group (router, prefill-PORT, decode-PORT...)."""
+    return {name: cpu_limits.throttled_share(st) for name, st in sorted(stats.items())}
+
+
 def measure_capacity(args: argparse.Namespace) -> dict:
+    """`pdcluster profile --url` on a 1:1 stack whose two workers run under the sweep's CPU limit, so C_p, C_d
+    and t_join are one limited instance's figures, as the formula means them."""
     work = args.work / "profile"
     work.mkdir(parents=True, exist_ok=True)
     up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
-    with local_stack.up(up, args.port, work / "up.log", (1, 1)) as router:
+    stats: dict = {}
+    with local_stack.up(up, args.port, work / "up.log", (1, 1), cpu=cpu_limit(args), throttling=stats) as router:
         raw = local_stack.profile(router)
     (work / "profile.json").write_text(json.dumps(raw, indent=1))
     return {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
             "decode_tokens_per_second": raw["decode_tokens_per_second"],
-            "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)"}
+            "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)",
+            "worker_cpu": args.worker_cpu or None, "throttled": throttled(stats), "uptime": uptime()}
 
 
 def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
@@ -84,8 +113,9 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
     work = args.work / f"r{rnd}-{p}x{d}"
     work.mkdir(parents=True, exist_ok=True)
     flags = ["--prefill", str(p), "--decode", str(d), "--threads", str(args.threads), "--max-queue-depth", "256"]
-    load_before = os.getloadavg()[0]
-    with local_stack.up(flags, port, work / "up.log", (p, d)) as router:
+    load_before, up_before = os.getloadavg()[0], uptime()
+    stats: dict = {}
+    with local_stack.up(flags, port, work / "up.log", (p, d), cpu=cpu_limit(args), throttling=stats) as router:
         local_stack.warm_up(router, work / "warmup")
         t0 = time.time()
         recs = local_stack.replay(router, args.trace, work / "replay", start=args.start, duration=args.duration,
@@ -101,7 +131,8 @@ def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
            "load1_after": os.getloadavg()[0], "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
            "decode_join_seconds_live": join["t_join_s"], "decode_admission_seconds_live": join["admission_s"],
-           "decode_step_seconds_live": join["step_s"],
+           "decode_step_seconds_live": join["step_s"], "uptime_before": up_before, "uptime_after": uptime(),
+           "worker_cpu": args.worker_cpu or None, "throttled": throttled(stats),
            "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")})}
     print(json.dumps(row), flush=True)
     return row
@@ -177,10 +208,15 @@ def chosen_splits(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so every stack is stopped and every cgroup removed.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     try:
         todo = chosen_splits(args)
         sl = load_slice(args.trace, args.start, args.duration, args.max_model_len, args.max_output_tokens)
-    except ValueError as e:
+        cpu_limit(args)
+        if args.worker_cpu:
+            cpu_limits.CpuGroups().close()  # a host where the limits cannot be set fails now, not after a profile
+    except (ValueError, cpu_limits.CgroupError) as e:
         print(f"ratio_sweep: {e}", file=sys.stderr)
         return 2
     s = tr.summarize(sl)
@@ -208,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "speedup": args.speedup, "replayed_span_s": span,
                                                    "max_model_len": args.max_model_len, **s},
                "workers": args.workers, "rounds": args.rounds, "threads_per_worker": args.threads,
+               "cpu_limit": {"worker": args.worker_cpu, "router": args.router_cpu} if args.worker_cpu else None,
                "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,
                "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
                            "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
