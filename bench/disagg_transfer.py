@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.bench import transfer_paths
+from pdcluster.bench import transfer_pair, transfer_paths
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 
 SECRET = b"bench-secret-0123456789abcdef"
@@ -151,13 +151,27 @@ def _nixl_ok() -> bool:
     return availability().ok
 
 
+def _overlaps(prompt: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        from pdcluster.worker.local.demo_model import build_demo_model
+
+        model = build_demo_model(Path(tmp) / "m", num_hidden_layers=8, hidden_size=512, intermediate_size=1024,
+                                 num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096,
+                                 tokenizer=False, vocab_size=1024)
+        return [r for b in ("tcp", "nixl") for lw in (True, False)
+                if (r := asyncio.run(overlap(model, prompt, lw, b))) is not None]
+
+
 def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
-    """One message size through every path, back to back (same machine state for all)."""
-    row: dict[str, Any] = {"mib": nbytes >> 20, "raw": transfer_paths.raw_tcp(nbytes, reps)}
-    for backend in ("tcp", "nixl"):
-        for name, compression, codes in (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True)):
-            row[f"{backend}_{name}"] = asyncio.run(transfer_paths.tcp_backend(nbytes, reps, compression,
-                                                                              backend=backend, codes=codes))
+    """One message size through every path. Raw TCP and the TCP backend: sender here, receiver in a child
+    process, repeats interleaved, medians (transfer_pair.py); NIXL: both ends in this process, best of reps."""
+    pair = transfer_pair.side_by_side(nbytes, reps)
+    row: dict[str, Any] = {"mib": nbytes >> 20, "raw": pair["raw"], "runs": pair["runs"]}
+    for name in ("fp32", "int8", "codes"):
+        row[f"tcp_{name}"] = pair[name]
+    for name, compression, codes in (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True)):
+        row[f"nixl_{name}"] = asyncio.run(transfer_paths.tcp_backend(nbytes, reps, compression, backend="nixl",
+                                                                     codes=codes))
     row["nixl"] = transfer_paths.nixl_write(nbytes, reps)
     return row
 
@@ -173,26 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ttft-requests", type=int, default=5,
                    help="4. end-to-end 2,048-token TTFT per backend through `pdcluster up` (0: skip)")
+    p.add_argument("--paths-only", action="store_true", help="only 1. (the side-by-side table)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out: dict[str, Any] = {"shape": vars(a)}
     total = 2 * a.layers * a.tokens * a.kv_heads * a.head_dim * 4
-    out["raw_tcp_GBps"] = asyncio.run(raw_tcp(total))
     out["paths"] = [paths_row(int(m) << 20, a.reps) for m in a.sizes_mib.split(",") if m]
-    out["kv"] = [asyncio.run(kv_transfer(a.layers, a.tokens, a.kv_heads, a.head_dim, c, dt))
-                 for c, dt in (("none", torch.float32), ("none", torch.float16), ("int8", torch.float32))]
-    with tempfile.TemporaryDirectory() as tmp:
-        from pdcluster.worker.local.demo_model import build_demo_model
-
-        model = build_demo_model(Path(tmp) / "m", num_hidden_layers=8, hidden_size=512, intermediate_size=1024,
-                                 num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096,
-                                 tokenizer=False, vocab_size=1024)
-        out["overlap"] = [r for b in ("tcp", "nixl") for lw in (True, False)
-                          if (r := asyncio.run(overlap(model, a.overlap_prompt, lw, b))) is not None]
+    out["kv"], out["overlap"] = [], []
+    if not a.paths_only:
+        out["raw_tcp_GBps"] = asyncio.run(raw_tcp(total))
+        out["kv"] = [asyncio.run(kv_transfer(a.layers, a.tokens, a.kv_heads, a.head_dim, c, dt))
+                     for c, dt in (("none", torch.float32), ("none", torch.float16), ("int8", torch.float32))]
+    if not a.paths_only:
+        out["overlap"] = _overlaps(a.overlap_prompt)
     cols = [("tcp_fp32", "TCP fp32"), ("tcp_int8", "TCP int8"), ("tcp_codes", "TCP codes"),
             ("nixl_fp32", "NIXL fp32"), ("nixl_int8", "NIXL int8"), ("nixl_codes", "NIXL codes")]
-    print("GB/s of fp32 KV (int8: the fp32 bytes it stands for), best of", a.reps, "; backends as % of raw TCP;"
+    print(f"GB/s of fp32 KV (int8: the fp32 bytes it stands for); raw TCP and TCP: median of {a.reps} interleaved, "
+          f"receiver in another process; NIXL: best of {a.reps}; backends as % of raw TCP;"
           " codes = an int8 cache's codes + scales as they are")
     print("message   raw TCP  " + "".join(f"{h:>15}" for _, h in cols) + "   NIXL WRITE")
 
@@ -203,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         nixl = f"{r['nixl']:.2f}" if r["nixl"] is not None else "n/a"
         print(f"{r['mib']:>4} MiB  {r['raw']:>7.2f}  " + "".join(f"{cell(r[c], r['raw']):>15}" for c, _ in cols)
               + f"   {nixl:>8}")
-    print(f"raw TCP loopback (asyncio streams): {out['raw_tcp_GBps']:.2f} GB/s")
+    if "raw_tcp_GBps" in out:
+        print(f"raw TCP loopback (asyncio streams): {out['raw_tcp_GBps']:.2f} GB/s")
     for r in out["kv"]:
         print(f"KV {r['dtype']:>8} {r['compression']:>4}: wire {r['wire_GBps']:.2f} GB/s, "
               f"effective (fp16-equivalent) {r['effective_fp16_GBps']:.2f} GB/s, {r['seconds'] * 1000:.0f} ms")
@@ -211,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap {r['backend']} layerwise={r['layerwise']}: prefill {r['prefill_s'] * 1000:.1f} ms, transfer "
               f"{r['transfer_s'] * 1000:.1f} ms, tail after prefill {r['tail_s'] * 1000:.1f} ms "
               f"(tail/transfer {r['tail_over_transfer']:.2f})")
-    if a.ttft_requests:
+    if a.ttft_requests and not a.paths_only:
         from pdcluster.bench import disagg_ttft
 
         disagg_ttft.main(["--requests", str(a.ttft_requests)] + (["--json", a.json + ".ttft.json"] if a.json else []))

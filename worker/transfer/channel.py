@@ -77,9 +77,19 @@ async def read_preamble(recv_into: RecvInto, key: FrameKey, seq: int, limits: Li
     return parse_preamble(await read_exact(recv_into, PREAMBLE_SIZE), key, seq, limits)
 
 
-async def read_body(recv_into: RecvInto, hdr: Header, key: FrameKey, seq: int) -> Frame:
-    """The body, received in place into a buffer the frame then owns (its payload is a view of it)."""
-    return parse_body(hdr, await read_exact(recv_into, hdr.body_len), key, seq)
+async def read_body(recv_into: RecvInto, hdr: Header, key: FrameKey, seq: int,
+                    into: memoryview | None = None) -> Frame:
+    """The body, received in place into a buffer the frame then owns (its payload is a view of it): `into`
+    (exactly hdr.body_len bytes, e.g. from a BufferPool), else a new one."""
+    if into is None:
+        return parse_body(hdr, await read_exact(recv_into, hdr.body_len), key, seq)
+    if len(into) != hdr.body_len:
+        raise ValueError(f"receive buffer of {len(into)} bytes for a body of {hdr.body_len}")
+    try:
+        await recv_into(into)
+    except Closed as e:
+        raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {e.got} of {hdr.body_len} bytes") from None
+    return parse_body(hdr, into, key, seq)
 
 
 async def read_frame(recv_into: RecvInto, key: FrameKey, seq: int, limits: Limits = DEFAULT_LIMITS) -> Frame:
@@ -117,8 +127,8 @@ class Channel:
         self.received += 1
         return hdr, seq
 
-    async def read_body(self, hdr: Header, seq: int) -> Frame:
-        return await read_body(self.conn.recv_into, hdr, self.keys.recv, seq)
+    async def read_body(self, hdr: Header, seq: int, into: memoryview | None = None) -> Frame:
+        return await read_body(self.conn.recv_into, hdr, self.keys.recv, seq, into)
 
     async def read_frame(self) -> Frame:
         hdr, seq = await self.read_preamble()

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.kernels.kv_quant import dequantize_kv, quantize_kv
+from pdcluster.kernels.kv_quant import QMAX, dequantize_kv, quantize_kv
 from pdcluster.worker.transfer.frame import (
     FLAG_QUANT,
     DType,
     ErrorCode,
     Frame,
     FrameError,
+    Gathered,
     Kind,
     vector_bytes,
 )
@@ -62,12 +63,18 @@ def adjacent(ts: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end - start,), (1,))
 
 
-def _raw(*ts: torch.Tensor) -> memoryview | bytes:
-    """The tensors' bytes in order: a view when they already lie back to back, else one joined copy."""
+GATHER_MIN = 1 << 16  # below this a join costs less than another part to tag and write
+
+
+def _raw(*ts: torch.Tensor, gather: bool = False) -> memoryview | bytes | Gathered:
+    """The tensors' bytes in order: a view when they already lie back to back, else (`gather`, big ones) the
+    views as parts of one payload, else one joined copy."""
     ts = tuple(t.detach().cpu() for t in ts)
     span = adjacent(list(ts))
     if span is not None:
         return _view(span)
+    if gather and sum(t.numel() * t.element_size() for t in ts) >= GATHER_MIN:
+        return Gathered([_view(t) for t in ts])  # e.g. K and V of one token range of a bigger export
     return b"".join(_view(t) for t in ts)
 
 
@@ -105,7 +112,7 @@ def encode_layer(
                   head_start=head_start)
     dtype, flags, payload, wire_scales = wire_tensors(k, v, compression, scales)
     return Frame(**common, dtype=dtype, flags=flags,  # type: ignore[arg-type]
-                 scales=_raw(*wire_scales) if wire_scales else b"", payload=_raw(*payload))
+                 scales=_raw(*wire_scales) if wire_scales else b"", payload=_raw(*payload, gather=True))
 
 
 def wire_tensors(k: torch.Tensor, v: torch.Tensor, compression: str = "none",
@@ -128,14 +135,42 @@ def wire_tensors(k: torch.Tensor, v: torch.Tensor, compression: str = "none",
     if compression == "int8":
         both = adjacent([k, v]) if k.dtype == v.dtype else None
         if both is not None:  # one pass over K and V together: codes and scales come out back to back
-            q, s = quantize_kv(both.view(k.dtype).view(2 * k.shape[0], *k.shape[1:]), bits=8)
+            q, s = quantize8(both.view(k.dtype).view(2 * k.shape[0], *k.shape[1:]))
             return DType.I8, FLAG_QUANT, [q], [s]
-        qk, sk = quantize_kv(k, bits=8)
-        qv, sv = quantize_kv(v, bits=8)
+        qk, sk = quantize8(k)
+        qv, sv = quantize8(v)
         return DType.I8, FLAG_QUANT, [qk, qv], [sk, sv]
     if k.dtype not in WIRE_OF or code_bits(k) is not None:
         k, v = k.float(), v.float()
     return WIRE_OF[k.dtype], 0, [k, v.to(k.dtype)], []
+
+
+QUANT_ROWS = 1024  # vectors per slice: 512 KiB of fp32 at head_dim 128, within a core's L2
+
+
+def quantize8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.kv_quant.quantize_kv(x, bits=8)`, bit for bit, at ~2x its speed on a CPU: a slice of vectors
+    at a time through one scratch buffer that stays in cache (the kernel's version makes five passes over
+    fresh full-size temporaries, which is what int8 compression on the wire cost), and absmax from one
+    aminmax pass instead of abs then amax. Other devices and dtypes go to the kernel."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or not x.shape[-1]:
+        return quantize_kv(x, bits=8)
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim)
+    rows = flat.shape[0]
+    codes = torch.empty(rows, dim, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    scratch = torch.empty(min(QUANT_ROWS, rows), dim)
+    for r in range(0, rows, QUANT_ROWS):
+        xs, sc = flat[r:r + QUANT_ROWS], scales[r:r + QUANT_ROWS]
+        lo, hi = torch.aminmax(xs, dim=-1)
+        torch.maximum(hi, lo.neg_(), out=sc)
+        sc.abs_().div_(QMAX[8])  # abs_: an all-zero vector's max(0, -0) may be -0; the kernel's absmax is +0
+        safe = torch.where(sc > 0, sc, 1.0).unsqueeze(-1)
+        buf = scratch[:xs.shape[0]]
+        torch.div(xs, safe, out=buf)
+        codes[r:r + QUANT_ROWS].copy_(buf.round_().clamp_(-QMAX[8], QMAX[8]))
+    return codes.view(x.shape), scales.view(x.shape[:-1])
 
 
 def wire_kv(frame: Frame) -> tuple[torch.Tensor, torch.Tensor, Scales | None]:
@@ -147,7 +182,8 @@ def wire_kv(frame: Frame) -> tuple[torch.Tensor, torch.Tensor, Scales | None]:
     width = vector_bytes(frame.dtype, frame.head_dim) // torch.tensor([], dtype=dtype).element_size()
     shape = (frame.num_tokens, frame.kv_heads, width)
     half = len(frame.payload) // 2
-    mv = memoryview(frame.payload)
+    # a frame built here and never sent (tests, in-process use) may hold its payload in parts: join them
+    mv = memoryview(bytes(frame.payload) if isinstance(frame.payload, Gathered) else frame.payload)
     k, v = _from_raw(mv[:half], dtype, shape), _from_raw(mv[half:], dtype, shape)
     if not frame.flags & FLAG_QUANT:
         return k, v, None

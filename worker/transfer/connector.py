@@ -30,6 +30,7 @@ from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
+from pdcluster.worker.transfer.lending import Lender
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
@@ -152,11 +153,12 @@ class TCPConnector(KVConnector):
         self._encoder = concurrent.futures.ThreadPoolExecutor(
             max(1, min(encoder_threads, os.cpu_count() or 1)), thread_name_prefix="kv-encode")
         self._encoding: dict[str, list[concurrent.futures.Future[list[tuple[Outbox, Frame]]]]] = {}
+        self._lender = Lender(2 * limits.max_frame_bytes)  # export memory lent to the engine (lending.py)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
         self.server = KVServer(self.secret, self._on_frame, limits=self.limits, stats=self.stats,
-                               frame_timeout=self.timeout)
+                               frame_timeout=self.timeout, recycle=True)  # the importer copies: bodies reused
         return await self.server.start(host, port)
 
     async def close(self) -> None:
@@ -171,6 +173,7 @@ class TCPConnector(KVConnector):
         self._loop = asyncio.get_running_loop()
         box = Outbox(target.host, target.port, self.secret, timeout=self.timeout,
                      max_retries=self.max_retries, limits=self.limits, stats=self.stats)
+        self._lender.open(request_id, [box])
         self._outboxes[request_id] = (box, num_layers)
 
     def start_save_heads(self, request_id: str, routes: list[HeadRoute], num_layers: int) -> None:
@@ -179,7 +182,15 @@ class TCPConnector(KVConnector):
         self._loop = asyncio.get_running_loop()
         boxes = [Outbox(r.host, r.port, self.secret, timeout=self.timeout, max_retries=self.max_retries,
                         limits=self.limits, stats=self.stats) for r in routes]
+        self._lender.open(request_id, boxes)
         self._outboxes[request_id] = (Fanout(routes, boxes), num_layers)
+
+    def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
+                      quantized: bool) -> torch.Tensor | None:
+        """Engine thread: pooled host memory to gather into, back once its frames are ACKed (lending.py)."""
+        if request_id not in self._outboxes or nbytes <= 0:
+            return None
+        return self._lender.lend(request_id, nbytes)
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                       token_start: int = 0, scales: codec.Scales | None = None) -> None:
@@ -218,13 +229,14 @@ class TCPConnector(KVConnector):
 
             loop.call_soon_threadsafe(put)
 
-        fut = self._encoder.submit(encode)
+        fut = self._encoder.submit(self._lender.encode, request_id, self._lender.take(k), encode,
+                                   uses_buffer=scales is not None or self.compression != "int8")
         fut.add_done_callback(enqueue)
         self._encoding.setdefault(request_id, []).append(fut)
 
     def _dropped(self, k: torch.Tensor) -> None:
-        """A save_kv_layer that will not be sent (its request is gone): memory lent by export_buffer comes
-        back here (the TCP backend lends none)."""
+        """A save_kv_layer that will not be sent (its request is gone): memory lent by export_buffer comes back."""
+        self._lender.give(self._lender.take(k))
 
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
                 offset: int, scales: codec.Scales | None = None, head_start: int = 0) -> list[Frame]:
@@ -259,9 +271,11 @@ class TCPConnector(KVConnector):
             seconds = await box.wait()
         except TransferError:
             self._outboxes.pop(request_id, None)
+            self._lender.forget(request_id)
             await box.abort()
             raise
         self._outboxes.pop(request_id, None)
+        self._lender.forget(request_id)
         self.stats.durations.append(seconds)
         self._sent.add(request_id)
         return SaveResult(seconds, box.total_bytes)
@@ -269,6 +283,7 @@ class TCPConnector(KVConnector):
     async def abort_save(self, request_id: str) -> None:
         self._encoding.pop(request_id, None)
         entry = self._outboxes.pop(request_id, None)
+        self._lender.forget(request_id)
         if entry is not None:
             await entry[0].abort()
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 MAGIC = b"PDKV"
@@ -153,7 +154,7 @@ class Frame:
     status: int = 0
     head_start: int = 0  # global index of the first KV head carried (TP re-sharding); 0 = from the first
     scales: bytes | memoryview = b""  # parsed frames hold zero-copy views into the received buffer
-    payload: bytes | memoryview = b""
+    payload: bytes | memoryview | Gathered = b""  # Gathered: sender side only, never parsed
 
     @property
     def num_tokens(self) -> int:
@@ -249,6 +250,21 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
 Buffer = bytes | bytearray | memoryview
 
 
+class Gathered:
+    """A payload lying in several buffers — K and V of one token range of a layer sent in several frames —
+    written scatter-gather and tagged part by part: the wire (and the tag) are those of the joined bytes,
+    with no join on the sender."""
+
+    def __init__(self, parts: list[Buffer]) -> None:
+        self.parts = tuple(memoryview(p).cast("B") for p in parts)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+
 class FrameKey:
     """One direction of one authenticated connection: seals (signs) or opens (verifies) frame `seq`.
 
@@ -258,9 +274,15 @@ class FrameKey:
     def __init__(self, key: bytes) -> None:
         if len(key) != 32:
             raise ValueError("frame keys are 32 bytes (AES-256)")
-        self._gcm = AESGCM(key)
+        self._key, self._gcm = key, AESGCM(key)
 
-    def tag(self, label: bytes, seq: int, data: Buffer) -> bytes:
+    def tag(self, label: bytes, seq: int, data: Buffer | Gathered) -> bytes:
+        if isinstance(data, Gathered):  # the same GMAC, fed part by part (GCM's AAD streams)
+            enc = Cipher(algorithms.AES(self._key), modes.GCM(_SEQ.pack(label, seq))).encryptor()
+            for part in data.parts:
+                enc.authenticate_additional_data(part)
+            enc.finalize()
+            return enc.tag
         return self._gcm.encrypt(_SEQ.pack(label, seq), b"", data)  # GMAC: no plaintext, data as AAD
 
     def check(self, label: bytes, seq: int, data: Buffer, tag: Buffer) -> bool:
@@ -322,7 +344,8 @@ def seal_frame(frame: Frame, key: FrameKey, seq: int, limits: Limits = DEFAULT_L
     )
     parse_header(head, limits)  # raises on anything a receiver would refuse
     meta = rid + bytes(frame.scales)  # small next to the payload (int8 scales: 4 / head_dim of it)
-    return [head + key.tag(_HDR, seq, head), meta, frame.payload,
+    body = list(frame.payload.parts) if isinstance(frame.payload, Gathered) else [frame.payload]
+    return [head + key.tag(_HDR, seq, head), meta, *body,
             key.tag(_MET, seq, meta) + key.tag(_PAY, seq, frame.payload)]
 
 

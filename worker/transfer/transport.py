@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 
+from pdcluster.worker.transfer.bufpool import BufferPool
 from pdcluster.worker.transfer.channel import (
     FATAL,
     Channel,
@@ -66,13 +67,17 @@ class KVServer:
     def __init__(self, secret: bytes, handler: FrameHandler, *, limits: Limits = DEFAULT_LIMITS,
                  idle_timeout: float = 60.0, frame_timeout: float = 30.0,
                  stats: TransportStats | None = None, pipeline: int = 4, max_unauthenticated: int = 64,
-                 auth_timeout: float = 10.0, max_buffered_bytes: int = 2 * DEFAULT_LIMITS.max_frame_bytes) -> None:
+                 auth_timeout: float = 10.0, max_buffered_bytes: int = 2 * DEFAULT_LIMITS.max_frame_bytes,
+                 recycle: bool = False) -> None:
         self.secret, self.handler, self.limits = secret, handler, limits
         self.idle_timeout, self.frame_timeout = idle_timeout, frame_timeout
         self.stats = stats or TransportStats()
         self.pipeline = max(1, pipeline)
         self.max_unauthenticated, self.auth_timeout = max_unauthenticated, auth_timeout
         self.budget = ByteBudget(max_buffered_bytes)
+        # recycle: bodies are received into pooled memory, reused once the handler returned (a handler that
+        # keeps a frame's payload past its return must not ask for this; the connector's importer copies)
+        self.pool = BufferPool(max_buffered_bytes) if recycle else None
         self.unauthenticated = 0  # connections still in the handshake
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
@@ -158,7 +163,8 @@ class KVServer:
                     async with asyncio.timeout(self.frame_timeout):
                         await self.budget.acquire(hdr.body_len)
                         held = hdr.body_len
-                        frame = await chan.read_body(hdr, seq)
+                        body = self.pool.take(hdr.body_len) if self.pool is not None else None
+                        frame = await chan.read_body(hdr, seq, body)
                 except (FrameError, TimeoutError) as e:
                     if held:
                         self.budget.release(held)
@@ -169,10 +175,14 @@ class KVServer:
                 t = asyncio.ensure_future(self._process(frame, chan))
                 inflight.add(t)
 
-                def done(t: asyncio.Task[None], n: int = held) -> None:
+                def done(t: asyncio.Task[None], n: int = held, body: memoryview | None = body) -> None:
                     inflight.discard(t)
                     slots.release()
                     self.budget.release(n)
+                    if body is not None and self.pool is not None and not t.cancelled():
+                        # the handler has returned: nothing reads these bytes any more (a cancelled one may
+                        # have handed them to another thread still copying: those go to the GC instead)
+                        self.pool.give(body)
 
                 t.add_done_callback(done)
         except (ConnectionError, OSError, asyncio.CancelledError):
