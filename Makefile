@@ -50,11 +50,13 @@ bench-prefix: setup
 
 # The P:D ratio on the real stack (about 30 min on the shared 2-core VM; see docs/benchmarks/ratio_sweep.md):
 # profile a 1:1 `pdcluster up` (C_p, C_d, t_join), replay one Azure slice (prompts shrunk to fit, outputs at
-# their real lengths up to 256) through every split of 4 workers (2 rounds), then a rise-and-fall slice
-# through `pdcluster up --autoscale` with the capacities the profile measured.
+# their real lengths up to 256) through every split of 4 workers (2 rounds), each worker under its own CPU
+# limit (cgroup v1 quota, 0.4 CPU; needs root), then a rise-and-fall slice through `pdcluster up --autoscale`
+# with the capacities of the (unlimited) t_join sweep.
 bench-ratio: setup
 	$(PY) -m pdcluster.bench.ratio_sweep --trace $(TRACES)/azure2023_code.csv --start 1320 --duration 30 \
-	  --speedup 0.5 --max-model-len 1024 --max-output-tokens 256 --out docs/benchmarks/ratio_sweep/join
+	  --speedup 0.5 --max-model-len 1024 --max-output-tokens 256 --worker-cpu 0.4 --router-cpu 0.4 \
+	  --out docs/benchmarks/ratio_sweep/limits
 	$(PY) -m pdcluster.bench.autoscale_replay --trace $(TRACES)/azure2023_code.csv \
 	  --capacity-from docs/benchmarks/ratio_sweep/join/summary.json --out docs/benchmarks/ratio_sweep
 

@@ -173,10 +173,11 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def markdown_table(summary: dict) -> str:
-    """One row per split: goodput per round and mean, attainment, TTFT/TPOT p50 (means over rounds)."""
+    """One row per split: goodput per round and mean, attainment, TTFT/TPOT (means over rounds), the decode
+    workers' live step time, the most throttled worker group's share of periods, and the load at each start."""
     formula = tuple(summary["formula"][k] for k in ("prefill", "decode"))
-    lines = ["| split | goodput per round (req/s) | mean | within SLO | TTFT p50 (s) | TPOT p50 (s) | t_join live (ms) "
-             "| load1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| split | goodput per round (req/s) | mean | within SLO | TTFT p50 (s) | TPOT p50 / p99 (s) "
+             "| decode step live (ms) | most throttled worker | load1 |", "|---|---|---|---|---|---|---|---|---|"]
     for p, d in (tuple(s) for s in summary["splits"]):
         rs = [r for r in summary["runs"] if (r["prefill"], r["decode"]) == (p, d)]
         if not rs:
@@ -188,10 +189,13 @@ def markdown_table(summary: dict) -> str:
         name = f"{p}:{d}" + (" colocated" if p == 0 else "") + (" **(formula)**" if (p, d) == formula else "")
         per = " / ".join(f"{r['goodput_rps']:.2f}" for r in rs)
         load = " / ".join(f"{r['load1_before']:.0f}" for r in rs)
-        joins = [j for r in rs if (j := r.get("decode_join_seconds_live")) is not None]
-        join = " / ".join(f"{1000 * j:.0f}" for j in joins) or "–"
+        steps = [j for r in rs if (j := r.get("decode_step_seconds_live")) is not None]
+        step = " / ".join(f"{1000 * j:.0f}" for j in steps) or "–"
+        shares = [v for r in rs for g, v in (r.get("throttled") or {}).items() if g != "router" and v is not None]
+        thr = f"{100 * max(shares):.0f} %" if shares else "–"
         lines.append(f"| {name} | {per} | {mean('goodput_rps'):.2f} | {100 * mean('attainment'):.0f} % "
-                     f"| {mean('ttft_p50_s'):.1f} | {mean('tpot_p50_s'):.2f} | {join} | {load} |")
+                     f"| {mean('ttft_p50_s'):.1f} | {mean('tpot_p50_s'):.2f} / {mean('tpot_p99_s'):.2f} | {step} "
+                     f"| {thr} | {load} |")
     return "\n".join(lines)
 
 

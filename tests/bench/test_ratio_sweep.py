@@ -106,11 +106,14 @@ def test_markdown_table_marks_the_formula_and_averages_rounds():
     from pdcluster.bench.ratio_sweep import markdown_table
 
     run = lambda p, d, g: {"prefill": p, "decode": d, "goodput_rps": g, "attainment": g / 2,  # noqa: E731
-                           "ttft_p50_s": 1.0, "tpot_p50_s": 0.1, "load1_before": 3.0}
+                           "ttft_p50_s": 1.0, "tpot_p50_s": 0.1, "tpot_p99_s": 0.3, "load1_before": 3.0}
+    limited = {"throttled": {"router": 0.9, "prefill-1": 0.25, "decode-2": 0.05}}  # the router is not a worker
     summary = {"splits": [(0, 2), (1, 1)], "formula": {"prefill": 1, "decode": 1},
-               "runs": [run(0, 2, 1.0), {**run(1, 1, 1.5), "decode_join_seconds_live": 0.021}, run(1, 1, 0.5)]}
+               "runs": [run(0, 2, 1.0), {**run(1, 1, 1.5), "decode_step_seconds_live": 0.021, **limited},
+                        run(1, 1, 0.5)]}
     rows = markdown_table(summary).splitlines()
-    assert rows[2].endswith("| – | 3 |") and rows[3].endswith("| 21 | 3 / 3 |")  # live t_join where measured
+    assert rows[2].endswith("| 0.10 / 0.30 | – | – | 3 |")
+    assert rows[3].endswith("| 21 | 25 % | 3 / 3 |")  # live step and throttling where measured
     assert rows[2].startswith("| 0:2 colocated | 1.00 | 1.00 | 50 %")
     assert rows[3].startswith("| 1:1 **(formula)** | 1.50 / 0.50 | 1.00 | 50 %")
 
