@@ -22,13 +22,26 @@ LLAMA = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_l
 QWEN2 = dict(vocab_size=253, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True)
 
+# Mixture of experts: the experts and router stay replicated on every rank, attention is sharded
+MIXTRAL = dict(vocab_size=250, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2)
+
 
 def save_model(folder: Path, kind: str, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "llama":
         model: Any = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    elif kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**MIXTRAL))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN2))
     model.eval().save_pretrained(folder)
@@ -37,7 +50,7 @@ def save_model(folder: Path, kind: str, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {k: save_model(tmp_path_factory.mktemp(f"tp-{k}"), k) for k in ("llama", "qwen2")}
+    return {k: save_model(tmp_path_factory.mktemp(f"tp-{k}"), k) for k in ("llama", "qwen2", "mixtral")}
 
 
 def tp_config(model: Path, tp: int, **kw: Any) -> EngineConfig:

@@ -39,8 +39,9 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[lis
 
 @pytest.mark.parametrize(
     "kind,tp,chunk",
-    [("llama", 1, 2048), ("llama", 2, 2048), ("llama", 4, 6), ("qwen2", 2, 6)],
-    ids=["llama-tp1", "llama-tp2-kv_eq_tp", "llama-tp4-kv_lt_tp-chunked", "qwen2-tp2-kv_gt_tp-tied-chunked"],
+    [("llama", 1, 2048), ("llama", 2, 2048), ("llama", 4, 6), ("qwen2", 2, 6), ("mixtral", 2, 2048)],
+    ids=["llama-tp1", "llama-tp2-kv_eq_tp", "llama-tp4-kv_lt_tp-chunked", "qwen2-tp2-kv_gt_tp-tied-chunked",
+         "mixtral-tp2-replicated-experts"],
 )
 def test_greedy_matches_hf(tp_models: dict[str, Path], make_tp_engine: Any, kind: str, tp: int, chunk: int) -> None:
     model = tp_models[kind]
