@@ -8,6 +8,8 @@
 #   5. NIXL with GPU memory the way the KV transfer uses it (bench/nixl_gpu.py): READ from a peer's registered
 #      VRAM, a paged KV cache READ in place block by block (descriptors prepared once, no staging), and the
 #      NIXL backend fed from a CUDA export (device-to-host into registered staging, READ, MAC, import).
+#   6. Tensor parallelism on the GPUs (NCCL): the 1.1B model of step 3 served at TP 1 and TP 2 (and 4 when
+#      there are 4 GPUs), the same short benchmark against each; skipped with a line on a one-GPU machine.
 # Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the tables into docs/benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,4 +62,21 @@ for mib in (16, 256):
 PY
 echo "== 5. NIXL with VRAM descriptors: staging READ, paged cache READ in place, backend from a CUDA export"
 timeout 240 "$PY" -m pdcluster.bench.nixl_gpu --out "$OUT/nixl-gpu.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl-gpu-bench.log"
+echo "== 6. tensor parallelism: TP 1 vs TP N, same model and benchmark (NCCL)"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${NGPU:-0}" -lt 2 ]; then
+    echo "skipped: ${NGPU:-0} GPU(s) here, TP needs 2 or more" | tee "$OUT/tp.log"
+else
+    for TP in 1 2 4; do
+        [ "$TP" -le "$NGPU" ] || continue
+        .venv/bin/pdcluster serve --model "$MODEL" --device cuda --dtype bfloat16 --port 18002 \
+            --tensor-parallel-size "$TP" --max-batch-size 32 --max-batch-tokens 8192 > "$OUT/serve-tp$TP.log" 2>&1 &
+        SERVE=$!
+        for _ in $(seq 240); do curl -sf http://127.0.0.1:18002/health >/dev/null && break; sleep 1; done
+        echo "-- TP $TP" | tee -a "$OUT/tp.log"
+        timeout 180 .venv/bin/pdcluster bench --url http://127.0.0.1:18002 --prompt-lens 512,2048 \
+            --output-lens 128 --requests 16 --concurrency 8 --out "$OUT/tp$TP" 2>&1 | tail -8 | tee -a "$OUT/tp.log"
+        kill -TERM "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null
+    done
+fi
 echo "== done: $OUT"
