@@ -41,6 +41,10 @@ def healthy(view: dict | None) -> tuple[int, int]:
     return tuple(sum(1 for w in view.get(role, []) if w.get("healthy")) for role in ("prefill", "decode"))  # type: ignore[return-value]
 
 
+class StartError(RuntimeError):
+    """The stack never became ready (on a box this busy, workers can miss `up`'s 180 s start deadline)."""
+
+
 @dataclass(frozen=True)
 class CpuLimit:
     """A CPU limit per process of the stack (a pod's `limits.cpu`): each worker and the router in a cgroup of
@@ -69,9 +73,9 @@ def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: fl
         deadline = time.monotonic() + timeout
         while healthy(cluster_view(router)) != want:
             if proc.poll() is not None:
-                raise RuntimeError(f"pdcluster up exited with {proc.returncode}; see {log}")
+                raise StartError(f"pdcluster up exited with {proc.returncode}; see {log}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"pdcluster up: {want} workers not healthy within {timeout:.0f} s; see {log}")
+                raise StartError(f"pdcluster up: {want} workers not healthy within {timeout:.0f} s; see {log}")
             time.sleep(0.5)
         if groups and cpu:
             confine(groups, proc, cpu, sum(want))  # again: anything forked between the first scan and its move

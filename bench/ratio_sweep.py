@@ -109,6 +109,16 @@ def measure_capacity(args: argparse.Namespace) -> dict:
 
 
 def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
+    """A run whose stack never became ready is tried again once (the replay itself is never repeated)."""
+    try:
+        return one_try(args, split, rnd, port, span)
+    except local_stack.StartError as e:
+        print(f"ratio_sweep: {split[0]}:{split[1]} round {rnd}: {e}; starting it again", file=sys.stderr, flush=True)
+        time.sleep(10)
+        return {**one_try(args, split, rnd, port, span), "start_retried": True}
+
+
+def one_try(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
     p, d = split
     work = args.work / f"r{rnd}-{p}x{d}"
     work.mkdir(parents=True, exist_ok=True)

@@ -159,3 +159,19 @@ def test_stack_processes_are_limited_and_groups_removed_on_error(tmp_path, monke
     assert all(len(seen[k]) == 1 for k in ("decode-2", "prefill-1", "router"))
     assert seen["prefill-1 quota"] == [30_000] and seen["router quota"] == [20_000]
     assert set(cl.CPU_ROOT.glob(mine)) == before  # nothing left behind
+
+
+@pytest.mark.skipif(not _writable_cpu_cgroup(), reason="needs a writable cgroup v1 cpu controller (root)")
+def test_a_stack_that_never_starts_is_a_start_error_and_leaves_no_group(tmp_path, monkeypatch):
+    from pdcluster.bench import local_stack
+
+    fake = tmp_path / "fake_up.py"
+    fake.write_text("import sys, time\ntime.sleep(0.3)\nsys.exit(1)\n")  # like `up` past its 180 s deadline
+    monkeypatch.setattr(local_stack, "PDCLUSTER", [sys.executable, str(fake)])
+    monkeypatch.setattr(local_stack, "confine", lambda *a, **k: None)
+    mine = f"pdcluster-bench-{os.getpid()}-*"
+    before = set(cl.CPU_ROOT.glob(mine))
+    with pytest.raises(local_stack.StartError, match="exited with 1"):
+        with local_stack.up([], 1, tmp_path / "up.log", (1, 1), cpu=local_stack.CpuLimit(0.3, 0.2)):
+            pass
+    assert set(cl.CPU_ROOT.glob(mine)) == before

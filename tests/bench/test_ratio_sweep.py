@@ -124,3 +124,25 @@ def test_in_flight_before_a_stop_counts_requests_overlapping_the_drain_window():
     recs = [{"start": 90.0, "latency": 5.0}, {"start": 80.0, "latency": 30.0}, {"start": 101.0, "latency": 1.0},
             {"start": 50.0, "latency": 10.0}]
     assert in_flight_before(recs, 100.0) == 2  # ended at 95 (in the window) and still running; not later/earlier
+
+
+def test_a_run_whose_stack_did_not_start_is_tried_once_more(monkeypatch):
+    from pdcluster.bench import local_stack
+    from pdcluster.bench import ratio_sweep as rs
+
+    calls = []
+
+    def one_try(*a):
+        calls.append(a)
+        if len(calls) == 1 or fail_again:
+            raise local_stack.StartError("not ready")
+        return {"goodput_rps": 1.0}
+
+    monkeypatch.setattr(rs, "one_try", one_try)
+    monkeypatch.setattr(rs.time, "sleep", lambda s: None)
+    fail_again = False
+    assert rs.one_run(None, (1, 3), 0, 1, 60.0) == {"goodput_rps": 1.0, "start_retried": True}
+    fail_again, calls[:] = True, []
+    with pytest.raises(local_stack.StartError):  # twice: the sweep stops (and says why)
+        rs.one_run(None, (1, 3), 0, 1, 60.0)
+    assert len(calls) == 2
