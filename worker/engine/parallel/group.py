@@ -14,6 +14,7 @@ import datetime
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # a follower waits this long for rank 0's next step
@@ -36,6 +37,8 @@ def init(rank: int, size: int, port: int, device: str, timeout_s: float) -> None
     """Join the group (blocks until every rank has); ``timeout_s`` bounds each collective of a step."""
     global _compute, _step
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's pairs on loopback
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)  # rank r drives cuda:r; NCCL binds its communicator to it
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -57,6 +58,10 @@ class TPModelRunner:
         self.tp, self.vocab_size = tp, cfg.vocab_size
         self.fault: str | None = None
         self._closed = False
+        if config.num_threads is None and not config.device.startswith("cuda"):
+            # N ranks on one machine's cores: each gets its share instead of all of them (oversubscription)
+            config = dataclasses.replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) // tp))
+            torch.set_num_threads(config.num_threads)
         port = group.free_port()
         spec = {"size": tp, "port": port, "config": dataclasses.asdict(config), "max_model_len": max_model_len}
         self.followers: list[subprocess.Popen[bytes]] = []
