@@ -56,3 +56,16 @@ def test_greedy_matches_hf(tp_models: dict[str, Path], make_tp_engine: Any, kind
         assert ids == want_ids, f"{kind} TP {tp} request {rid}"
         torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
     engine.block_manager.check_no_leaks()
+
+
+def test_swap_preemption_under_tp_matches_tp1(tp_models: dict[str, Path], make_tp_engine: Any) -> None:
+    """Too few blocks for the batch: sequences are swapped out and back in on every rank (the swap copies
+    travel with the step), and the tokens are still TP 1's with a cache large enough for everything."""
+    prompts = [[(13 * n + 7 * j) % 240 + 1 for j in range(n)] for n in (20, 9, 33, 14, 25, 17)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = make_tp_engine(tp_models["llama"], 1, num_kv_blocks=256).generate(prompts, params)
+    engine = make_tp_engine(tp_models["llama"], 2, num_kv_blocks=20, preemption_mode="swap")
+    assert engine.generate(prompts, params) == want
+    assert engine.stats()["preemptions_total"] > 0
+    assert engine.runner.local._host_cache is not None  # really went through host memory
+    engine.block_manager.check_no_leaks()
