@@ -183,3 +183,56 @@ def test_a_gathered_payload_is_the_joined_bytes_on_the_wire_and_still_authentica
     assert e.value.code == ErrorCode.UNAUTHENTICATED
     with pytest.raises(FrameError):  # the same frame at another position (a replay) fails too
         decode_frame(wire, key, 6)
+
+
+async def test_transfers_to_one_receiver_reuse_one_authenticated_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second transfer takes the first one's connection (no new handshake), its frames still pass the
+    receiver's tag checks (the sequence numbers continue), and a kept connection the receiver has closed
+    meanwhile is replaced without spending a retry (max_retries=0 would fail otherwise)."""
+    from pdcluster.worker.transfer import chancache
+
+    sink = Sink()
+    recv = TCPConnector(SECRET, importer=sink)
+    port = await recv.listen()
+    send = TCPConnector(SECRET, max_retries=0)
+    tokens = 40
+    try:
+        for i in range(3):
+            kv = torch.randn(2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(i))
+            recv.start_load_kv(LoadSpec(f"c{i}", 1, tokens, HEADS, DIM))
+            await _send(send, f"c{i}", port, kv, tokens)
+            await recv.wait_for_load(f"c{i}", timeout=30)
+            assert torch.equal(sink[(f"c{i}", 0)][0], kv[0])
+        assert send._channels.reused == 2
+        assert recv.server is not None and len(recv.server._conns) == 1  # one connection served all three
+        for t in list(recv.server._conns):  # the receiver drops it (restart, idle timeout)
+            t.cancel()
+        await asyncio.sleep(0.1)
+        # ... and the check before reuse misses it (the close is still on its way): the send fails on it
+        monkeypatch.setattr(chancache, "idle_and_open", lambda chan: True)
+        recv.start_load_kv(LoadSpec("c3", 1, tokens, HEADS, DIM))
+        await _send(send, "c3", port, kv, tokens)
+        await recv.wait_for_load("c3", timeout=30)
+        assert torch.equal(sink[("c3", 0)][0], kv[0])
+        assert send._channels.reused == 3
+    finally:
+        await send.close()
+        await recv.close()
+
+
+async def test_a_kept_connection_is_closed_after_max_idle() -> None:
+    from pdcluster.worker.transfer.chancache import ChannelCache, idle_and_open
+    from pdcluster.worker.transfer.channel import open_channel
+
+    recv = TCPConnector(SECRET, importer=Sink())
+    port = await recv.listen()
+    cache = ChannelCache(max_idle=0.2)
+    try:
+        chan = await open_channel("127.0.0.1", port, SECRET)
+        assert idle_and_open(chan)
+        cache.put("127.0.0.1", port, chan)
+        await asyncio.sleep(0.4)  # expired: closed, not handed out
+        assert cache.get("127.0.0.1", port) is None and chan.conn.sock.fileno() == -1
+    finally:
+        cache.close()
+        await recv.close()

@@ -28,6 +28,7 @@ import torch
 
 from pdcluster.worker.engine.kv_connector import KVConnectorBase
 from pdcluster.worker.transfer import codec
+from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.lending import Lender
@@ -153,7 +154,7 @@ class TCPConnector(KVConnector):
         self._encoder = concurrent.futures.ThreadPoolExecutor(
             max(1, min(encoder_threads, os.cpu_count() or 1)), thread_name_prefix="kv-encode")
         self._encoding: dict[str, list[concurrent.futures.Future[list[tuple[Outbox, Frame]]]]] = {}
-        self._lender = Lender(2 * limits.max_frame_bytes)  # export memory lent to the engine (lending.py)
+        self._lender, self._channels = Lender(2 * limits.max_frame_bytes), ChannelCache()
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
@@ -166,13 +167,13 @@ class TCPConnector(KVConnector):
             await self.server.close()
         for rid in list(self._outboxes):
             await self.abort_save(rid)
+        self._channels.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ producer
     def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None:
         self._loop = asyncio.get_running_loop()
-        box = Outbox(target.host, target.port, self.secret, timeout=self.timeout,
-                     max_retries=self.max_retries, limits=self.limits, stats=self.stats)
+        box = self._box(target.host, target.port)
         self._lender.open(request_id, [box])
         self._outboxes[request_id] = (box, num_layers)
 
@@ -180,17 +181,18 @@ class TCPConnector(KVConnector):
         """A transfer of head ranges of this sender's cache, one per route (TP re-sharding, head_slice.py):
         then save_kv_layer / wait_for_save / abort_save as for start_save."""
         self._loop = asyncio.get_running_loop()
-        boxes = [Outbox(r.host, r.port, self.secret, timeout=self.timeout, max_retries=self.max_retries,
-                        limits=self.limits, stats=self.stats) for r in routes]
+        boxes = [self._box(r.host, r.port) for r in routes]
         self._lender.open(request_id, boxes)
         self._outboxes[request_id] = (Fanout(routes, boxes), num_layers)
+
+    def _box(self, host: str, port: int) -> Outbox:
+        return Outbox(host, port, self.secret, timeout=self.timeout, max_retries=self.max_retries,
+                      limits=self.limits, stats=self.stats, channels=self._channels)
 
     def export_buffer(self, request_id: str, layer: int, token_start: int, nbytes: int,
                       quantized: bool) -> torch.Tensor | None:
         """Engine thread: pooled host memory to gather into, back once its frames are ACKed (lending.py)."""
-        if request_id not in self._outboxes or nbytes <= 0:
-            return None
-        return self._lender.lend(request_id, nbytes)
+        return self._lender.lend(request_id, nbytes) if request_id in self._outboxes and nbytes > 0 else None
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                       token_start: int = 0, scales: codec.Scales | None = None) -> None:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.channel import FATAL, Channel, TransferError, TransportStats, open_channel
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, FrameError, Kind, Limits
 
@@ -28,8 +29,11 @@ class Outbox:
     """
 
     def __init__(self, host: str, port: int, secret: bytes, *, timeout: float = 30.0, max_retries: int = 2,
-                 limits: Limits = DEFAULT_LIMITS, stats: TransportStats | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, stats: TransportStats | None = None,
+                 channels: ChannelCache | None = None) -> None:
         self.host, self.port, self.secret, self.limits = host, port, secret, limits
+        self.channels = channels  # connections kept between transfers (chancache.py); None: one per transfer
+        self._kept = False  # the connection in use was taken from `channels`
         self.timeout, self.max_retries = timeout, max_retries
         self.stats = stats or TransportStats()
         self._frames: dict[tuple[int, int], Frame] = {}  # (layer, token_start) -> frame, until ACKed
@@ -94,6 +98,9 @@ class Outbox:
                     except RETRYABLE as e:
                         if isinstance(e, FrameError) and e.code in FATAL:
                             raise TransferError(f"kv transfer to {self.host}:{self.port}: {e}", e.code) from e
+                        if self._kept:  # a kept connection the receiver closed meanwhile: not an attempt
+                            log.info("kv transfer %s: kept connection failed (%s), reconnecting", self.request_id, e)
+                            continue
                         self.attempts += 1
                         if self.attempts > self.max_retries:
                             raise TransferError(f"kv transfer to {self.host}:{self.port} failed after "
@@ -108,8 +115,12 @@ class Outbox:
             raise
 
     async def _one_connection(self) -> None:
-        chan = await open_channel(self.host, self.port, self.secret, self.limits)
+        chan = self.channels.get(self.host, self.port) if self.channels is not None else None
+        self._kept = chan is not None
+        if chan is None:
+            chan = await open_channel(self.host, self.port, self.secret, self.limits)
         acks = asyncio.ensure_future(self._read_acks(chan))
+        keep = False
         try:
             sent = 0
             while True:
@@ -130,6 +141,8 @@ class Outbox:
                     acks.result()  # raises whatever ended the reader early
             if self._frames:
                 await acks
+            # every frame ACKed, the ACK reader not failed: nothing in flight, the next transfer may use it
+            keep = not self._frames and not (acks.done() and (acks.cancelled() or acks.exception() is not None))
         except OSError:
             # The receiver may have refused a frame (fatal) and closed: report that, not the broken pipe.
             if acks.done() and not acks.cancelled() and isinstance(acks.exception(), TransferError):
@@ -137,7 +150,10 @@ class Outbox:
             raise
         finally:
             acks.cancel()
-            chan.close()
+            if keep and self.channels is not None:
+                self.channels.put(self.host, self.port, chan)
+            else:
+                chan.close()
 
     async def _read_acks(self, chan: Channel) -> None:
         while self._frames or not self._closed:
