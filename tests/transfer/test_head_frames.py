@@ -111,3 +111,18 @@ def test_tampered_or_truncated_head_range_frames_are_rejected(edits: list[tuple[
     except FrameError:
         return
     assert data == VALID and frame.head_start == 6  # only the untouched frame authenticates
+
+
+def test_staged_mac_binds_the_head_range() -> None:
+    """NIXL: a head range's staged bytes are signed with its first head in the nonce; head 0 keeps the
+    nonce of before (layer, token_start, zeros), so whole-layer MACs are unchanged."""
+    import struct
+
+    from pdcluster.worker.transfer import nixl_wire
+
+    secret, salt, data = b"k" * 32, b"s" * 16, b"staged bytes"
+    d = nixl_wire.Descriptor(0, len(data), 0, salt, nixl_wire.mac(secret, salt, "r", 1, 0, data, 3), "a", b"m")
+    assert nixl_wire.verify(secret, d, "r", 1, 0, data, 3)
+    assert not nixl_wire.verify(secret, d, "r", 1, 0, data, 2) and not nixl_wire.verify(secret, d, "r", 1, 0, data)
+    before = nixl_wire._gcm(secret, salt, "r").encrypt(struct.pack(">HI6x", 1, 5), b"", data)
+    assert nixl_wire.mac(secret, salt, "r", 1, 5, data) == before
