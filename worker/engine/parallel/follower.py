@@ -56,11 +56,13 @@ def serve(spec: dict) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     line = sys.stdin.buffer.readline()
     if not line:
         return
     spec = json.loads(line)
+    # rank 0's level: `pdcluster serve --log-level warning` quiets every rank
+    logging.basicConfig(level=int(spec.get("log_level", logging.INFO)),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_on_eof, name="pdcluster-tp-parent", daemon=True).start()
     try:
         serve(spec)

@@ -63,7 +63,7 @@ class TPModelRunner:
             config = dataclasses.replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) // tp))
             torch.set_num_threads(config.num_threads)
         port = group.free_port()
-        spec = {"size": tp, "port": port, "config": dataclasses.asdict(config), "max_model_len": max_model_len}
+        spec = {"log_level": logging.getLogger().getEffectiveLevel(), "size": tp, "port": port, "config": dataclasses.asdict(config), "max_model_len": max_model_len}
         self.followers: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(1, tp):
