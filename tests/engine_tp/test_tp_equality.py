@@ -69,3 +69,12 @@ def test_swap_preemption_under_tp_matches_tp1(tp_models: dict[str, Path], make_t
     assert engine.stats()["preemptions_total"] > 0
     assert engine.runner.local._host_cache is not None  # really went through host memory
     engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_cache_under_tp_matches_tp1(tp_models: dict[str, Path], make_tp_engine: Any, kv_dtype: str) -> None:
+    """KV scales are per token and head, so a rank quantizing only its own heads stores the codes TP 1 would:
+    TP 2 over an int8 / int4 cache gives TP 1's tokens over the same cache format."""
+    prompts = [PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]]
+    want = make_tp_engine(tp_models["llama"], 1, kv_cache_dtype=kv_dtype).generate(prompts, GREEDY)
+    assert make_tp_engine(tp_models["llama"], 2, kv_cache_dtype=kv_dtype).generate(prompts, GREEDY) == want
