@@ -33,6 +33,7 @@ lint: setup
 bench: setup
 	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
 	$(PY) -m pdcluster.bench.served_vs_hf --threads 2 --repeats 3
+	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
 	$(PY) -m pdcluster.bench.disagg_transfer
 
 # Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).
