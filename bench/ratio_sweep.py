@@ -155,7 +155,7 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs, v = summary["runs"], summary["verdict"]
-    order = [tuple(s) for s in summary["splits"]]
+    order = [tuple(s) for s in summary["splits"] if f"{s[0]}:{s[1]}" in v["mean_goodput_rps"]]  # measured ones
     labels = [f"{p}:{d}" + (" (colocated)" if p == 0 else "") for p, d in order]
     means = [v["mean_goodput_rps"][f"{p}:{d}"] for p, d in order]
     formula = tuple(v["formula"])
@@ -175,7 +175,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_ylabel("goodput (requests/s within SLO)")
     slo = summary["slo"]
     ax.set_title(f"Ratio sweep, pdcluster up: SLO TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s "
-                 f"({summary['rounds']} rounds; dots = rounds)", fontsize=9)
+                 f"({len({r['round'] for r in runs})} rounds; dots = rounds)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -220,6 +220,41 @@ def chosen_splits(args: argparse.Namespace) -> list[tuple[int, int]]:
     return want  # type: ignore[return-value]
 
 
+def write_summary(args: argparse.Namespace, s: dict, span: float, todo: list[tuple[int, int]], cap: dict,
+                  runs: list[dict], complete: bool) -> dict:
+    """DIR/summary.json (and the plot once the formula's split has a run) from the runs so far; `complete`
+    False while the sweep is still going (or when it was stopped before its last round)."""
+    f = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
+                         cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"],
+                         cap.get("decode_join_seconds") or 0.0)
+    f0 = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
+                          cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
+    key = lambda sp: f"{sp[0]}:{sp[1]}"  # noqa: E731
+    summary = {"trace": str(args.trace), "slice": {"start_s": args.start, "duration_s": args.duration,
+                                                   "speedup": args.speedup, "replayed_span_s": span,
+                                                   "max_model_len": args.max_model_len, **s},
+               "workers": args.workers, "rounds": args.rounds, "complete": complete,
+               "threads_per_worker": args.threads,
+               "cpu_limit": {"worker": args.worker_cpu, "router": args.router_cpu} if args.worker_cpu else None,
+               "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,
+               "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
+                           "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
+                           "ideal_prefill": f.ideal_prefill, "decode_join_seconds": f.decode_join_seconds,
+                           "colocate": f.colocate,
+                           "without_join": {"prefill": f0.prefill, "decode": f0.decode,
+                                            "ideal_prefill": f0.ideal_prefill}}, "runs": runs}
+    if any((r["prefill"], r["decode"]) == (f.prefill, f.decode) for r in runs):
+        v = rp.verdict((((r["prefill"], r["decode"]), r["goodput_rps"]) for r in runs), (f.prefill, f.decode))
+        summary["verdict"] = {"mean_goodput_rps": {key(k): g for k, g in v.mean_goodput.items()},
+                              "best": v.best, "formula": v.formula,
+                              "formula_share_of_best": v.formula_share_of_best, "met": v.met}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if "verdict" in summary:
+        plot(summary, args.out / "goodput.png")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (timeout, kill) unwinds like Ctrl-C, so every stack is stopped and every cgroup removed.
@@ -243,38 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_join_seconds is not None:
         cap["decode_join_seconds"] = args.decode_join_seconds
     print(f"capacities: {cap}", flush=True)
-    f = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
-                         cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"],
-                         cap.get("decode_join_seconds") or 0.0)
-    f0 = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
-                          cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
-    runs = []
+    runs: list[dict] = []
     for rnd in range(args.rounds):
         # Interleaved, the order turned around every other round: drift in the machine's load hits all splits.
         for i, split in enumerate(todo if rnd % 2 == 0 else list(reversed(todo))):
             runs.append(one_run(args, split, rnd, args.port + 10 * (i % 4), span))
-    key = lambda sp: f"{sp[0]}:{sp[1]}"  # noqa: E731
-    summary = {"trace": str(args.trace), "slice": {"start_s": args.start, "duration_s": args.duration,
-                                                   "speedup": args.speedup, "replayed_span_s": span,
-                                                   "max_model_len": args.max_model_len, **s},
-               "workers": args.workers, "rounds": args.rounds, "threads_per_worker": args.threads,
-               "cpu_limit": {"worker": args.worker_cpu, "router": args.router_cpu} if args.worker_cpu else None,
-               "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,
-               "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
-                           "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
-                           "ideal_prefill": f.ideal_prefill, "decode_join_seconds": f.decode_join_seconds,
-                           "colocate": f.colocate,
-                           "without_join": {"prefill": f0.prefill, "decode": f0.decode,
-                                            "ideal_prefill": f0.ideal_prefill}}, "runs": runs}
-    if (f.prefill, f.decode) in todo:
-        v = rp.verdict((((r["prefill"], r["decode"]), r["goodput_rps"]) for r in runs), (f.prefill, f.decode))
-        summary["verdict"] = {"mean_goodput_rps": {key(k): g for k, g in v.mean_goodput.items()},
-                              "best": v.best, "formula": v.formula,
-                              "formula_share_of_best": v.formula_share_of_best, "met": v.met}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_summary(args, s, span, todo, cap, runs, complete=False)  # a stopped sweep keeps what it ran
+    summary = write_summary(args, s, span, todo, cap, runs, complete=True)
     if "verdict" in summary:
-        plot(summary, args.out / "goodput.png")
         print(json.dumps(summary["verdict"], indent=1))
         print(markdown_table(summary))
     return 0

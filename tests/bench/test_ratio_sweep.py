@@ -146,3 +146,23 @@ def test_a_run_whose_stack_did_not_start_is_tried_once_more(monkeypatch):
     with pytest.raises(local_stack.StartError):  # twice: the sweep stops (and says why)
         rs.one_run(None, (1, 3), 0, 1, 60.0)
     assert len(calls) == 2
+
+
+def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_path):
+    from pdcluster.bench import ratio_sweep as rs
+
+    args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--workers", "4"])
+    sl = {"mean_input_tokens": 228.0, "mean_output_tokens": 20.2}
+    cap = {"prefill_tokens_per_second": 995.5, "decode_tokens_per_second": 190.7, "decode_join_seconds": 0.022}
+    run = lambda p, d, g, rnd=0: {"round": rnd, "prefill": p, "decode": d, "goodput_rps": g}  # noqa: E731
+    todo = [(0, 4), (1, 3), (2, 2), (3, 1)]
+    first = rs.write_summary(args, sl, 60.0, todo, cap, [run(0, 4, 1.0)], complete=False)
+    assert (first["formula"]["prefill"], first["formula"]["decode"]) == (3, 1)  # ideal P 2.57 of 4
+    assert "verdict" not in first and not (tmp_path / "goodput.png").exists()  # 3:1 not run yet
+    runs = [run(0, 4, 1.0), run(1, 3, 0.8), run(3, 1, 0.5), run(3, 1, 0.7, 1)]
+    s = rs.write_summary(args, sl, 60.0, todo, cap, runs, complete=False)
+    assert s["verdict"]["formula_share_of_best"] == pytest.approx(0.6) and not s["verdict"]["met"]
+    assert (tmp_path / "goodput.png").stat().st_size > 0  # 2:2 unmeasured: left out of the plot, no error
+    import json
+
+    assert json.loads((tmp_path / "summary.json").read_text())["complete"] is False
