@@ -32,7 +32,7 @@ def served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "size,role,needle",
     [("3", "both", "must divide the attention head count 4"), ("0", "both", "must be >= 1"),
      ("-2", "both", "must be >= 1"), ("two", "both", "--tensor-parallel-size"),
-     ("2", "decode", "needs --role both")],
+     ("3", "decode", "must divide the attention head count 4")],
 )
 def test_bad_sizes_are_usage_errors(served_model: Path, capsys: pytest.CaptureFixture[str], size: str, role: str,
                                     needle: str) -> None:

@@ -19,7 +19,28 @@ from pdcluster.worker.engine.stop_text import StopText
 from pdcluster.worker.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from pdcluster.worker.engine.kv_cache import PagedKVCache
     from pdcluster.worker.engine.llm_engine import LLMEngine
+
+
+def store_layer(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
+                scales: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor, dev: torch.device,
+                dtype: torch.dtype) -> None:
+    """Write received KV of ``slots`` into one layer of ``cache``: float K/V, or codes with their scales. Codes
+    in the layer's own format go in as they are; anything else is converted (dequantized on the cache's
+    device, quantized on write)."""
+    slots = slots.to(dev)
+    bits = {torch.int8: 8, torch.uint8: 4}.get(k.dtype)
+    if bits is None:
+        cache.write(layer, k.to(dev, dtype), v.to(dev, dtype), slots)
+        return
+    if scales is None:
+        raise ValueError("KV codes need their scales")
+    if bits == cache.layer_bits[layer]:
+        cache.write_codes(layer, k, v, scales, slots)  # the sender's bytes, untouched
+        return
+    k, v = (dequantize_kv(x.to(dev), s.to(dev), bits, dtype) for x, s in zip((k, v), scales, strict=True))
+    cache.write(layer, k, v, slots)
 
 
 class KVTransferMixin:
@@ -46,7 +67,8 @@ class KVTransferMixin:
         """Tokens ``[start, end)`` of a request's layer as stored — float values, or int8/int4 codes with their
         scales — gathered (the one copy) into memory the connector lends (``export_buffer``: e.g. NIXL's
         registered staging) or else a host buffer of ours, K and V back to back."""
-        cache = self.runner.cache
+        # under TP, rank 0 exports every rank's heads (a gather: parallel/kv_relay.py), as one cache would
+        cache = getattr(self.runner, "relay", None) or self.runner.cache
         slots = self.runner.slots(self.seqs[request_id], start, end)
         nbytes = cache.export_bytes(layer, end - start)
         conn = self.kv_connector
@@ -84,19 +106,13 @@ class KVTransferMixin:
         n, t = seq.num_prompt_tokens, k.shape[0]
         if v.shape[0] != t or token_start < 0 or token_start + t > n:
             raise ValueError(f"expected KV within {n} tokens, got [{token_start}, +{k.shape[0]}/{v.shape[0]})")
-        dev, dtype, cache = self.runner.device, self.runner.dtype, self.runner.cache
-        slots = self.runner.slots(seq, token_start, token_start + t).to(dev)
-        bits = {torch.int8: 8, torch.uint8: 4}.get(k.dtype)
-        if bits is None:
-            cache.write(layer, k.to(dev, dtype), v.to(dev, dtype), slots)
-            return
-        if scales is None:
+        if k.dtype in (torch.int8, torch.uint8) and scales is None:
             raise ValueError("KV codes need their scales")
-        if bits == cache.layer_bits[layer]:
-            cache.write_codes(layer, k, v, scales, slots)  # the sender's bytes, untouched
+        slots = self.runner.slots(seq, token_start, token_start + t)
+        if self.config.tensor_parallel_size > 1:  # every rank writes its heads (parallel/kv_relay.py)
+            self.runner.import_layer(layer, k, v, scales, slots)  # type: ignore[union-attr]
             return
-        k, v = (dequantize_kv(x.to(dev), s.to(dev), bits, dtype) for x, s in zip((k, v), scales, strict=True))
-        cache.write(layer, k, v, slots)
+        store_layer(self.runner.cache, layer, k, v, scales, slots, self.runner.device, self.runner.dtype)
 
     def commit_import(self: LLMEngine, request_id: str, first_token_id: int) -> None:
         """All layers are in: the request decodes from here as if it had prefilled itself. The first token

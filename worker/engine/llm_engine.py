@@ -122,8 +122,6 @@ class LLMEngine(KVTransferMixin):
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
-        if prefill_only and self.config.tensor_parallel_size > 1:  # rank 0's cache holds only its KV heads
-            raise ValueError("prefill-only requests (KV export) are not supported under tensor parallelism yet")
         grammar = self._new_grammar(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, prefill_only=prefill_only)
         self.seqs[request_id] = seq

@@ -177,9 +177,8 @@ def check_tensor_parallel(args: argparse.Namespace, folder: Path) -> None:
         check_tp(ModelConfig.from_folder(folder), tp)
     except ValueError as e:
         raise UsageError(f"--tensor-parallel-size {tp} does not fit {str(folder)!r}: {e}") from None
-    if args.role != "both":
-        raise UsageError("--tensor-parallel-size > 1 needs --role both: KV transfer between sharded workers "
-                         "is not supported yet")
+    # --role prefill/decode: rank 0 sends/receives whole layers for all ranks (parallel/kv_relay.py), so
+    # any prefill layout pairs with any decode layout over either transfer backend
     if args.device == "cuda" and torch.cuda.device_count() < tp:
         raise UsageError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
 

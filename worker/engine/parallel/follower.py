@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,10 @@ import torch.distributed as dist
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.model_runner import ModelRunner
-from pdcluster.worker.engine.parallel import group, step
-from pdcluster.worker.engine.parallel.runner import agree_num_blocks, rank_device
+from pdcluster.worker.engine.parallel import group, kv_relay, step
+from pdcluster.worker.engine.parallel.runner import agree_num_blocks, rank_device, store_own
 from pdcluster.worker.engine.parallel.shard import local_config
+from pdcluster.worker.engine.scheduler import Batch
 
 log = logging.getLogger("pdcluster.tp.follower")
 
@@ -30,6 +32,16 @@ def _exit_on_eof() -> None:
     while sys.stdin.buffer.read(4096):
         pass
     os._exit(0)  # rank 0 is gone: leave now, whatever the main thread is blocked in
+
+
+def _exporter(runner: ModelRunner, batch: Batch, exports: list[tuple[int, int, int]]) -> Callable[[int], None]:
+    """The layer hook of a step that exports KV: our heads of each range to rank 0, in rank 0's order."""
+
+    def hook(layer: int) -> None:
+        for row, start, end in exports:
+            kv_relay.send_export(runner.cache, layer, runner.slots(batch.seqs[row], start, end))
+
+    return hook
 
 
 def serve(spec: dict) -> None:
@@ -51,7 +63,11 @@ def serve(spec: dict) -> None:
         msg = box[0]
         if msg is None:  # rank 0 is closing
             break
-        runner.execute(step.decode(msg))
+        if isinstance(msg, step.ImportMsg):  # a received layer (decode role): write our heads of it
+            store_own(runner, msg, cfg.num_kv_heads, size, rank)
+            continue
+        batch = step.decode(msg)
+        runner.execute(batch, _exporter(runner, batch, msg.exports) if msg.exports else None)
     group.teardown()
 
 

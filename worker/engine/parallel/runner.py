@@ -30,6 +30,7 @@ from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.parallel import group, step
+from pdcluster.worker.engine.parallel.kv_relay import RelayedKV, own_heads
 from pdcluster.worker.engine.parallel.shard import check_tp, local_config
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence
@@ -51,11 +52,19 @@ def agree_num_blocks(runner: ModelRunner) -> int:
     return runner.cache.num_blocks
 
 
+def store_own(runner: ModelRunner, msg: step.ImportMsg, num_kv_heads: int, tp: int, rank: int) -> None:
+    """Write this rank's heads of a relayed layer into its cache (any rank)."""
+    from pdcluster.worker.engine.kv_transfer import store_layer  # kv_transfer imports the engine's pieces
+
+    k, v, scales = own_heads(msg.k, msg.v, msg.scales, num_kv_heads, tp, rank)
+    store_layer(runner.cache, msg.layer, k, v, scales, msg.slots, runner.device, runner.dtype)
+
+
 class TPModelRunner:
     def __init__(self, cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
         tp = config.tensor_parallel_size
         check_tp(cfg, tp)
-        self.tp, self.vocab_size = tp, cfg.vocab_size
+        self.tp, self.vocab_size, self.num_kv_heads = tp, cfg.vocab_size, cfg.num_kv_heads
         self.fault: str | None = None
         self._closed = False
         if config.num_threads is None and not config.device.startswith("cuda"):
@@ -88,6 +97,10 @@ class TPModelRunner:
     # -- what the engine reads off its runner ----------------------------------------------------------
 
     @property
+    def relay(self) -> RelayedKV:  # what the engine exports from: every rank's heads (kv_relay.py)
+        return RelayedKV(self.local.cache, self.num_kv_heads, self.tp)
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.followers]
 
@@ -117,17 +130,32 @@ class TPModelRunner:
     # -- the step ----------------------------------------------------------------------------------------
 
     def execute(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        if layer_hook is not None:
-            raise RuntimeError("exporting KV layer by layer is not supported under tensor parallelism yet")
         if self.fault is not None:
             raise RuntimeError(self.fault)
+        msg = step.encode(batch)
+        if layer_hook is not None:  # the engine exports KV: every rank gathers its heads to ours (kv_relay)
+            msg.exports = step.export_ranges(batch)
         try:
-            dist.broadcast_object_list([step.encode(batch)], src=0, group=group.step_group())
-            logits = self.local.execute(batch)
+            dist.broadcast_object_list([msg], src=0, group=group.step_group())
+            logits = self.local.execute(batch, layer_hook)
         except Exception as e:  # the ranks are out of step now: nothing more can run
             self._set_fault(f"tensor-parallel step failed ({type(e).__name__}: {e})")
             raise RuntimeError(self.fault) from e
         return logits if batch.seqs else torch.empty(0, self.vocab_size)
+
+    def import_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor) -> None:
+        """One received layer of every KV head (engine thread, between steps): sent to every rank, each of
+        which writes the heads it holds."""
+        if self.fault is not None:
+            raise RuntimeError(self.fault)
+        try:
+            msg = step.ImportMsg(layer, slots.cpu(), k, v, scales)
+            dist.broadcast_object_list([msg], src=0, group=group.step_group())
+            store_own(self.local, msg, self.num_kv_heads, self.tp, 0)
+        except Exception as e:
+            self._set_fault(f"tensor-parallel KV import failed ({type(e).__name__}: {e})")
+            raise RuntimeError(self.fault) from e
 
     # -- follower processes ---------------------------------------------------------------------------
 

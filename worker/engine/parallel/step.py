@@ -9,6 +9,7 @@ so every rank moves the same blocks between its device and host caches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch
@@ -32,6 +33,30 @@ class StepMsg:
     num_new_tokens: list[int]
     copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_decode: int = 0  # a mixed step's leading decode rows (scheduler.Batch)
+    # KV export (prefill role): (row, first token, end) of each exporting request, in the order rank 0's
+    # engine exports them at every layer; each rank gathers its heads of it to rank 0 (kv_relay.py)
+    exports: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class ImportMsg:
+    """KV import (decode role), between steps: one received layer of every head; each rank writes its own."""
+
+    layer: int
+    slots: Any  # torch.Tensor (int64, host): where the tokens go (the same on every rank)
+    k: Any
+    v: Any
+    scales: Any = None  # (k_scale, v_scale) for codes
+
+
+def export_ranges(batch: Batch) -> list[tuple[int, int, int]]:
+    """(row, first token not yet sent, end) of the prefill-only rows that export KV this step: the same
+    rows and order as the engine's ``_save_layer`` (kv_transfer.py), which hands over only ``end > start``."""
+    if not batch.is_prefill:
+        return []
+    return [(i, s.num_exported_tokens, s.num_computed_tokens + n)
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            if s.prefill_only and s.num_computed_tokens + n > s.num_exported_tokens]
 
 
 def encode(batch: Batch) -> StepMsg:

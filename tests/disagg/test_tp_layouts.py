@@ -1,0 +1,159 @@
+"""Prefill and decode at different tensor-parallel layouts, end to end with real processes: `pdcluster serve
+--role prefill --tensor-parallel-size a`, `--role decode --tensor-parallel-size b`, `pdcluster router`, KV
+over TCP. Greedy output through the router equals a TP 1 engine's (what a single `serve` returns), every
+request's KV really crossed the wire (transfer bytes, no failure, no fallback), and no block stays used.
+A follower rank of the decode worker killed mid-stream: the request errors, nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ..netutil import free_port
+from .harness import AUTH, SECRET, metric
+from .test_equality import run_all
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 8
+LENGTHS = [1, 7, 8, 9, 17, 33, 64]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdcluster.worker.local.demo_model import build_demo_model  # 4 heads over 2 KV heads, a tokenizer
+
+    return build_demo_model(tmp_path_factory.mktemp("tp-layouts"), num_hidden_layers=2, max_position_embeddings=256)
+
+
+def prompts() -> list[list[int]]:
+    return [[(37 * n + 11 * i) % 200 + 3 for i in range(n)] for n in LENGTHS]
+
+
+def reference(model: Path, ps: list[list[int]]) -> list[list[int]]:
+    from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from pdcluster.worker.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=256, num_threads=1))
+    return engine.generate(ps, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"{url} not healthy in {seconds} s: {log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int) -> Iterator[dict[str, object]]:
+    secret = tmp / "secret"
+    secret.write_bytes(SECRET)
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
+    try:
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            port, log = free_port(), tmp / f"{role}.log"
+            cmd = [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--port", str(port),
+                   "--role", role, "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
+                   "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", "tcp",
+                   "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_port()),
+                   "--kv-transfer-timeout", "10"]
+            procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT))
+            urls[role] = f"http://127.0.0.1:{port}"
+        for proc, role in zip(procs, ("prefill", "decode"), strict=True):
+            _wait_healthy(urls[role], proc, tmp / f"{role}.log")
+        port, log = free_port(), tmp / "router.log"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "pdcluster", "router", "--prefill", urls["prefill"], "--decode", urls["decode"],
+             "--port", str(port), "--disaggregation-threshold", "0", "--max-retries", "0",
+             "--internal-secret-file", str(secret), "--health-interval", "0.2", "--log-level", "warning"],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT))
+        urls["router"] = f"http://127.0.0.1:{port}"
+        _wait_healthy(urls["router"], procs[-1], log)
+        deadline = time.monotonic() + 30  # the router's pools see both workers healthy
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                c = httpx.get(f"{urls['router']}/cluster", timeout=2).json()
+                if all(w.get("healthy") for pool in ("prefill", "decode") for w in c[pool]):
+                    break
+            time.sleep(0.2)
+        yield {"urls": urls, "procs": procs}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _idle(urls: dict[str, str], seconds: float = 15) -> list[dict[str, object]]:
+    deadline = time.monotonic() + seconds
+    while True:
+        loads = [httpx.get(f"{urls[r]}/internal/load", headers=AUTH, timeout=5).json() for r in ("prefill", "decode")]
+        if all(d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0 for d in loads):
+            return loads
+        if time.monotonic() > deadline:
+            return loads
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4)])
+def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int) -> None:
+    ps = prompts()
+    want = reference(model, ps)
+    with tp_cluster(model, tmp_path, prefill_tp, decode_tp) as c:
+        urls = c["urls"]
+        assert isinstance(urls, dict)
+        got = asyncio.run(run_all(urls["router"], ps, stream=True))
+        assert got == want
+        for role in ("prefill", "decode"):
+            assert metric(urls[role], "pdcluster_kv_transfer_failures_total") == 0
+        assert metric(urls["prefill"], "pdcluster_kv_transfer_bytes_total") > 0  # the KV crossed the wire
+        assert metric(urls["decode"], "pdcluster_kv_transfer_bytes_total") > 0
+        loads = _idle(urls)
+        assert all(d["used_blocks"] == 0 and d["pending_loads"] == 0 for d in loads), loads
+
+
+def test_decode_rank_killed_mid_stream_errors_the_request(model: Path, tmp_path: Path) -> None:
+    """Decode at TP 2 loses its follower while requests decode: each ends with an error (no hang), the
+    decode worker reports itself unhealthy, and the prefill worker is left with nothing held."""
+    with tp_cluster(model, tmp_path, 2, 2) as c:
+        urls, procs = c["urls"], c["procs"]
+        assert isinstance(urls, dict) and isinstance(procs, list)
+        follower = _children(procs[1].pid)
+        assert len(follower) == 1
+        body = {"model": "tiny", "prompt": prompts()[-1], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        t0, saw_error, lines = time.monotonic(), False, 0
+        with httpx.stream("POST", f"{urls['router']}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines += 1
+                if lines == 3:
+                    os.kill(follower[0], signal.SIGKILL)
+                saw_error = saw_error or "error" in line
+        assert saw_error and time.monotonic() - t0 < 60
+        assert httpx.get(f"{urls['decode']}/health", timeout=5).status_code == 503
+        p = httpx.get(f"{urls['prefill']}/internal/load", headers=AUTH, timeout=5).json()
+        assert p["used_blocks"] == 0 and p["in_flight"] == 0, p
