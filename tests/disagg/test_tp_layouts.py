@@ -59,7 +59,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: f
 
 
 @contextlib.contextmanager
-def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int) -> Iterator[dict[str, object]]:
+def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int,
+               backend: str = "tcp") -> Iterator[dict[str, object]]:
     secret = tmp / "secret"
     secret.write_bytes(SECRET)
     procs: list[subprocess.Popen[bytes]] = []
@@ -69,7 +70,7 @@ def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int) -> Itera
             port, log = free_port(), tmp / f"{role}.log"
             cmd = [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--port", str(port),
                    "--role", role, "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
-                   "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", "tcp",
+                   "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", backend,
                    "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_port()),
                    "--kv-transfer-timeout", "10"]
             procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT))
@@ -119,13 +120,29 @@ def _idle(urls: dict[str, str], seconds: float = 15) -> list[dict[str, object]]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4)])
-def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int) -> None:
+def _nixl() -> str | None:
+    from pdcluster.worker.transfer.nixl_agent import availability
+
+    a = availability()
+    return None if a.ok else a.reason
+
+
+NIXL = pytest.mark.skipif(_nixl() is not None, reason=str(_nixl()))
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [
+    (2, 1, "tcp"), (1, 2, "tcp"), (2, 4, "tcp"),
+    pytest.param(2, 1, "nixl", marks=NIXL), pytest.param(1, 2, "nixl", marks=NIXL)])
+def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int,
+                                          backend: str) -> None:
     ps = prompts()
     want = reference(model, ps)
-    with tp_cluster(model, tmp_path, prefill_tp, decode_tp) as c:
+    with tp_cluster(model, tmp_path, prefill_tp, decode_tp, backend) as c:
         urls = c["urls"]
         assert isinstance(urls, dict)
+        for role in ("prefill", "decode"):
+            load = httpx.get(f"{urls[role]}/internal/load", headers=AUTH, timeout=5).json()
+            assert load["transfer_backend"] == backend, load
         got = asyncio.run(run_all(urls["router"], ps, stream=True))
         assert got == want
         for role in ("prefill", "decode"):
