@@ -107,6 +107,21 @@ def throttled_share(stat: Mapping[str, int]) -> float | None:
     return stat.get("nr_throttled", 0) / n if n else None
 
 
+def stat_cpu_ticks(stat: str) -> int:
+    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line."""
+    f = stat[stat.rindex(")") + 2:].split()  # fields from the 3rd on: state is f[0], utime the 14th field
+    return int(f[11]) + int(f[12])
+
+
+def cpu_seconds(pids: Iterable[int], proc: Path = Path("/proc")) -> float:
+    """CPU seconds the processes have used so far (those that exited meanwhile count 0)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            ticks += stat_cpu_ticks((proc / str(pid) / "stat").read_text())
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def process_table(proc: Path = Path("/proc")) -> dict[int, tuple[int, list[str]]]:
     """pid -> (ppid, argv) of every process readable now (processes that exit meanwhile are skipped)."""
     out: dict[int, tuple[int, list[str]]] = {}
@@ -215,6 +230,10 @@ class CpuGroups:
 
     def pids(self, name: str) -> list[int]:
         return [int(x) for x in (self.groups[name] / "cgroup.procs").read_text().split()]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each group's processes (the cores it got = the change / wall time)."""
+        return {name: cpu_seconds(self.pids(name)) for name in self.groups}
 
     def stat(self, name: str) -> dict[str, int]:
         return parse_cpu_stat((self.groups[name] / "cpu.stat").read_text())

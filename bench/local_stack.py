@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -45,6 +45,17 @@ class StartError(RuntimeError):
     """The stack never became ready (on a box this busy, workers can miss `up`'s 180 s start deadline)."""
 
 
+@dataclass
+class Usage:
+    """What the CPU-limited groups of one stack used: CPU seconds on demand while it runs, cpu.stat at its end."""
+
+    groups: cl.CpuGroups | None = None
+    stat: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return self.groups.cpu_seconds() if self.groups else {}
+
+
 @dataclass(frozen=True)
 class CpuLimit:
     """A CPU limit per process of the stack (a pod's `limits.cpu`): each worker and the router in a cgroup of
@@ -56,10 +67,11 @@ class CpuLimit:
 
 @contextlib.contextmanager
 def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: float = 240.0,
-       cpu: CpuLimit | None = None, throttling: dict | None = None) -> Iterator[str]:
+       cpu: CpuLimit | None = None, usage: Usage | None = None) -> Iterator[str]:
     """`pdcluster up --port PORT ARGS...`; yields the router URL once `want` (P, D) workers are healthy.
     With `cpu`, every worker and the router run under their own CPU limit from their first moments; on exit
-    `throttling` (if given) gets each group's cpu.stat, and the groups are removed whatever happened."""
+    `usage` (if given) holds the groups while the stack runs and each group's cpu.stat at its end, and the
+    groups are removed whatever happened."""
     router = f"http://127.0.0.1:{port}"
     groups = cl.CpuGroups() if cpu else None  # before the stack starts: a host without cgroups fails here
     proc = None
@@ -79,9 +91,11 @@ def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: fl
             time.sleep(0.5)
         if groups and cpu:
             confine(groups, proc, cpu, sum(want))  # again: anything forked between the first scan and its move
+        if usage is not None:
+            usage.groups = groups
         yield router
-        if groups is not None and throttling is not None:
-            throttling.update({name: groups.stat(name) for name in groups.groups})
+        if groups is not None and usage is not None:
+            usage.stat = {name: groups.stat(name) for name in groups.groups}
     finally:
         try:
             if proc is not None:

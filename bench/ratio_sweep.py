@@ -36,6 +36,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="keep output lengths (clipped to this) and shrink prompts alone to fit --max-model-len")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--kv-transfer-backend", choices=("auto", "nixl", "tcp"), default="tcp",
+                   help="passed to `pdcluster up`; tcp by default: on a CPU box an idle worker whose NIXL loads "
+                        "(auto) spends ~1 core in a native thread (measured 18:19, docs/benchmarks/ratio_sweep.md)")
     p.add_argument("--port", type=int, default=18600, help="router port of the stacks started")
     p.add_argument("--out", type=Path, required=True, help="summary.json and the plot go here")
     p.add_argument("--worker-cpu", type=float, default=0.4,
@@ -92,20 +95,27 @@ def throttled(stats: dict[str, dict[str, int]]) -> dict[str, float | None]:
     return {name: cpu_limits.throttled_share(st) for name, st in sorted(stats.items())}
 
 
+def cores_received(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Cores each group got over a span (CPU seconds used / wall seconds): under contention this, not the
+    quota, is what a worker had."""
+    return {g: (after[g] - before.get(g, 0.0)) / wall_s for g in sorted(after)} if wall_s > 0 else {}
+
+
 def measure_capacity(args: argparse.Namespace) -> dict:
     """`pdcluster profile --url` on a 1:1 stack whose two workers run under the sweep's CPU limit, so C_p, C_d
     and t_join are one limited instance's figures, as the formula means them."""
     work = args.work / "profile"
     work.mkdir(parents=True, exist_ok=True)
-    up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
-    stats: dict = {}
-    with local_stack.up(up, args.port, work / "up.log", (1, 1), cpu=cpu_limit(args), throttling=stats) as router:
+    up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads),
+          "--kv-transfer-backend", args.kv_transfer_backend]
+    use = local_stack.Usage()
+    with local_stack.up(up, args.port, work / "up.log", (1, 1), cpu=cpu_limit(args), usage=use) as router:
         raw = local_stack.profile(router)
     (work / "profile.json").write_text(json.dumps(raw, indent=1))
     return {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
             "decode_tokens_per_second": raw["decode_tokens_per_second"],
             "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)",
-            "worker_cpu": args.worker_cpu or None, "throttled": throttled(stats), "uptime": uptime()}
+            "worker_cpu": args.worker_cpu or None, "throttled": throttled(use.stat), "uptime": uptime()}
 
 
 def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
@@ -122,16 +132,17 @@ def one_try(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
     p, d = split
     work = args.work / f"r{rnd}-{p}x{d}"
     work.mkdir(parents=True, exist_ok=True)
-    flags = ["--prefill", str(p), "--decode", str(d), "--threads", str(args.threads), "--max-queue-depth", "256"]
+    flags = ["--prefill", str(p), "--decode", str(d), "--threads", str(args.threads), "--max-queue-depth", "256",
+             "--kv-transfer-backend", args.kv_transfer_backend]
     load_before, up_before = os.getloadavg()[0], uptime()
-    stats: dict = {}
-    with local_stack.up(flags, port, work / "up.log", (p, d), cpu=cpu_limit(args), throttling=stats) as router:
+    use = local_stack.Usage()
+    with local_stack.up(flags, port, work / "up.log", (p, d), cpu=cpu_limit(args), usage=use) as router:
         local_stack.warm_up(router, work / "warmup")
-        t0 = time.time()
+        t0, cpu0 = time.time(), use.cpu_seconds()
         recs = local_stack.replay(router, args.trace, work / "replay", start=args.start, duration=args.duration,
                                   speedup=args.speedup, max_model_len=args.max_model_len,
                                   max_output_tokens=args.max_output_tokens)
-        wall = time.time() - t0
+        wall, cpu1 = time.time() - t0, use.cpu_seconds()
         join = local_stack.decode_join(router)  # warm-up included: a few requests of 128-512 tokens
     g = rp.goodput(recs, args.slo_ttft, args.slo_tpot, span)
     ok = [r for r in recs if r.get("ok")]
@@ -142,7 +153,8 @@ def one_try(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: in
            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
            "decode_join_seconds_live": join["t_join_s"], "decode_admission_seconds_live": join["admission_s"],
            "decode_step_seconds_live": join["step_s"], "uptime_before": up_before, "uptime_after": uptime(),
-           "worker_cpu": args.worker_cpu or None, "throttled": throttled(stats),
+           "worker_cpu": args.worker_cpu or None, "throttled": throttled(use.stat),
+           "cores_received_replay": cores_received(cpu0, cpu1, wall),
            "errors": sorted({str(r.get("error")) for r in recs if not r.get("ok")})}
     print(json.dumps(row), flush=True)
     return row
@@ -234,6 +246,7 @@ def write_summary(args: argparse.Namespace, s: dict, span: float, todo: list[tup
                                                    "speedup": args.speedup, "replayed_span_s": span,
                                                    "max_model_len": args.max_model_len, **s},
                "workers": args.workers, "rounds": args.rounds, "complete": complete,
+               "kv_transfer_backend": args.kv_transfer_backend,
                "threads_per_worker": args.threads,
                "cpu_limit": {"worker": args.worker_cpu, "router": args.router_cpu} if args.worker_cpu else None,
                "splits": todo, "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "capacity": cap,

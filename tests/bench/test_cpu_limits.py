@@ -55,6 +55,11 @@ def test_assign_puts_workers_children_in_their_workers_group():
     assert cl.descendants({p: pp for p, (pp, _) in table.items()}, 12) == [14, 15]
 
 
+def test_cpu_ticks_from_a_proc_stat_line_whose_name_has_spaces_and_parens():
+    line = "4242 (we ird) (x)) R 1 4242 4242 0 -1 4194304 100 0 0 0 250 31 0 0 20 0 1 0 99 0 0"
+    assert cl.stat_cpu_ticks(line) == 281  # utime 250 + stime 31
+
+
 def test_cpu_stat_parsing_and_throttled_share():
     st = cl.parse_cpu_stat("nr_periods 200\nnr_throttled 50\nthrottled_time 123456\n")
     assert st == {"nr_periods": 200, "nr_throttled": 50, "throttled_time": 123456}
@@ -92,6 +97,7 @@ def test_real_group_limits_a_child_and_is_removed():
     spinner = subprocess.Popen([sys.executable, "-c", busy])
     groups = cl.CpuGroups(prefix="pdcluster-test")
     parent = groups.parent
+    started = time.time()
     try:
         g = groups.limit("w", 0.1)
         assert (g / "cpu.cfs_quota_us").read_text().strip() == "10000"
@@ -103,6 +109,8 @@ def test_real_group_limits_a_child_and_is_removed():
         time.sleep(1.0)  # the spinner wants a whole CPU and gets 10 ms per 100 ms: throttled nearly every period
         st = groups.stat("w")
         assert st["nr_periods"] >= 5 and cl.throttled_share(st) > 0.5
+        used = groups.cpu_seconds()["w"]  # ~0.1 s per second in the group; never more than the quota allows
+        assert 0 < used < 0.1 * (time.time() - started) + 0.5
     finally:
         groups.close()  # both processes still run: close moves them out before removing the groups
         sleeper.kill()
@@ -147,8 +155,10 @@ def test_stack_processes_are_limited_and_groups_removed_on_error(tmp_path, monke
     mine = f"pdcluster-bench-{os.getpid()}-*"  # not another run's (a sweep may be running beside the tests)
     before = set(cl.CPU_ROOT.glob(mine))
     seen: dict[str, list[int]] = {}
+    use = local_stack.Usage()
     with pytest.raises(error):
-        with local_stack.up([], 1, tmp_path / "up.log", (1, 1), cpu=local_stack.CpuLimit(0.3, 0.2)) as _:
+        with local_stack.up([], 1, tmp_path / "up.log", (1, 1), cpu=local_stack.CpuLimit(0.3, 0.2), usage=use):
+            assert sorted(use.cpu_seconds()) == ["decode-2", "prefill-1", "router"]
             (parent,) = set(cl.CPU_ROOT.glob(mine)) - before
             for g in parent.iterdir():
                 if g.is_dir():

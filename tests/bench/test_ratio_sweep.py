@@ -166,3 +166,11 @@ def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_pa
     import json
 
     assert json.loads((tmp_path / "summary.json").read_text())["complete"] is False
+
+
+def test_cores_received_is_cpu_seconds_over_wall_time():
+    from pdcluster.bench.ratio_sweep import cores_received
+
+    got = cores_received({"decode-2": 10.0, "router": 1.0}, {"decode-2": 16.0, "router": 2.0, "prefill-1": 3.0}, 60.0)
+    assert got == pytest.approx({"decode-2": 0.1, "prefill-1": 0.05, "router": 1 / 60})
+    assert cores_received({}, {"x": 1.0}, 0.0) == {}
