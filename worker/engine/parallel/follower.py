@@ -64,7 +64,7 @@ def serve(spec: dict) -> None:
         if msg is None:  # rank 0 is closing
             break
         if isinstance(msg, step.ImportMsg):  # a received layer (decode role): write our heads of it
-            store_own(runner, msg, cfg.num_kv_heads, size, rank)
+            store_own(runner, msg, kv_relay.receive_part(msg.shape, getattr(torch, msg.dtype), msg.quantized))
             continue
         batch = step.decode(msg)
         runner.execute(batch, _exporter(runner, batch, msg.exports) if msg.exports else None)

@@ -5,8 +5,8 @@ Export (prefill): inside the forward, right after a layer's KV is written, every
 each exporting request's new token range into a host buffer and ``gather``s it to rank 0 (the step group,
 gloo); rank 0 lays the heads out in global order (the first holder of a replicated head wins) in the layout a
 single-rank cache exports — K, V, then K and V scales — so its KV connector sends exactly what a TP 1 worker
-sends. Import (decode): rank 0 broadcasts each received layer with its slots between steps, and every rank
-writes the heads it holds (``kv_transfer.store_layer``). The wire and the router see no difference, so any
+sends. Import (decode): between steps rank 0 broadcasts where a received layer goes (its slots) and
+``scatter``s to each rank the heads that rank holds, which it writes (``kv_transfer.store_layer``). The wire and the router see no difference, so any
 prefill layout pairs with any decode layout, over either transfer backend. The price is the gloo hop to and
 from rank 0; sending each rank's heads on its own endpoint (transfer/reshard.py, head_slice.py) is not wired.
 """
@@ -100,3 +100,23 @@ def own_heads(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torc
     h = kv_heads_of_rank(num_kv_heads, tp, rank)
     cut = [t[:, h.start:h.stop].contiguous() for t in (k, v, *(scales or ()))]
     return cut[0], cut[1], (cut[2], cut[3]) if scales is not None else None
+
+
+def pack(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """K, V (and their scales) as one uint8 buffer in ``layer_views``'s layout (what the scatter carries)."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in (k, v, *(scales or ()))])
+
+
+def scatter_parts(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                  num_kv_heads: int, tp: int) -> list[torch.Tensor]:
+    """Each rank's heads of a whole received layer, packed: rank 0's ``scatter`` list."""
+    return [pack(*own_heads(k, v, scales, num_kv_heads, tp, rank)) for rank in range(tp)]
+
+
+def receive_part(shape: tuple[int, int, int], dtype: torch.dtype, quantized: bool) -> Views:
+    """A follower's half of the import scatter: its heads of the layer, typed."""
+    tokens, heads, width = shape
+    item = torch.empty(0, dtype=dtype).element_size()
+    buf = torch.empty(2 * tokens * heads * (width * item + (4 if quantized else 0)), dtype=torch.uint8)
+    dist.scatter(buf, None, src=0, group=group.step_group())
+    return layer_views(buf, tokens, heads, dtype, width, quantized)

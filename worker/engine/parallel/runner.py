@@ -30,7 +30,7 @@ from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.parallel import group, step
-from pdcluster.worker.engine.parallel.kv_relay import RelayedKV, own_heads
+from pdcluster.worker.engine.parallel.kv_relay import RelayedKV, Views, own_heads, scatter_parts
 from pdcluster.worker.engine.parallel.shard import check_tp, local_config
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence
@@ -52,12 +52,11 @@ def agree_num_blocks(runner: ModelRunner) -> int:
     return runner.cache.num_blocks
 
 
-def store_own(runner: ModelRunner, msg: step.ImportMsg, num_kv_heads: int, tp: int, rank: int) -> None:
+def store_own(runner: ModelRunner, msg: step.ImportMsg, part: Views) -> None:
     """Write this rank's heads of a relayed layer into its cache (any rank)."""
     from pdcluster.worker.engine.kv_transfer import store_layer  # kv_transfer imports the engine's pieces
 
-    k, v, scales = own_heads(msg.k, msg.v, msg.scales, num_kv_heads, tp, rank)
-    store_layer(runner.cache, msg.layer, k, v, scales, msg.slots, runner.device, runner.dtype)
+    store_layer(runner.cache, msg.layer, part[0], part[1], part[2], msg.slots, runner.device, runner.dtype)
 
 
 class TPModelRunner:
@@ -150,9 +149,13 @@ class TPModelRunner:
         if self.fault is not None:
             raise RuntimeError(self.fault)
         try:
-            msg = step.ImportMsg(layer, slots.cpu(), k, v, scales)
+            parts = scatter_parts(k, v, scales, self.num_kv_heads, self.tp)
+            own = own_heads(k, v, scales, self.num_kv_heads, self.tp, 0)
+            msg = step.ImportMsg(layer, slots.cpu(), str(k.dtype).removeprefix("torch."), tuple(own[0].shape),
+                                 scales is not None)
             dist.broadcast_object_list([msg], src=0, group=group.step_group())
-            store_own(self.local, msg, self.num_kv_heads, self.tp, 0)
+            dist.scatter(torch.empty_like(parts[0]), parts, src=0, group=group.step_group())
+            store_own(self.local, msg, own)
         except Exception as e:
             self._set_fault(f"tensor-parallel KV import failed ({type(e).__name__}: {e})")
             raise RuntimeError(self.fault) from e

@@ -40,13 +40,14 @@ class StepMsg:
 
 @dataclass
 class ImportMsg:
-    """KV import (decode role), between steps: one received layer of every head; each rank writes its own."""
+    """KV import (decode role), between steps: one received layer is coming, each rank's heads of it in a
+    ``scatter`` that follows this message (kv_relay.py); every rank writes its own."""
 
     layer: int
     slots: Any  # torch.Tensor (int64, host): where the tokens go (the same on every rank)
-    k: Any
-    v: Any
-    scales: Any = None  # (k_scale, v_scale) for codes
+    dtype: str  # of K and V as received (float values, or int8/uint8 codes)
+    shape: tuple[int, int, int]  # one rank's K (and V): [tokens, its heads, width]
+    quantized: bool  # float32 scales [tokens, its heads] follow K and V
 
 
 def export_ranges(batch: Batch) -> list[tuple[int, int, int]]:
