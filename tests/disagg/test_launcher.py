@@ -198,3 +198,16 @@ def test_up_passes_the_tool_call_parser_to_the_router_and_every_worker(tmp_path:
     plain = _up_args()  # no flag: no parser anywhere ("auto" stays a 400 naming the flag)
     assert "--tool-call-parser" not in launcher.router_cmd(plain, [], ["http://127.0.0.1:8082"])
     assert "--tool-call-parser" not in launcher.worker_cmd(plain, tmp_path, "decode", 8082)
+
+
+def test_up_passes_each_pool_its_tensor_parallel_size(tmp_path: Path) -> None:
+    from pdcluster.worker.server import cli as serve_cli
+
+    args = _up_args("--prefill-tp", "2", "--decode-tp", "4")
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    for role, tp in (("prefill", 2), ("decode", 4)):
+        cmd = launcher.worker_cmd(args, tmp_path, role, 8082)
+        assert p.parse_args(cmd[cmd.index("serve") + 1 :]).tensor_parallel_size == tp
+    plain = _up_args("--decode-tp", "1")  # TP 1: the worker command line of before, no flag at all
+    assert "--tensor-parallel-size" not in launcher.worker_cmd(plain, tmp_path, "decode", 8082)

@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill", type=types.non_negative_int, default=1, metavar="N",
       help="prefill workers (0: decode workers prefill everything)")
     a("--decode", type=types.positive_int, default=1, metavar="M", help="decode workers (>= 1)")
+    a("--prefill-tp", type=types.positive_int, default=1, metavar="N",
+      help="tensor-parallel ranks per prefill worker (serve --tensor-parallel-size; one process each)")
+    a("--decode-tp", type=types.positive_int, default=1, metavar="N",
+      help="tensor-parallel ranks per decode worker; may differ from --prefill-tp")
     a("--port", type=types.port, default=8080, help="router port; workers take the ports after it")
     a("--host", default="127.0.0.1")
     a("--threads", type=types.positive_int, default=1, help="torch threads per worker")
@@ -95,7 +99,12 @@ def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> l
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
             "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
             "--kv-transfer-backend", getattr(args, "kv_transfer_backend", "auto"),
-            *_otlp(args), *_tool_calls(args)]
+            *_otlp(args), *_tool_calls(args), *_tp(args, role)]
+
+
+def _tp(args: argparse.Namespace, role: str) -> list[str]:
+    tp = int(getattr(args, f"{role}_tp", 1) or 1)
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []  # TP 1: the command line of before
 
 
 def _tool_calls(args: argparse.Namespace) -> list[str]:
