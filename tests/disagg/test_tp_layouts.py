@@ -59,8 +59,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: f
 
 
 @contextlib.contextmanager
-def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int,
-               backend: str = "tcp") -> Iterator[dict[str, object]]:
+def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int, backend: str = "tcp",
+               compression: str = "none") -> Iterator[dict[str, object]]:
     secret = tmp / "secret"
     secret.write_bytes(SECRET)
     procs: list[subprocess.Popen[bytes]] = []
@@ -70,7 +70,7 @@ def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int,
             port, log = free_port(), tmp / f"{role}.log"
             cmd = [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--port", str(port),
                    "--role", role, "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
-                   "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", backend,
+                   "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", backend, "--kv-transfer-compression", compression,
                    "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_port()),
                    "--kv-transfer-timeout", "10"]
             procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT))
@@ -102,6 +102,22 @@ def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_int8_wire_tp2_to_tp2_equals_tp1_pair(model: Path, tmp_path: Path) -> None:
+    """int8 on the wire (per-vector codes, so the same codes whatever the layout): TP 2 -> TP 2 gives the
+    tokens of a TP 1 -> TP 1 pair with int8 on the wire (in-process harness cluster)."""
+    from .harness import cluster
+
+    ps = prompts()
+    with cluster(model, prefill_blocks=(16,), decode_blocks=(16,), compression="int8") as c1:
+        want = asyncio.run(run_all(c1.router, ps, stream=True))
+    with tp_cluster(model, tmp_path, 2, 2, compression="int8") as c:
+        urls = c["urls"]
+        assert isinstance(urls, dict)
+        assert asyncio.run(run_all(urls["router"], ps, stream=True)) == want
+        assert metric(urls["decode"], "pdcluster_kv_transfer_bytes_total") > 0
+        assert metric(urls["decode"], "pdcluster_kv_transfer_failures_total") == 0
 
 
 def _children(pid: int) -> list[int]:
