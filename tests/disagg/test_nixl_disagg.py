@@ -83,7 +83,10 @@ def test_decode_transfer_death_mid_transfer_is_retried_without_leaks(tiny_model_
             async def dying(frame: Frame, conn: Any = conn, orig: Any = orig) -> Any:
                 if frame.kind == Kind.STAGED and frame.layer >= 1 and not died:
                     died.append(frame.request_id)
-                    await conn.server.close()  # the listener is gone: reconnects are refused
+                    # the listener goes (reconnects are refused), closed from its own task as a dying process
+                    # would: awaited from inside this handler, close() would wait on the connection that waits
+                    # on this handler (a cycle that ended in a RecursionError when the loop cancelled it)
+                    asyncio.ensure_future(conn.server.close())
                     raise ConnectionError("decode died")
                 return await orig(frame)
 
