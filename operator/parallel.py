@@ -6,8 +6,8 @@ that pod, one per device, so a pod at TP N holds N GPUs of one node. Capacities 
 instance: TP changes how many GPUs an instance holds, not how the P:D formula counts instances.
 
 The KV-head rule is the engine's (`pdcluster.worker.engine.parallel.heads`: split when kv_heads >= tp,
-replicated on tp // kv_heads consecutive ranks otherwise), restated here because the operator may not
-import the engine package; tests/operator/test_parallel.py checks that both agree.
+replicated on tp // kv_heads consecutive ranks otherwise), imported: that module is stdlib only, and
+tests/test_layout.py allows the operator exactly it (as it allows the shared KV secret).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
+
+import pdcluster.worker.engine.parallel.heads as heads
 
 # One pod runs on one node, so TP is bounded by the GPUs of one node: 8 on today's HGX/DGX/MI300X
 # boards, 16 on the largest (DGX-2 class). Powers of two only: head counts are powers of two in the
@@ -69,28 +71,19 @@ def shm_size_limit(tp: int) -> str:
 # ---- sizing arithmetic (kv-budget, plan) ------------------------------------------------------------
 
 def check_heads(num_kv_heads: int, tp: int, num_heads: int | None = None) -> None:
-    """Raise ValueError unless `tp` can shard these heads (the engine's `check_layout`, same messages)."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-    if num_heads is not None and num_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide the attention head count {num_heads}")
-    if num_kv_heads >= tp and num_kv_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide the KV head count {num_kv_heads}")
-    if num_kv_heads < tp and tp % num_kv_heads:
-        raise ValueError(
-            f"KV head count {num_kv_heads} must divide tensor parallel size {tp} when it is smaller (replication)"
-        )
+    """Raise ValueError unless `tp` can shard these heads: the engine's own rule and messages."""
+    heads.check_layout(num_kv_heads, num_heads, tp)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int, num_heads: int | None = None) -> int:
     """KV heads one rank holds in its cache: kv_heads / tp, or 1 (a replica) when kv_heads < tp."""
     check_heads(num_kv_heads, tp, num_heads)
-    return num_kv_heads // tp if num_kv_heads >= tp else 1
+    return len(heads.kv_heads_of_rank(num_kv_heads, tp, 0))
 
 
 def kv_replication(num_kv_heads: int, tp: int) -> int:
     """How many ranks hold each KV head (1 unless kv_heads < tp)."""
-    return tp // num_kv_heads if num_kv_heads < tp else 1
+    return len(heads.ranks_holding_head(num_kv_heads, tp, 0))
 
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

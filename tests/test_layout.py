@@ -24,9 +24,12 @@ PACKAGES = {  # folder -> import name
 # which both sides must compute identically (stdlib only; test_shared_secret_module_is_stdlib_only).
 # Likewise the router may import the engine's block hash (stdlib only), so that its prefix-cache index
 # names blocks exactly as the engine's prefix cache does.
+# And the operator may import the engine's tensor-parallel head rule (stdlib only), so `kv-budget` and the
+# engine's sharded cache cannot disagree on which KV heads a rank holds.
 ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret"),
-           ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash")}
-STDLIB_ONLY = ["worker/transfer/secret.py", "worker/engine/block_hash.py"]
+           ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash"),
+           ("pdcluster.operator", "pdcluster.worker.engine.parallel.heads")}
+STDLIB_ONLY = ["worker/transfer/secret.py", "worker/engine/block_hash.py", "worker/engine/parallel/heads.py"]
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [

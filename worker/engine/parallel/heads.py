@@ -1,4 +1,4 @@
-"""Which KV heads a tensor-parallel rank holds: the one rule the engine's sharded cache and the KV transfer's
+"""Which KV heads a tensor-parallel rank holds (stdlib only: the operator imports it too): the one rule the engine's sharded cache and the KV transfer's
 re-sharding both follow, so a prefill at TP ``a`` and a decode at TP ``b`` agree on where every head lives.
 
 Megatron's rule: with ``kv_heads >= tp`` the KV heads are split into ``tp`` equal contiguous slices; with
@@ -9,11 +9,12 @@ Megatron's rule: with ``kv_heads >= tp`` the KV heads are split into ``tp`` equa
 from __future__ import annotations
 
 
-def check_layout(num_kv_heads: int, num_heads: int, tp: int) -> None:
-    """Raise ValueError unless ``tp`` can shard a model with these head counts."""
+def check_layout(num_kv_heads: int, num_heads: int | None, tp: int) -> None:
+    """Raise ValueError unless ``tp`` can shard a model with these head counts (``num_heads`` None: the KV
+    heads alone, as `kv-budget` checks them when the attention head count is not given)."""
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-    if num_heads % tp:
+    if num_heads is not None and num_heads % tp:
         raise ValueError(f"tensor parallel size {tp} must divide the attention head count {num_heads}")
     if num_kv_heads >= tp and num_kv_heads % tp:
         raise ValueError(f"tensor parallel size {tp} must divide the KV head count {num_kv_heads}")
