@@ -115,6 +115,22 @@ EOF
   wait_for containerd 60 ctr_ version || die "containerd did not start; see $DIR/logs/containerd.log"
 }
 
+# Re-importing a tag moves it to the new manifest before the unpack finishes; the old manifest is then
+# unreferenced and containerd's GC may delete the shared lower-layer snapshots the unpack has just found
+# (containerd#3787: "parent snapshot ... does not exist"). A keep-tag holds the old image until the new one
+# is unpacked, so unchanged layers (torch) are neither lost nor re-extracted; one retry covers any other
+# race. The listing of images present arrives on stdin.
+import_one() {
+  local ref="$1" tar="$2" keep="pdcluster.local/keep/${1##*/}" try
+  if grep -qx "$ref" -; then ctr_ images tag --force "$ref" "$keep" >/dev/null; fi
+  for try in 1 2; do
+    if ctr_ images import --no-unpack=false "$tar" >/dev/null; then break; fi
+    ((try < 2)) || { ctr_ images rm "$keep" >/dev/null 2>&1 || true; die "importing $ref failed twice"; }
+    log "$ref: import failed (attempt $try); retrying"
+  done
+  ctr_ images rm "$keep" >/dev/null 2>&1 || true
+}
+
 import_images() {
   local name id marker have
   mkdir -p "$CROOT/imported"
@@ -129,7 +145,7 @@ import_images() {
     fi
     local t0=$SECONDS tar="$N/import.tar"
     "$HERE/images.sh" archive "$name" "$tar"
-    ctr_ images import --no-unpack=false "$tar" >/dev/null
+    import_one "docker.io/$name" "$tar" <<<"$have"
     rm -f "$tar"
     echo "$id" > "$marker"
     log "$name: imported into containerd in $((SECONDS - t0))s"
