@@ -42,7 +42,7 @@ def healthy(view: dict | None) -> tuple[int, int]:
 
 
 class StartError(RuntimeError):
-    """The stack never became ready (on a box this busy, workers can miss `up`'s 180 s start deadline)."""
+    """The stack never became ready (on a busy box, CPU-limited workers can miss `up`'s start deadline)."""
 
 
 @dataclass
@@ -77,12 +77,13 @@ def up(args: list[str], port: int, log: Path, want: tuple[int, int], timeout: fl
     proc = None
     try:
         with log.open("w") as out:
-            proc = subprocess.Popen([*PDCLUSTER, "up", "--port", str(port), "--host", "127.0.0.1", *args],
+            proc = subprocess.Popen([*PDCLUSTER, "up", "--port", str(port), "--host", "127.0.0.1",
+                                     "--start-timeout", f"{timeout:g}", *args],
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if groups and cpu:
             confine(groups, proc, cpu, sum(want))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + 30  # up's own deadline is `timeout`: it reports first
         while healthy(cluster_view(router)) != want:
             if proc.poll() is not None:
                 raise StartError(f"pdcluster up exited with {proc.returncode}; see {log}")

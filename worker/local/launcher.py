@@ -29,6 +29,8 @@ from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
 
 log = logging.getLogger("pdcluster.up")
 
+START_TIMEOUT = 180.0  # seconds; `--start-timeout`
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tool-call-parser", choices=list(PARSERS), default=None,
       help='passed to the router and every worker: parse tool calls out of the text for tool_choice "auto" '
            '(hermes: <tool_call>{json}</tool_call> blocks); default none, "auto" is refused')
+    a("--start-timeout", type=types.positive_float, default=START_TIMEOUT, metavar="S",
+      help="how long the router and the started workers may take to become healthy before `up` gives up "
+           "(a CPU-limited worker on a busy machine can take minutes to import and load) (default: %(default)s)")
     a("--demo", action="store_true", help="start, run a short mixed workload, print the figures, stop")
     a("--cache-dir", default=None, help="where the demo model lives (default: $XDG_CACHE_HOME/pdcluster)")
     tracing.add_argument(parser)  # passed on to the router and every worker (each exports its own spans)
@@ -128,7 +133,8 @@ def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) 
     return cmd + ["--decode", *decode]
 
 
-def wait_ready(urls: list[str], timeout: float, sup: Supervisor) -> bool:
+def wait_ready(urls: list[str], timeout: float, sup: Supervisor) -> list[str]:
+    """Waits until every URL answers /health; returns those that did not within `timeout` (empty: ready)."""
     deadline = time.monotonic() + timeout
     pending = set(urls)
     while pending and time.monotonic() < deadline:
@@ -141,7 +147,13 @@ def wait_ready(urls: list[str], timeout: float, sup: Supervisor) -> bool:
         for e in sup.poll():
             print(f"  {e}", flush=True)
         time.sleep(0.2)
-    return not pending
+    return sorted(pending)
+
+
+def not_ready_message(timeout: float, pending: list[str]) -> str:
+    """What `up` says when its start deadline passes: the deadline, the flag that sets it, who was late."""
+    return (f"pdcluster up: error: the cluster did not become ready within {timeout:g} s (--start-timeout); "
+            f"not healthy yet: {', '.join(pending) or 'none'}; see the logs above")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -228,9 +240,9 @@ def run(args: argparse.Namespace) -> int:
                                      [*(f"prefill-{i}" for i in range(n_p)), *(f"decode-{i}" for i in range(n_d))],
                                      strict=True) if sup.procs[p].enabled and sup.procs[p].popen is not None]
         print(f"pdcluster up: model {model}\n  logs in {run_dir}", flush=True)
-        if not wait_ready([router, *started], timeout=180, sup=sup):
-            print("pdcluster up: error: the cluster did not become ready within 180 s; see the logs above",
-                  file=sys.stderr)
+        late = wait_ready([router, *started], timeout=args.start_timeout, sup=sup)
+        if late:
+            print(not_ready_message(args.start_timeout, late), file=sys.stderr)
             return 1
         for name, p in sup.procs.items():
             if p.popen is not None:

@@ -3,7 +3,10 @@ stop cleanly. Children die with the launcher even if it is SIGKILLed (Linux PR_S
 
 Restarting cannot fix everything: a child that exits with a usage error (code 2: a bad flag) or keeps
 failing soon after it starts (`max_restarts` times in a row, each within a minute) raises `CrashLoop` with
-the tail of its log, so `up` stops with the child's own message instead of restarting it forever."""
+the tail of its log, so `up` stops with the child's own message instead of restarting it forever.
+
+A child moved into other cgroups while it ran (a CPU limit set from outside, as bench/cpu_limits.py does) is
+restarted inside them (worker/local/cgroups.py): a restart must not silently lift a limit."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdcluster.worker.local import cgroups
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Proc:
     enabled: bool = True  # False: scaled down; not restarted
     drain_until: float | None = None  # SIGTERMed by a scale-down: killed if still alive at this time
     respawn: bool = False  # scaled up again while draining: start it once the old process has exited
+    cgroups: list[Path] = field(default_factory=list)  # where the last process sat apart from `up`: rejoined
 
     @property
     def pid(self) -> int | None:
@@ -74,8 +80,10 @@ class Proc:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, *, restart: bool = True, max_restarts: int = 5) -> None:
+    def __init__(self, log_dir: Path, *, restart: bool = True, max_restarts: int = 5,
+                 placement: cgroups.Placement | None = None) -> None:
         self.log_dir = log_dir
+        self.placement = placement or cgroups.Placement()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.restart = restart
@@ -94,11 +102,17 @@ class Supervisor:
 
     def _spawn(self, p: Proc) -> None:
         out = open(self.log_path(p.name), "ab")  # noqa: SIM115 - the child owns it from here
+        rejoin = list(p.cgroups)
+
+        def in_child() -> None:  # between fork and exec: the new process is limited from its first instruction
+            _die_with_parent()
+            cgroups.join(rejoin)
+
         try:
             p.popen = subprocess.Popen(
                 p.cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **p.env},
                 start_new_session=True,  # Ctrl-C reaches only the launcher, which stops children in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=in_child,
             )
         finally:
             out.close()
@@ -120,6 +134,7 @@ class Supervisor:
                 continue
             code = p.popen.poll()
             if code is None:
+                self._note_placement(p)
                 if p.restart_at is None and now - p.started_at > HEALTHY_AFTER:
                     p.restarts = 0  # a minute of good health resets the backoff and the crash-loop count
                 continue
@@ -131,8 +146,15 @@ class Supervisor:
                               f"(restart #{p.restarts}, log: {self.log_path(p.name)})")
             elif now >= p.restart_at and self.restart:
                 self._spawn(p)
-                events.append(f"{p.name} restarted (pid {p.pid})")
+                where = f" in its cgroups {', '.join(map(str, p.cgroups))}" if p.cgroups else ""
+                events.append(f"{p.name} restarted (pid {p.pid}){where}")
         return events
+
+    def _note_placement(self, p: Proc) -> None:
+        """Remembers where a live child sits (read every poll: a limit may be set on it at any time)."""
+        dirs = self.placement.dirs_of(p.pid) if p.pid is not None else None
+        if dirs is not None:
+            p.cgroups = dirs
 
     def _give_up_if_hopeless(self, p: Proc, code: int) -> None:
         tail = log_tail(self.log_path(p.name))
