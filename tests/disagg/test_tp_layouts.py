@@ -60,7 +60,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: f
 
 @contextlib.contextmanager
 def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int, backend: str = "tcp",
-               compression: str = "none") -> Iterator[dict[str, object]]:
+               compression: str = "none", path: str = "direct",
+               env: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, object]]:
+    """Both workers run `--kv-transfer-tp-path path`; ``env`` adds variables to one role's process."""
     secret = tmp / "secret"
     secret.write_bytes(SECRET)
     procs: list[subprocess.Popen[bytes]] = []
@@ -72,8 +74,9 @@ def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int, backend:
                    "--role", role, "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
                    "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", backend, "--kv-transfer-compression", compression,
                    "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_port()),
-                   "--kv-transfer-timeout", "10"]
-            procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT))
+                   "--kv-transfer-timeout", "10", "--kv-transfer-tp-path", path]
+            procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                          env={**os.environ, **(env or {}).get(role, {})}))
             urls[role] = f"http://127.0.0.1:{port}"
         for proc, role in zip(procs, ("prefill", "decode"), strict=True):
             _wait_healthy(urls[role], proc, tmp / f"{role}.log")
@@ -146,19 +149,26 @@ def _nixl() -> str | None:
 NIXL = pytest.mark.skipif(_nixl() is not None, reason=str(_nixl()))
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [
-    (2, 1, "tcp"), (1, 2, "tcp"), (2, 4, "tcp"),
-    pytest.param(2, 1, "nixl", marks=NIXL), pytest.param(1, 2, "nixl", marks=NIXL)])
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend,path", [
+    (2, 1, "tcp", "direct"), (1, 2, "tcp", "direct"), (2, 4, "tcp", "direct"),
+    pytest.param(2, 1, "nixl", "direct", marks=NIXL), pytest.param(1, 2, "nixl", "direct", marks=NIXL),
+    (2, 1, "tcp", "relay"), pytest.param(1, 2, "nixl", "relay", marks=NIXL)])
 def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int,
-                                          backend: str) -> None:
+                                          backend: str, path: str) -> None:
+    """Direct (each rank its own endpoint, the default) or relayed through rank 0: the same tokens as TP 1,
+    and the KV went the way the log says: per-rank bytes as the re-sharding plan says, no byte over the
+    ranks' gloo group on the direct path, every byte over it (some) on the relay path."""
+    from pdcluster.worker.transfer import reshard
+
     ps = prompts()
     want = reference(model, ps)
-    with tp_cluster(model, tmp_path, prefill_tp, decode_tp, backend) as c:
+    with tp_cluster(model, tmp_path, prefill_tp, decode_tp, backend, path=path) as c:
         urls = c["urls"]
         assert isinstance(urls, dict)
         for role in ("prefill", "decode"):
             load = httpx.get(f"{urls[role]}/internal/load", headers=AUTH, timeout=5).json()
             assert load["transfer_backend"] == backend, load
+            assert load["kv_direct"] is (path == "direct"), load
         got = asyncio.run(run_all(urls["router"], ps, stream=True))
         assert got == want
         for role in ("prefill", "decode"):
@@ -167,6 +177,31 @@ def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_t
         assert metric(urls["decode"], "pdcluster_kv_transfer_bytes_total") > 0
         loads = _idle(urls)
         assert all(d["used_blocks"] == 0 and d["pending_loads"] == 0 for d in loads), loads
+        p, d = loads
+        relayed = sum(p["kv_relay_bytes"].values()) + sum(d["kv_relay_bytes"].values())
+        if path == "relay":
+            assert relayed > 0, (p, d)
+            return
+        assert relayed == 0, (p, d)  # no KV byte crossed a gloo hop
+        plan = reshard.plan(2, prefill_tp, decode_tp)  # the demo model's 2 KV heads
+        sent, received = p["kv_rank_bytes"]["sent"], d["kv_rank_bytes"]["received"]
+        assert [b > 0 for b in sent] == [bool(reshard.sends(plan, r)) for r in range(prefill_tp)], sent
+        assert all(b > 0 for b in received) and len(received) == decode_tp, received
+        assert sum(sent) >= sum(received)  # frames (headers, MACs) on top of the payload
+        assert_ranks_clean(urls)
+
+
+def assert_ranks_clean(urls: dict[str, str], skip_dead: bool = False) -> None:
+    """Every live rank of both workers: no pending load, no send in progress, nothing held in NIXL."""
+    for role in ("prefill", "decode"):
+        ranks = httpx.get(f"{urls[role]}/internal/load?ranks=1", headers=AUTH, timeout=15).json()["kv_ranks"]
+        for r in ranks:
+            if r.get("dead") and skip_dead:
+                continue
+            assert not r.get("dead") and r["pending_loads"] == 0 and r["saving"] == 0, (role, r)
+            reg = r.get("registrations")
+            if reg:
+                assert (reg["staging_regions"], reg["staging_used_bytes"], reg["outgoing"]) == (0, 0, 0), (role, r)
 
 
 def test_decode_rank_killed_mid_stream_errors_the_request(model: Path, tmp_path: Path) -> None:

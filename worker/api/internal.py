@@ -6,7 +6,7 @@ does this module."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -67,7 +67,9 @@ class _Run(BaseModel):
 
 
 class ReserveBody(_Run):
-    pass
+    # the prefill worker's TP when its ranks will send their own KV heads (server/tp_direct.py); absent:
+    # whole layers to this worker's rank 0, as always
+    prefill_tp: int | None = Field(default=None, ge=1, le=1024)
 
 
 class GenerateBody(_Run):
@@ -78,6 +80,9 @@ class Target(BaseModel):
     model_config = _INTERNAL
     host: str = Field(min_length=1, max_length=255)
     port: int = Field(ge=1, le=65535)
+    # every decode rank's transfer port (rank 0 first, on `host`) when it takes each rank's heads itself
+    rank_ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = Field(default=None, min_length=1,
+                                                                         max_length=1024)
 
 
 class PrefillBody(_Run):

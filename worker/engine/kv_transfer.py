@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcluster.kernels import dequantize_kv
+from pdcluster.kernels import dequantize_kv, quantize_kv
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
@@ -43,6 +43,37 @@ def store_layer(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
     cache.write(layer, k, v, slots)
 
 
+def store_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                head_offset: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Store a head range (as the wire carried it: float values, or codes with their scales) into heads
+    ``[head_offset, +k.shape[1])`` of ``slots`` of one layer of ``cache``: codes of the layer's own format as
+    they are; anything else converted (per-vector scales: quantizing a head range alone gives the codes
+    quantizing the whole layer would). What each rank of a TP worker runs for the heads it receives itself."""
+    n = k.shape[1]
+    if not 0 <= head_offset <= head_offset + n <= cache.kv_heads:
+        raise ValueError(f"heads [{head_offset}, +{n}) outside this cache's {cache.kv_heads}")
+    bits, got = cache.layer_bits[layer], {torch.int8: 8, torch.uint8: 4}.get(k.dtype)
+    if got is not None and scales is None:
+        raise ValueError("KV codes need their scales")
+    if got is not None and got != bits:
+        assert scales is not None
+        k, v = (dequantize_kv(x, s, got, torch.float32) for x, s in zip((k, v), scales, strict=True))
+        got, scales = None, None
+    if bits is None:
+        pairs = [(cache.k[layer], k), (cache.v[layer], v)]
+    else:
+        if got is None:
+            (k, sk), (v, sv) = quantize_kv(k.float(), bits), quantize_kv(v.float(), bits)
+            scales = (sk, sv)
+        assert scales is not None and cache.k_scale[layer] is not None and cache.v_scale[layer] is not None
+        pairs = [(cache.k[layer], k), (cache.v[layer], v), (cache.k_scale[layer], scales[0]),
+                 (cache.v_scale[layer], scales[1])]
+    slots = slots.to(cache.device)
+    for pool, new in pairs:
+        flat = pool.view(-1, *pool.shape[2:])  # [slots, heads(, width)]
+        flat.narrow(1, head_offset, n).index_copy_(0, slots, new.to(pool.device, pool.dtype))
+
+
 class KVTransferMixin:
     def _exports(self: LLMEngine, batch: Batch) -> list[tuple[Sequence, int, int]]:
         """(seq, first token not yet sent, tokens written once this step ends) of the prefill-only requests
@@ -67,8 +98,11 @@ class KVTransferMixin:
         """Tokens ``[start, end)`` of a request's layer as stored — float values, or int8/int4 codes with their
         scales — gathered (the one copy) into memory the connector lends (``export_buffer``: e.g. NIXL's
         registered staging) or else a host buffer of ours, K and V back to back."""
-        # under TP, rank 0 exports every rank's heads (a gather: parallel/kv_relay.py), as one cache would
-        cache = getattr(self.runner, "relay", None) or self.runner.cache
+        # under TP, rank 0 exports every rank's heads (a gather: parallel/kv_relay.py), as one cache would,
+        # unless each rank sends its own heads itself (the direct path: the runner's `direct` requests)
+        relay = getattr(self.runner, "relay", None)
+        direct = request_id in getattr(self.runner, "exporting_direct", ())
+        cache = relay if relay is not None and not direct else self.runner.cache
         slots = self.runner.slots(self.seqs[request_id], start, end)
         nbytes = cache.export_bytes(layer, end - start)
         conn = self.kv_connector
@@ -96,10 +130,12 @@ class KVTransferMixin:
         return True
 
     def import_kv_layer(self: LLMEngine, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, *,
-                        token_start: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                        token_start: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        head_offset: int | None = None) -> None:
         """Write tokens ``[token_start, token_start + k.shape[0])`` of a reserved request's layer: float K/V,
         or codes (int8, uint8 packed int4) with their ``scales``. Codes in this layer's own format go in as
-        they are; anything else is converted here (dequantized on the cache's device, quantized on write)."""
+        they are; anything else is converted here (dequantized on the cache's device, quantized on write).
+        ``head_offset``: a head range of this rank's own cache (direct TP transfer), not a whole layer."""
         seq = self.seqs[request_id]
         if seq.status != SequenceStatus.IMPORTING:
             raise ValueError(f"request {request_id!r} is not importing")
@@ -109,6 +145,9 @@ class KVTransferMixin:
         if k.dtype in (torch.int8, torch.uint8) and scales is None:
             raise ValueError("KV codes need their scales")
         slots = self.runner.slots(seq, token_start, token_start + t)
+        if head_offset is not None:  # this rank's heads only: the followers receive theirs themselves
+            store_heads(self.runner.cache, layer, k, v, slots, head_offset, scales)
+            return
         if self.config.tensor_parallel_size > 1:  # every rank writes its heads (parallel/kv_relay.py)
             self.runner.import_layer(layer, k, v, scales, slots)  # type: ignore[union-attr]
             return

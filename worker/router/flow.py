@@ -18,7 +18,7 @@ import httpx
 
 from pdcluster.worker.api import tracing
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
-from pdcluster.worker.router.pool import Pool, Worker
+from pdcluster.worker.router.pool import Pool, Worker, direct_pair
 from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
 from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
     NoCapacity,
@@ -190,7 +190,10 @@ class Flow:
 
     # ------------------------------------------------------------------ one attempt, disaggregated
     async def _reserve(self, arid: str, prompt: list[int], params: dict[str, Any], prefer_node: str | None,
-                       excluded: set[str], headers: Any = None) -> tuple[Worker, int]:
+                       excluded: set[str], headers: Any = None, prefill: Worker | None = None
+                       ) -> tuple[Worker, dict[str, Any]]:
+        """A decode worker holding blocks for the prompt, and where the prefill worker sends its KV (the
+        `target` of /internal/prefill)."""
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded)
         if not ranked:
             raise NoHealthyDecode("no healthy decode worker")
@@ -200,8 +203,10 @@ class Flow:
             w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
             ok = False
             try:
-                r = await self.client.post(f"{w.url}/internal/reserve", headers=headers,
-                                           json={"request_id": arid, "prompt_token_ids": prompt, "params": params})
+                body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
+                if prefill is not None and direct_pair(prefill, w):  # each TP rank sends its own KV heads
+                    body["prefill_tp"] = prefill.tensor_parallel_size
+                r = await self.client.post(f"{w.url}/internal/reserve", headers=headers, json=body)
                 ok = r.status_code == 200
             except httpx.TransportError as e:
                 self.pool.mark_failed("decode", w.url, describe(e))
@@ -215,7 +220,11 @@ class Flow:
                 if not ok:
                     w.in_flight -= 1
             if ok:
-                return w, int(r.json()["transfer_port"])
+                answer = r.json()
+                target: dict[str, Any] = {"host": w.host, "port": int(answer["transfer_port"])}
+                if isinstance(answer.get("rank_ports"), list) and "prefill_tp" in body:
+                    target["rank_ports"] = [int(p) for p in answer["rank_ports"]]
+                return w, target
             if r.status_code == 400:
                 raise await error_of(r)
             if r.status_code == 503 and (await error_of(r)).body.get("error", {}).get("code") == "no_transfer":
@@ -246,7 +255,7 @@ class Flow:
             return
         p = self.pool.get("prefill", pv.url)
         try:
-            d, port = await self._reserve(arid, prompt, params, p.node, excluded, tl.trace.headers)
+            d, target = await self._reserve(arid, prompt, params, p.node, excluded, tl.trace.headers, p)
         except NoTransferPath:
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
@@ -260,7 +269,7 @@ class Flow:
         stage = self.stages.cursor("prefill")
         try:
             body = {"request_id": arid, "prompt_token_ids": prompt, "params": params,
-                    "target": {"host": d.host, "port": port}}
+                    "target": target}
             try:
                 tl.mark("dispatched", "router_queue", tl.arrival)
                 async with self.client.stream("POST", f"{p.url}/internal/prefill", json=body,

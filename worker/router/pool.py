@@ -29,6 +29,9 @@ class Worker:
     healthy: bool = False  # not until the first successful probe
     failures: int = 0
     node: str | None = None
+    # its TP size, and whether its ranks send/receive their own KV heads (/internal/load: tp_direct.py)
+    tensor_parallel_size: int = 1
+    kv_direct: bool = False
     free_blocks: int | None = None
     total_blocks: int | None = None
     used_blocks: int | None = None
@@ -61,6 +64,13 @@ class Worker:
                 "total_blocks": self.total_blocks, "used_blocks": self.used_blocks, "running": self.running,
                 "waiting": self.waiting, "consecutive_failures": self.failures, "last_error": self.last_error,
                 "source": self.source}
+
+
+def direct_pair(prefill: Worker, decode: Worker) -> bool:
+    """Whether the prefill worker's ranks send their own KV heads straight to the decode worker's ranks: both
+    advertise it and the pair is not TP 1 -> TP 1 (which keeps whole layers, as before)."""
+    return prefill.kv_direct and decode.kv_direct and \
+        (prefill.tensor_parallel_size, decode.tensor_parallel_size) != (1, 1)
 
 
 def _positive_int(v: Any) -> int | None:
@@ -205,6 +215,8 @@ class Pool:
                 d = r.json()
                 ok = bool(d.get("ready", True))
                 w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
+                w.tensor_parallel_size = _positive_int(d.get("tensor_parallel_size")) or 1
+                w.kv_direct = d.get("kv_direct") is True
                 w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
                 w.used_blocks = d.get("used_blocks")
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))

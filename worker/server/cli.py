@@ -33,6 +33,7 @@ class TransferOptions:
     max_retries: int = 3
     secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
     backend: str = "auto"  # auto | nixl | tcp (worker/transfer/backend.py)
+    tp_path: str = "direct"  # direct | relay: KV between TP layouts (server/tp_direct.py)
 
 
 class UsageError(Exception):
@@ -108,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=cli_args.non_negative_int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
+    t.add_argument("--kv-transfer-tp-path", choices=["direct", "relay"], default="direct",
+                   help="KV between tensor-parallel layouts: direct (each rank sends/receives its own KV heads "
+                        "on its own endpoint, when the peer advertises it) or relay (through rank 0 over the "
+                        "ranks' group). Default: direct")
     add_engine_arguments(parser)
 
 
@@ -123,6 +128,7 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
         max_retries=args.kv_transfer_max_retries,
         secret_file=args.kv_transfer_secret_file,
         backend=args.kv_transfer_backend,
+        tp_path=getattr(args, "kv_transfer_tp_path", "direct"),
     )
 
 
@@ -177,8 +183,8 @@ def check_tensor_parallel(args: argparse.Namespace, folder: Path) -> None:
         check_tp(ModelConfig.from_folder(folder), tp)
     except ValueError as e:
         raise UsageError(f"--tensor-parallel-size {tp} does not fit {str(folder)!r}: {e}") from None
-    # --role prefill/decode: rank 0 sends/receives whole layers for all ranks (parallel/kv_relay.py), so
-    # any prefill layout pairs with any decode layout over either transfer backend
+    # --role prefill/decode: each rank sends/receives its own KV heads (server/tp_direct.py), or rank 0
+    # relays whole layers (parallel/kv_relay.py): any prefill layout pairs with any decode layout
     if args.device == "cuda" and torch.cuda.device_count() < tp:
         raise UsageError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
 

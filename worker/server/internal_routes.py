@@ -3,19 +3,16 @@
 The router drives one disaggregated request like this:
   1. POST /internal/tokenize on any worker: the OpenAI body -> prompt token ids + sampling params (the
      router has no model files, so the worker owning the tokenizer does this and validates the request).
-  2. POST /internal/reserve on the decode worker: cache blocks for the prompt are allocated *before* any
-     KV moves (429 when there is no room: the router tries another decode worker or waits).
-  3. POST /internal/prefill on the prefill worker: a prefill-only request; the engine hands each layer's KV
-     to its KV connector (the TCP transfer backend here) as soon as that layer is written, which ships it to
-     the decode worker's transfer port. The response is
-     NDJSON: `first_token` as soon as prefill is done (the router streams it to the client at once), then
-     `transferred` when the decode side has acknowledged every layer (or `error`).
+  2. POST /internal/reserve on the decode worker: cache blocks for the prompt are allocated *before* any KV
+     moves (429 when there is no room). Between TP layouts each rank's port comes back too (tp_direct.py).
+  3. POST /internal/prefill on the prefill worker: a prefill-only request whose KV the connector ships layer
+     by layer to the decode worker; NDJSON `first_token` as soon as prefill is done, then `transferred` once
+     every layer is acknowledged (or `error`).
   4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
      remaining tokens as NDJSON. Short prompts (and resumes after a decode worker died) use
      POST /internal/generate instead, which prefills on the decode worker itself.
 Every path that does not end normally releases the request's blocks on both sides (abort, cancel, or the
-reaper for reservations that never get their /internal/decode).
-"""
+reaper for reservations that never get their /internal/decode)."""
 
 from __future__ import annotations
 
@@ -46,8 +43,9 @@ from pdcluster.worker.api.internal import (
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
+from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
-from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.connector import TCPConnector, TransferTarget
 from pdcluster.worker.transfer.secret import ENV_VAR, check_internal_auth, load_secret
 from pdcluster.worker.transfer.transport import TransferError
 
@@ -65,13 +63,15 @@ class Disaggregation:
 
     def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
-                 transfer_port: int | None = None, node: str | None = None, backend: str = "tcp") -> None:
+                 transfer_port: int | None = None, node: str | None = None, backend: str = "tcp",
+                 tp_path: str = "direct") -> None:
         self.engine = engine  # AsyncEngine
         self.role = role
         self.timeout = timeout
         self.listen_host, self.transfer_port = listen_host, transfer_port or 0
         self.node = node if node is not None else os.environ.get("NODE_NAME")
-        self.secret = secret  # also authenticates router -> worker /internal/* calls (derived bearer token)
+        # the secret also authenticates router -> worker /internal/* calls (derived bearer token)
+        self.compression, self.max_retries, self.secret = compression, max_retries, secret
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
@@ -84,6 +84,7 @@ class Disaggregation:
         self.router = self._routes()
         self.layout = engine.kv_layout
         self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
+        self.direct = DirectKV(self, enabled=tp_path == "direct")  # each TP rank's own endpoint, or the relay
 
     @classmethod
     def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
@@ -101,13 +102,14 @@ class Disaggregation:
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
-                   backend=getattr(options, "backend", "auto"))
+                   backend=getattr(options, "backend", "auto"), tp_path=getattr(options, "tp_path", "direct"))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self.connector is not None:
             self.transfer_port = await self.connector.listen(self.listen_host, self.transfer_port)
             log.info("kv transfer listening on %s:%d", self.listen_host, self.transfer_port)
+            await self.direct.start()  # the followers' endpoints, when this worker has any
         await self.engine.set_kv_connector(self.connector)  # the engine exports prefill-only requests' KV
         self._reaper = asyncio.ensure_future(self._reap())
 
@@ -128,6 +130,7 @@ class Disaggregation:
         await self.engine.import_kv_layer(rid, layer, k, v, **where)  # token_start, scales (codes)
 
     async def _cancel(self, rid: str) -> None:
+        self.direct.cancel(rid)
         if self.connector is not None:
             self.connector.cancel_load(rid)
         await self.engine.cancel_import(rid)
@@ -157,7 +160,7 @@ class Disaggregation:
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
-            "transfer_backend": self.backend,
+            "transfer_backend": self.backend, **self.direct.describe(),
         }
 
     # ------------------------------------------------------------------ routes
@@ -190,7 +193,8 @@ class Disaggregation:
 
         @r.get("/load")
         async def load(request: Request) -> JSONResponse:
-            return JSONResponse(me.load(worker(request)))
+            ranks = {"kv_ranks": await me.direct.rank_stats()} if request.query_params.get("ranks") else {}
+            return JSONResponse({**me.load(worker(request)), **ranks})
 
         @r.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
@@ -222,8 +226,14 @@ class Disaggregation:
                 w.metrics.rejected("queue_full")
                 raise errors.APIError(429, "no free KV cache blocks for this prompt", code="no_kv_blocks",
                                       headers={"Retry-After": "1"})
-            me.connector.start_load_kv(LoadSpec(rid, me.num_layers, len(ids), me.kv_heads, me.head_dim))
-            return JSONResponse({"transfer_port": me.transfer_port, "node": me.node})
+            specs = me.direct.load_specs(rid, len(ids), data.prefill_tp)  # whole layers, or each rank's heads
+            me.connector.start_load_kv(specs[0])
+            try:  # every follower expects its heads before the router hears where to send them
+                ports = await me.direct.expect(rid, specs, me.engine)
+            except TransferError as e:
+                await me._cancel(rid)
+                raise errors.unavailable(f"tensor-parallel ranks not ready: {e}", code="rank_failed") from None
+            return JSONResponse({"transfer_port": me.transfer_port, "node": me.node, **ports})
 
         @r.post("/cancel")
         async def cancel(request: Request) -> JSONResponse:
@@ -240,8 +250,8 @@ class Disaggregation:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             w.admit()
             rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
-            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request)),
-                                     media_type=NDJSON)
+            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),
+                                                        data.target.rank_ports), media_type=NDJSON)
 
         @r.post("/decode")
         async def decode(request: Request) -> StreamingResponse:
@@ -264,13 +274,14 @@ class Disaggregation:
 
     # ------------------------------------------------------------------ streams
     async def _prefill_stream(self, w: WorkerServer, rid: str, ids: list[int], params: SamplingParams,
-                              target: TransferTarget, span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
+                              target: TransferTarget, span: tracing.Span = tracing.NO_SPAN,
+                              rank_ports: list[int] | None = None) -> AsyncIterator[bytes]:
         assert self.connector is not None
         conn = self.connector
         span.set({"pdcluster.request_id": rid, "pdcluster.prompt_tokens": len(ids)})
         phases = tracing.observed(w.metrics, span)  # the metrics, plus phase spans when tracing is on
         t0 = time.monotonic()
-        conn.start_save(rid, target, self.num_layers)
+        routes = self.direct.start_save(rid, target, rank_ports)  # None: whole layers to one endpoint
         w.metrics.request_accepted(len(ids))
         held, done = False, False
         try:
@@ -301,6 +312,7 @@ class Disaggregation:
             t_first = time.monotonic()
             try:
                 res = await conn.wait_for_save(rid)
+                res = res if routes is None else await self.direct.wait_saved(rid, res)
             except TransferError as e:
                 w.metrics.kv_transfer_failed()
                 yield _line({"event": "error", "stage": "transfer", "message": str(e)})
@@ -313,6 +325,7 @@ class Disaggregation:
         finally:
             if not done:
                 self._detach(conn.abort_save(rid))
+            self.direct.forget_save(rid, abort=not done)
             self._detach(self.engine.release(rid))
 
     async def _decode_stream(self, w: WorkerServer, rid: str, first: int,
@@ -325,6 +338,7 @@ class Disaggregation:
         try:
             try:
                 await self.connector.wait_for_load(rid, timeout=self.timeout)
+                peers = await self.direct.wait_loaded(rid, self.timeout) if self.direct.loading(rid) else 0
                 span.phase("kv_wait", time.monotonic() - t0)  # the KV still in flight when decode was asked
             except (TransferError, TimeoutError) as e:
                 w.metrics.kv_transfer_failed()
@@ -338,7 +352,9 @@ class Disaggregation:
                 stream.close()  # aborts the request if it exists, so its blocks come back either way
                 raise
             committed = True
-            w.metrics.kv_transfer(*self.connector.finish_load(rid))
+            own, seconds = self.connector.finish_load(rid)
+            self.direct.received[0] += own
+            w.metrics.kv_transfer(own + peers, seconds)
             skip_first, last = True, time.monotonic()
             t_decode = last
             try:

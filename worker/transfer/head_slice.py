@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcluster.kernels.kv_quant import quantize_kv
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import Frame
 from pdcluster.worker.transfer.outbox import Outbox
@@ -136,27 +135,8 @@ class Fanout:
 
 def write_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                 head_offset: int, scales: codec.Scales | None = None) -> None:
-    """Store a head range (as the wire carried it: float values, or codes with their scales) into heads
-    ``[head_offset, +k.shape[1])`` of ``slots`` of one layer of ``cache``: codes of the layer's own format as
-    they are; anything else converted (per-vector scales: quantizing a head range alone gives the codes
-    quantizing the whole layer would)."""
-    n = k.shape[1]
-    if not 0 <= head_offset <= head_offset + n <= cache.kv_heads:
-        raise ValueError(f"heads [{head_offset}, +{n}) outside this cache's {cache.kv_heads}")
-    bits, got = cache.layer_bits[layer], codec.code_bits(k)
-    if bits is None:
-        if got is not None:
-            k, v = codec.to_float(k, v, scales, cache.dtype)
-        pairs = [(cache.k[layer], k), (cache.v[layer], v)]
-    else:
-        if got != bits:
-            fk, fv = codec.to_float(k, v, scales) if got is not None else (k, v)
-            (k, sk), (v, sv) = quantize_kv(fk, bits), quantize_kv(fv, bits)
-            scales = (sk, sv)
-        assert scales is not None and cache.k_scale[layer] is not None and cache.v_scale[layer] is not None
-        pairs = [(cache.k[layer], k), (cache.v[layer], v), (cache.k_scale[layer], scales[0]),
-                 (cache.v_scale[layer], scales[1])]
-    slots = slots.to(cache.device)
-    for pool, new in pairs:
-        flat = pool.view(-1, *pool.shape[2:])  # [slots, heads(, width)]
-        flat.narrow(1, head_offset, n).index_copy_(0, slots, new.to(pool.device, pool.dtype))
+    """Store a head range (as the wire carried it) into heads ``[head_offset, +k.shape[1])`` of ``slots`` of
+    one layer of ``cache`` (the engine's ``kv_transfer.store_heads``: what every rank of a TP worker runs)."""
+    from pdcluster.worker.engine.kv_transfer import store_heads
+
+    store_heads(cache, layer, k, v, slots, head_offset, scales)

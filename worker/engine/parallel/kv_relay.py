@@ -8,7 +8,8 @@ single-rank cache exports — K, V, then K and V scales — so its KV connector 
 sends. Import (decode): between steps rank 0 broadcasts where a received layer goes (its slots) and
 ``scatter``s to each rank the heads that rank holds, which it writes (``kv_transfer.store_layer``). The wire and the router see no difference, so any
 prefill layout pairs with any decode layout, over either transfer backend. The price is the gloo hop to and
-from rank 0; sending each rank's heads on its own endpoint (transfer/reshard.py, head_slice.py) is not wired.
+from rank 0: the fallback now; by default each rank sends and receives its own heads on its own endpoint (the
+direct path: server/tp_direct.py, transfer/reshard.py, head_slice.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pdcluster.worker.engine.parallel import group
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 
 Views = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
+# KV bytes this process's rank 0 moved over the step group (followers' heads gathered for export, heads
+# scattered to them on import): stays 0 while every request takes the direct path (tests read it)
+RELAYED = {"gathered": 0, "scattered": 0}
 
 
 def first_holders(num_kv_heads: int, tp: int) -> list[tuple[int, range]]:
@@ -80,6 +84,7 @@ class RelayedKV:
         own = export_own(self.cache, layer, slots)
         parts = [torch.empty_like(own) for _ in range(self.tp)]
         dist.gather(own, parts, dst=0, group=group.step_group())
+        RELAYED["gathered"] += sum(int(p.numel()) for p in parts[1:])
         dtype, width = self.cache.k[layer].dtype, int(self.cache.k[layer].shape[-1])
         quantized = self.cache.is_quantized(layer)
         whole = layer_views(out, n, self.num_kv_heads, dtype, width, quantized)
@@ -110,7 +115,9 @@ def pack(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Ten
 def scatter_parts(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
                   num_kv_heads: int, tp: int) -> list[torch.Tensor]:
     """Each rank's heads of a whole received layer, packed: rank 0's ``scatter`` list."""
-    return [pack(*own_heads(k, v, scales, num_kv_heads, tp, rank)) for rank in range(tp)]
+    parts = [pack(*own_heads(k, v, scales, num_kv_heads, tp, rank)) for rank in range(tp)]
+    RELAYED["scattered"] += sum(int(p.numel()) for p in parts[1:])
+    return parts
 
 
 def receive_part(shape: tuple[int, int, int], dtype: torch.dtype, quantized: bool) -> Views:

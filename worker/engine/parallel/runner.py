@@ -30,6 +30,7 @@ from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.parallel import group, step
+from pdcluster.worker.engine.parallel.control import Control
 from pdcluster.worker.engine.parallel.kv_relay import RelayedKV, Views, own_heads, scatter_parts
 from pdcluster.worker.engine.parallel.shard import check_tp, local_config
 from pdcluster.worker.engine.scheduler import Batch
@@ -73,15 +74,23 @@ class TPModelRunner:
         port = group.free_port()
         spec = {"log_level": logging.getLogger().getEffectiveLevel(), "size": tp, "port": port, "config": dataclasses.asdict(config), "max_model_len": max_model_len}
         self.followers: list[subprocess.Popen[bytes]] = []
+        self.control = Control()  # per-rank commands beside the steps (the direct KV path: control.py)
+        # request id -> its decode ranks' addresses, for the requests each rank sends its own heads of
+        self.direct: dict[str, step.Targets] = {}
+        self.exporting_direct: frozenset[str] = frozenset()
         try:
             for rank in range(1, tp):
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "pdcluster.worker.engine.parallel.follower"], stdin=subprocess.PIPE
-                )
+                read_fd, write_fd = os.pipe()
+                try:
+                    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.worker.engine.parallel.follower"],
+                                            stdin=subprocess.PIPE, pass_fds=(write_fd,))
+                finally:
+                    os.close(write_fd)
                 self.followers.append(proc)
                 assert proc.stdin is not None
-                proc.stdin.write((json.dumps({**spec, "rank": rank}) + "\n").encode())
+                proc.stdin.write((json.dumps({**spec, "rank": rank, "reply_fd": write_fd}) + "\n").encode())
                 proc.stdin.flush()  # stays open: its EOF tells the follower rank 0 is gone
+                self.control.add(rank, proc.stdin, read_fd)
             self._watched(lambda: group.init(0, tp, port, config.device, config.tensor_parallel_timeout))
             kwargs = config.runner_kwargs(max_model_len)
             kwargs["device"] = rank_device(config.device, 0)
@@ -133,7 +142,9 @@ class TPModelRunner:
             raise RuntimeError(self.fault)
         msg = step.encode(batch)
         if layer_hook is not None:  # the engine exports KV: every rank gathers its heads to ours (kv_relay)
-            msg.exports = step.export_ranges(batch)
+            msg.exports = step.export_ranges(batch, self.direct)
+        # what the engine's export reads during this forward: the step's own choice, whatever `direct` does
+        self.exporting_direct = frozenset(e[3] for e in msg.exports if e[4] is not None)
         try:
             dist.broadcast_object_list([msg], src=0, group=group.step_group())
             logits = self.local.execute(batch, layer_hook)

@@ -26,6 +26,10 @@ class SeqStep:
     block_table: list[int]
 
 
+Targets = list[tuple[str, int]]  # each decode rank's KV transfer address, rank 0 first
+Export = tuple[int, int, int, str, "Targets | None"]
+
+
 @dataclass
 class StepMsg:
     is_prefill: bool
@@ -33,9 +37,10 @@ class StepMsg:
     num_new_tokens: list[int]
     copies: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_decode: int = 0  # a mixed step's leading decode rows (scheduler.Batch)
-    # KV export (prefill role): (row, first token, end) of each exporting request, in the order rank 0's
-    # engine exports them at every layer; each rank gathers its heads of it to rank 0 (kv_relay.py)
-    exports: list[tuple[int, int, int]] = field(default_factory=list)
+    # KV export (prefill role), in the order rank 0's engine exports them at every layer: each exporting
+    # request's (row, first token, end, request id, decode rank addresses). Addresses None: every rank gathers
+    # its heads to rank 0 (kv_relay.py); else each rank sends its own heads there itself (the direct path)
+    exports: list[Export] = field(default_factory=list)
 
 
 @dataclass
@@ -50,12 +55,14 @@ class ImportMsg:
     quantized: bool  # float32 scales [tokens, its heads] follow K and V
 
 
-def export_ranges(batch: Batch) -> list[tuple[int, int, int]]:
-    """(row, first token not yet sent, end) of the prefill-only rows that export KV this step: the same
-    rows and order as the engine's ``_save_layer`` (kv_transfer.py), which hands over only ``end > start``."""
+def export_ranges(batch: Batch, direct: dict[str, Targets] | None = None) -> list[Export]:
+    """(row, first token not yet sent, end, request id, targets) of the prefill-only rows that export KV this
+    step: the same rows and order as the engine's ``_save_layer`` (kv_transfer.py), which hands over only
+    ``end > start``; targets are the request's decode rank addresses when it goes direct (``direct``)."""
     if not batch.is_prefill:
         return []
-    return [(i, s.num_exported_tokens, s.num_computed_tokens + n)
+    direct = direct or {}
+    return [(i, s.num_exported_tokens, s.num_computed_tokens + n, s.request_id, direct.get(s.request_id))
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
             if s.prefill_only and s.num_computed_tokens + n > s.num_exported_tokens]
 
