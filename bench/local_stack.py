@@ -184,11 +184,16 @@ def decode_join(router: str) -> dict[str, float | None]:
     return {"admission_s": admit, "step_s": step, "t_join_s": join_cost(admit, step)}
 
 
-def profile(router: str, batch_sizes: str = "1,2,4,8,16,32", prefill_len: int = 512) -> dict:
-    """`pdcluster profile --url --json` against a 1:1 stack: per-instance capacities."""
-    r = subprocess.run([*PDCLUSTER, "profile", "--url", router, "--batch-sizes", batch_sizes,
-                        "--prefill-len", str(prefill_len), "--json"], capture_output=True, text=True,
-                       check=False, timeout=600)
+def profile(router: str, batch_sizes: str = "1,2,4,8,16,32", prefill_len: int = 512,
+            stream: dict | None = None) -> dict:
+    """`pdcluster profile --url --json` against a 1:1 stack: per-instance capacities; with `stream` (rate,
+    input_len, output_len, instance_cpus) also the stream step's per-request costs."""
+    cmd = [*PDCLUSTER, "profile", "--url", router, "--batch-sizes", batch_sizes, "--prefill-len", str(prefill_len),
+           "--json"]
+    if stream:
+        cmd += ["--stream-rate", f"{stream['rate']:.4g}", "--stream-input-len", str(stream["input_len"]),
+                "--stream-output-len", str(stream["output_len"]), "--instance-cpus", f"{stream['instance_cpus']:g}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"pdcluster profile failed ({r.returncode}): {r.stderr.strip()[-500:]}")
     return json.loads(r.stdout)

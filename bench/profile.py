@@ -17,6 +17,10 @@ admitting one transferred request (KV import, scheduling), which C_d leaves out:
 one at a time, and the decode workers' mean `pdcluster_decode_join_seconds` (KV complete -> first output)
 less their mean step (`pdcluster_time_per_output_token_seconds`) over them, as the autoscaler computes it
 live (`autoscaler_rules.join_cost`). It goes into `pdcluster plan --decode-join-seconds`.
+
+With `--stream-rate R --instance-cpus C` (a router of CPU-limited workers) it also measures each pool's cost
+per request under a stream of arrivals, admission work included (bench/profile_stream.py): the prefill
+capacity and t_join the formula should use where the workers are CPU-bound.
 """
 
 from __future__ import annotations
@@ -61,6 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join-requests", type=cli_args.non_negative_int, default=16,
                    help="--url of a router only: four-token requests of --prefill-len tokens, one at a time, to time "
                         "t_join (0: skip) (default: %(default)s)")
+    p.add_argument("--stream-rate", type=cli_args.positive_float, default=None,
+                   help="--url of a router only: also send --stream-requests arrivals at this many req/s and measure "
+                        "each pool's CPU per request (needs --instance-cpus) (default: no stream step)")
+    p.add_argument("--stream-requests", type=cli_args.positive_int, default=120, help="(default: %(default)s)")
+    p.add_argument("--stream-input-len", type=cli_args.positive_int, default=None,
+                   help="prompt tokens of the stream's requests: the workload's mean (default: --prefill-len)")
+    p.add_argument("--stream-output-len", type=cli_args.positive_int, default=20,
+                   help="output tokens of the stream's requests: the workload's mean (default: %(default)s)")
+    p.add_argument("--instance-cpus", type=cli_args.positive_float, default=None,
+                   help="the CPU limit of one worker (its pod's limits.cpu): CPU seconds -> instance-seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + YAML")
 
 
@@ -147,7 +161,30 @@ async def _profile_url(args) -> dict:
             decode.append({"batch": b, "output_tokens_per_second": (len(ok) / tpot) if tpot else None,
                            "tpot_p50": tpot, "errors": len(res) - len(ok)})
         join = await _decode_join(client, args.url, wave, args.prefill_len) if args.join_requests else None
-    return {"target": args.url, "prefill": prefill, "decode": decode, "decode_join": join}
+        stream = None
+        if args.stream_rate:
+            async def send(n: int, prompt_len: int, out_len: int, rate: float):
+                payloads = [loadgen.build_payload(prompt_len, out_len, rng, probe.shape, model) for _ in range(n)]
+                return await loadgen.run_requests(client, url, payloads, rate=rate, timeout=args.timeout)
+
+            stream = await _stream(client, args, send)
+    return {"target": args.url, "prefill": prefill, "decode": decode, "decode_join": join, "stream": stream}
+
+
+async def _stream(client, args, send) -> dict:
+    from pdcluster.bench import profile_stream
+
+    view = (await client.get(f"{args.url.rstrip('/')}/cluster")).json()
+    urls = {p: [w["url"] for w in view.get(p, []) if w.get("healthy")] for p in profile_stream.POOLS}
+    if not urls["prefill"] or not urls["decode"]:
+        raise ValueError("--stream-rate needs a router with healthy prefill and decode workers")
+
+    async def read(u: str) -> str:
+        return (await client.get(f"{u}/metrics")).text
+
+    return await profile_stream.measure(read, send, urls, rate=args.stream_rate, requests=args.stream_requests,
+                                        input_len=args.stream_input_len or args.prefill_len,
+                                        output_len=args.stream_output_len, instance_cpus=args.instance_cpus)
 
 
 # --------------------------------------------------------------------------------------------- model mode
@@ -258,6 +295,10 @@ def summarize(raw: dict, frac: float = 0.9, tpot_slo: float | None = None) -> di
         out["recommended_max_batch_size"] = knee.batch
     else:
         out["decode_knee"] = out["decode_tokens_per_second"] = out["recommended_max_batch_size"] = None
+    if raw.get("stream"):  # the formula's inputs under arrivals (bench/profile_stream.py)
+        from pdcluster.bench.profile_stream import stream_costs
+
+        out["stream_costs"] = stream_costs(raw["stream"], out["decode_tokens_per_second"])
     for r in out.get("block_sizes", []):
         d = [(x["batch"], x["output_tokens_per_second"], x["tpot_p50"]) for x in r["decode"] if x["output_tokens_per_second"]]
         r["decode_peak_tokens_per_second"] = max((t for _, t, _ in d), default=None)
@@ -294,6 +335,7 @@ def format_report(s: dict) -> str:
                      f"per request (admission {1000 * (j.get('admission_seconds') or 0):.1f} ms, step "
                      f"{1000 * (j.get('step_seconds') or 0):.1f} ms) -> pdcluster plan --decode-join-seconds "
                      f"{s['decode_join_seconds']:.4g}")
+    lines += _stream_lines(s)
     for r in s.get("block_sizes", []):
         lines.append(f"\nblock size {r['block_size']:>2}: prefill {r['prefill_tokens_per_second']:.0f} tok/s, "
                      f"decode peak {r['decode_peak_tokens_per_second'] or 0:.1f} tok/s")
@@ -308,6 +350,19 @@ def format_report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _stream_lines(s: dict) -> list[str]:
+    st, c = s.get("stream"), s.get("stream_costs")
+    if not st or not c or c["prefill_seconds"] is None or c["decode_seconds"] is None:
+        return []
+    lines = [f"  under a stream of {st['rate']:g} req/s ({st['ok']}/{st['requests']} ok, {st['input_len']} in / "
+             f"{st['output_len']} out, {st['instance_cpus']:g} CPU per instance): prefill "
+             f"{1000 * c['prefill_seconds']:.1f} ms, decode {1000 * c['decode_seconds']:.1f} ms per request"]
+    if c["prefill_tokens_per_second"] and c["decode_join_seconds"] is not None:
+        lines.append(f"  -> pdcluster plan --prefill-capacity {c['prefill_tokens_per_second']:.4g} --decode-capacity "
+                     f"{s['decode_tokens_per_second']:.4g} --decode-join-seconds {c['decode_join_seconds']:.4g}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         parse_int_list(args.batch_sizes)
@@ -315,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
             from pdcluster.bench.loadgen import completions_url
 
             completions_url(args.url)
+        if args.stream_rate and not (args.url and args.instance_cpus):
+            raise ValueError("--stream-rate needs --url (a router) and --instance-cpus (one worker's CPU limit)")
     except ValueError as e:
         print(f"pdcluster profile: {e}", file=sys.stderr)
         return 2

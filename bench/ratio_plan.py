@@ -26,13 +26,15 @@ def splits(workers: int, colocated: bool = True) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class FormulaSplit:
-    prefill: int
+    prefill: int  # the planner's split of the budget: (0, N) when its advice is to colocate
     decode: int
     prefill_seconds: float  # I / C_p: one prefill instance's seconds per request
     decode_seconds: float  # O / C_d + t_join: one decode instance's seconds per request
     ideal_prefill: float  # the fractional prefill count the formula asks for within the budget
     decode_join_seconds: float = 0.0  # t_join, the part of decode_seconds that is per request, not per token
-    colocate: bool = False  # the planner's advice: the ideal decode pool is too small to pay for itself
+    colocate: bool = False  # the planner's advice: disaggregation does not pay (`colocation_advice`)
+    disaggregated: tuple[int, int] | None = None  # the nearest disaggregated split (the formula's ratio alone)
+    rule: str | None = None  # which colocation rule fired
 
     @property
     def ratio(self) -> float:
@@ -41,16 +43,20 @@ class FormulaSplit:
 
 
 def formula_split(workers: int, input_len: float, output_len: float, prefill_capacity: float,
-                  decode_capacity: float, decode_join_seconds: float = 0.0) -> FormulaSplit:
-    """The planner's ratio fitted into `workers`: the disaggregated split (both pools >= 1) whose D/P is
-    nearest to (O/C_d + t_join)/(I/C_p) in log terms (a 2x error counts the same either way); `colocate`
-    is the planner's advice for this budget (then the split is still the nearest disaggregated one)."""
+                  decode_capacity: float, decode_join_seconds: float = 0.0,
+                  slo_tpot: float | None = None) -> FormulaSplit:
+    """The planner's answer for a budget of `workers`: colocated (0, N) when its advice says colocate (with
+    `slo_tpot`, also when a prompt's prefill fits within the TPOT objective), else the disaggregated split
+    (both pools >= 1) whose D/P is nearest to (O/C_d + t_join)/(I/C_p) in log terms (a 2x error counts the
+    same either way). `disaggregated` is that nearest split in both cases."""
     sp, sd = seconds_per_request(input_len, output_len, prefill_capacity, decode_capacity, decode_join_seconds)
     target = sd / sp
     best = min(((p, d) for p, d in splits(workers, colocated=False)),
                key=lambda s: (abs(math.log((s[1] / s[0]) / target)), -s[0]))
-    return FormulaSplit(best[0], best[1], sp, sd, workers * sp / (sp + sd), decode_join_seconds,
-                        bool(colocation_advice(sp, sd, workers)["colocate"]))
+    advice = colocation_advice(sp, sd, workers, slo_tpot)
+    chosen = (0, workers) if advice["colocate"] else best
+    return FormulaSplit(chosen[0], chosen[1], sp, sd, workers * sp / (sp + sd), decode_join_seconds,
+                        bool(advice["colocate"]), best, advice["rule"])
 
 
 def within_slo(rec: Mapping[str, object], slo_ttft: float, slo_tpot: float) -> bool:
@@ -97,3 +103,26 @@ def verdict(runs: Iterable[tuple[tuple[int, int], float]], formula: tuple[int, i
     best = max(mean, key=lambda s: (mean[s], -s[0]))
     share = mean[formula] / mean[best] if mean[best] > 0 else 1.0
     return SweepVerdict(mean, best, formula, share, share >= 1.0 - tolerance)
+
+
+def pick_speedup(scan: Iterable[tuple[float, float]], min_attainment: float = 0.8) -> float:
+    """The load of the sweep, from a scan of (speedup, share of requests within SLO) of the split expected to
+    be best: the highest speedup at which it still answers `min_attainment` of the requests within SLO.
+    Below that the splits cannot be told apart (every one meets the SLO: the 0.5x sweep); far above it every
+    split collapses and goodput measures the collapse, not capacity (the 6x sweep). None qualifies: the
+    lowest scanned (and the caller says so)."""
+    pts = sorted(scan)
+    if not pts:
+        raise ValueError("the rate scan measured nothing")
+    ok = [s for s, a in pts if a >= min_attainment]
+    return max(ok) if ok else pts[0][0]
+
+
+def share_of_best(mean: Mapping[tuple[int, int], float], split: tuple[int, int],
+                  among: Iterable[tuple[int, int]] | None = None) -> float | None:
+    """`split`'s mean goodput over the best mean among `among` (default: all measured splits)."""
+    cands = [s for s in (among if among is not None else mean) if s in mean]
+    if split not in mean or not cands:
+        return None
+    best = max(mean[s] for s in cands)
+    return mean[split] / best if best > 0 else 1.0

@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-capacity", type=float, default=None, help="output tok/s per instance (else profiled)")
     p.add_argument("--decode-join-seconds", type=float, default=None,
                    help="t_join: decode seconds per admitted request (else profiled; 0 = the formula without it)")
+    p.add_argument("--scan-speedups", default=None,
+                   help="first one run of --scan-split at each of these speedups (e.g. 2,3,4); the sweep then runs at "
+                        "the highest one where it met the SLO for --scan-attainment of the requests")
+    p.add_argument("--scan-split", default="0:4", help="the split the rate scan runs (the best of earlier sweeps)")
+    p.add_argument("--scan-attainment", type=float, default=0.8, help="share within SLO the scan asks for")
+    p.add_argument("--no-stream-profile", action="store_true",
+                   help="profile without the stream step (C_p closed-batch, t_join one request at a time)")
     return p.parse_args(argv)
 
 
@@ -101,21 +108,46 @@ def cores_received(before: dict[str, float], after: dict[str, float], wall_s: fl
     return {g: (after[g] - before.get(g, 0.0)) / wall_s for g in sorted(after)} if wall_s > 0 else {}
 
 
-def measure_capacity(args: argparse.Namespace) -> dict:
+def measure_capacity(args: argparse.Namespace, stream_rate: float | None = None,
+                     lengths: tuple[float, float] | None = None) -> dict:
     """`pdcluster profile --url` on a 1:1 stack whose two workers run under the sweep's CPU limit, so C_p, C_d
-    and t_join are one limited instance's figures, as the formula means them."""
+    and t_join are one limited instance's figures, as the formula means them. With `stream_rate` (req/s, the
+    sweep's arrival rate scaled to the pair) and the slice's mean `lengths`, C_p and t_join are the stream
+    step's (bench/profile_stream.py); the closed-batch figures are kept beside them."""
     work = args.work / "profile"
     work.mkdir(parents=True, exist_ok=True)
     up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads),
           "--kv-transfer-backend", args.kv_transfer_backend]
     use = local_stack.Usage()
+    stream = None
+    if stream_rate and lengths and args.worker_cpu:
+        stream = {"rate": stream_rate, "input_len": round(lengths[0]), "output_len": max(1, round(lengths[1])),
+                  "instance_cpus": args.worker_cpu}
     with local_stack.up(up, args.port, work / "up.log", (1, 1), cpu=cpu_limit(args), usage=use) as router:
-        raw = local_stack.profile(router)
+        raw = local_stack.profile(router, stream=stream)
     (work / "profile.json").write_text(json.dumps(raw, indent=1))
-    return {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
-            "decode_tokens_per_second": raw["decode_tokens_per_second"],
-            "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)",
-            "worker_cpu": args.worker_cpu or None, "throttled": throttled(use.stat), "uptime": uptime()}
+    cap = {"prefill_tokens_per_second": raw["prefill_tokens_per_second"],
+           "decode_tokens_per_second": raw["decode_tokens_per_second"],
+           "decode_join_seconds": raw.get("decode_join_seconds"), "source": "pdcluster profile --url (1:1)",
+           "worker_cpu": args.worker_cpu or None, "throttled": throttled(use.stat), "uptime": uptime()}
+    costs = raw.get("stream_costs") or {}
+    if costs.get("prefill_tokens_per_second") and costs.get("decode_join_seconds") is not None:
+        cap["closed"] = {k: cap[k] for k in ("prefill_tokens_per_second", "decode_join_seconds")}
+        cap.update(prefill_tokens_per_second=costs["prefill_tokens_per_second"],
+                   decode_join_seconds=costs["decode_join_seconds"], stream=raw["stream"],
+                   source="pdcluster profile --url --stream-rate (1:1)")
+    return cap
+
+
+def scan(args: argparse.Namespace) -> tuple[float, list[dict]]:
+    """One run of --scan-split per --scan-speedups value, ascending; the sweep's speedup (`rp.pick_speedup`)."""
+    split = tuple(int(x) for x in args.scan_split.split(":"))
+    rows = []
+    for i, sp in enumerate(sorted(float(x) for x in args.scan_speedups.split(","))):
+        row = one_run(argparse.Namespace(**{**vars(args), "speedup": sp}), split, 100 + i,  # type: ignore[arg-type]
+                      args.port + 10 * (i % 4), args.duration / sp)
+        rows.append({**row, "speedup": sp})
+    return rp.pick_speedup([(r["speedup"], r["attainment"]) for r in rows], args.scan_attainment), rows
 
 
 def one_run(args: argparse.Namespace, split: tuple[int, int], rnd: int, port: int, span: float) -> dict:
@@ -238,7 +270,7 @@ def write_summary(args: argparse.Namespace, s: dict, span: float, todo: list[tup
     False while the sweep is still going (or when it was stopped before its last round)."""
     f = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
                          cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"],
-                         cap.get("decode_join_seconds") or 0.0)
+                         cap.get("decode_join_seconds") or 0.0, slo_tpot=args.slo_tpot)
     f0 = rp.formula_split(args.workers, s["mean_input_tokens"], s["mean_output_tokens"],
                           cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"])
     key = lambda sp: f"{sp[0]}:{sp[1]}"  # noqa: E731
@@ -253,14 +285,17 @@ def write_summary(args: argparse.Namespace, s: dict, span: float, todo: list[tup
                "formula": {"prefill": f.prefill, "decode": f.decode, "ratio_d_over_p": f.ratio,
                            "prefill_seconds": f.prefill_seconds, "decode_seconds": f.decode_seconds,
                            "ideal_prefill": f.ideal_prefill, "decode_join_seconds": f.decode_join_seconds,
-                           "colocate": f.colocate,
+                           "colocate": f.colocate, "rule": f.rule, "disaggregated": f.disaggregated,
                            "without_join": {"prefill": f0.prefill, "decode": f0.decode,
                                             "ideal_prefill": f0.ideal_prefill}}, "runs": runs}
     if any((r["prefill"], r["decode"]) == (f.prefill, f.decode) for r in runs):
         v = rp.verdict((((r["prefill"], r["decode"]), r["goodput_rps"]) for r in runs), (f.prefill, f.decode))
         summary["verdict"] = {"mean_goodput_rps": {key(k): g for k, g in v.mean_goodput.items()},
                               "best": v.best, "formula": v.formula,
-                              "formula_share_of_best": v.formula_share_of_best, "met": v.met}
+                              "formula_share_of_best": v.formula_share_of_best, "met": v.met,
+                              "disaggregated_share_of_best_disaggregated": rp.share_of_best(
+                                  v.mean_goodput, f.disaggregated or (f.prefill, f.decode),
+                                  [k for k in v.mean_goodput if k[0] > 0])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if "verdict" in summary:
@@ -282,14 +317,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio_sweep: {e}", file=sys.stderr)
         return 2
     s = tr.summarize(sl)
+    scanned: list[dict] = []
+    if args.scan_speedups:
+        args.speedup, scanned = scan(args)
+        print(f"rate scan: {[(r['speedup'], round(r['attainment'], 3)) for r in scanned]} -> {args.speedup}x",
+              flush=True)
     span = args.duration / args.speedup
     if args.prefill_capacity and args.decode_capacity:
         cap = {"prefill_tokens_per_second": args.prefill_capacity,
                "decode_tokens_per_second": args.decode_capacity, "decode_join_seconds": None, "source": "given"}
     else:
-        cap = measure_capacity(args)
+        # the 1:1 pair is 2 of the budget's N workers: it gets that share of the sweep's arrivals
+        rate = None if args.no_stream_profile else s["requests"] / span * 2 / args.workers
+        cap = measure_capacity(args, rate, (s["mean_input_tokens"], s["mean_output_tokens"]))
     if args.decode_join_seconds is not None:
         cap["decode_join_seconds"] = args.decode_join_seconds
+    cap["rate_scan"] = [{k: r[k] for k in ("speedup", "attainment", "goodput_rps", "ttft_p50_s", "tpot_p50_s",
+                                           "uptime_before")} for r in scanned]
     print(f"capacities: {cap}", flush=True)
     runs: list[dict] = []
     for rnd in range(args.rounds):

@@ -4,9 +4,9 @@ No I/O and no clock: `now` is an argument; the state lives in the PDCluster's st
 converts), so a restarted operator forgets neither capacities nor windows. Rules (docs/operator.md):
 
 - Need per pool: `max(h·λ·I'/C_p, λ_peak·I'/C_p·b/(b+TTFT))` prefill, `max(h·λ·w_d, λ_peak·w_d)` decode
-  with w_d = O/C_d + t_join (the observed decode admission seconds per request, with a configured C_d only:
-  `autoscaler_rules.join_seconds`), where I' = I·(1 - prefix hit rate) and λ_peak the highest
-  `burstWindowSeconds` (b) rate in the window; clamped to the bounds (`maxTotalReplicas` keeps the
+  with w_d = O/C_d + t_join (with a configured C_d only: the configured t_join, else the observed decode
+  admission seconds per request; `autoscaler_rules.join_seconds`), where I' = I·(1 - prefix hit rate) and
+  λ_peak the highest `burstWindowSeconds` (b) rate in the window; clamped to the bounds (`maxTotalReplicas` keeps the
   ratio). Zero traffic -> the minimums.
 - Capacities: the spec's, else learned from saturated windows (EWMA; `autoscaler_rules.learn_capacity`),
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
@@ -93,6 +93,7 @@ class Policy:
     rollout_timeout_seconds: float = 600.0
     prefill_capacity: float | None = None  # configured C_p
     decode_capacity: float | None = None  # configured C_d
+    decode_join_seconds: float | None = None  # configured t_join (the stream profile's); None: the live series
     # The metrics window: a window that began before the pool's last change is warm-up (None: unknown, so
     # only windows while pods are still starting are; spec-built policies always know it).
     window_seconds: float | None = None
@@ -331,7 +332,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     slo = _slo_targets(policy, obs)
     headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
         if policy.adaptive_headroom else policy.headroom
-    join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"])
+    join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"], policy.decode_join_seconds)
     inputs = {
         "requestRate": rate, "peakRequestRate": peak, "meanInputTokens": mean_in, "prefixHitRate": hit,
         "meanOutputTokens": lens["decode"],

@@ -177,12 +177,18 @@ def join_cost(join_mean: float | None, step_mean: float | None) -> float | None:
     return max(0.0, join_mean - step)
 
 
-def join_seconds(observed: float | None, capacity_source: str) -> float:
-    """t_join in the decode need `λ·(O/C_d + t_join)`: the observed mean seconds from a transferred request's
-    KV being complete to its first output (`pdcluster_decode_join_seconds`), counted only with a configured
-    C_d. A configured C_d is profiled on sequences already decoding, which leaves the joins out; a learned one
-    is the output tok/s of saturated windows, joins included, so adding t_join would count them twice.
-    Missing, NaN or negative -> 0: the formula without the term."""
-    if capacity_source != "spec" or observed is None or not math.isfinite(observed) or observed <= 0:
+def join_seconds(observed: float | None, capacity_source: str, configured: float | None = None) -> float:
+    """t_join in the decode need `λ·(O/C_d + t_join)`, counted only with a configured C_d (a learned one is
+    the output tok/s of saturated windows, joins included, so adding t_join would count them twice). A
+    configured t_join (`pdcluster profile --stream-rate`: the decode instance-seconds per request under
+    arrivals less O/C_d, what `pdcluster plan --decode-join-seconds` takes) wins: it is a cost, where the live
+    series is a latency (a transferred request's KV complete -> its first output) that queueing inflates and
+    that leaves out work done before the KV is complete. Else the observed mean. Missing, NaN or negative ->
+    0: the formula without the term."""
+    if capacity_source != "spec":
+        return 0.0
+    if configured is not None and math.isfinite(configured) and configured >= 0:
+        return configured
+    if observed is None or not math.isfinite(observed) or observed <= 0:
         return 0.0
     return observed

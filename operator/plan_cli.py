@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-join-seconds", type=cli_args.non_negative_float, default=0.0,
       help="decode instance-seconds of admitting one transferred request (t_join: KV import, first step), "
            "from `pdcluster profile --url ROUTER` (default: %(default)s, the formula without it)")
+    a("--slo-tpot", type=cli_args.positive_float, default=None,
+      help="TPOT objective in seconds: the colocation advice also says colocate when one prompt's prefill (I/C_p) "
+           "fits within it (default: none, that rule off)")
     a("--request-rate", type=cli_args.non_negative_float, default=None,
       help="requests/s to provision for (λ) (default: none, only the ratio is computed)")
     a("--headroom", type=headroom, default=1.5, help="provision for this multiple of λ (default: %(default)s)")
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             bounds=Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode,
                           args.max_total_replicas),
             decode_join_seconds=args.decode_join_seconds,
+            slo_tpot=args.slo_tpot,
         )
     except PlanError as e:
         print(f"pdcluster plan: error: {e}", file=sys.stderr)

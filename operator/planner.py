@@ -12,7 +12,8 @@ observed rate):
 
 then clamped to [min, max] per pool, and, when a total budget is set, both scaled down together so the
 ratio holds within the budget. When the decode share of the work is so small that the budget's ideal decode
-pool is under half an instance, `colocation_advice` says that disaggregation does not pay: colocate.
+pool is under half an instance, or (given a TPOT objective) one prompt's prefill I/C_p fits within it so
+colocated decode would meet it anyway, `colocation_advice` says that disaggregation does not pay: colocate.
 """
 
 from __future__ import annotations
@@ -102,21 +103,40 @@ def seconds_per_request(input_len: float, output_len: float, prefill_capacity: f
 COLOCATE_BELOW_DECODE = 0.5
 
 
-def colocation_advice(prefill_seconds: float, decode_seconds: float, budget: int | None) -> dict[str, Any]:
-    """Does disaggregation pay for this work mix within a budget of `budget` instances? The fractional split
-    of the budget by work share gives the ideal decode pool; under COLOCATE_BELOW_DECODE of an instance the
-    answer is no (`pdcluster up --prefill 0`, or role=both workers). No budget: the share only, no verdict."""
+def colocation_advice(prefill_seconds: float, decode_seconds: float, budget: int | None,
+                      slo_tpot: float | None = None) -> dict[str, Any]:
+    """Does disaggregation pay for this work mix within a budget of `budget` instances? Two rules, either one
+    says colocate (`pdcluster up --prefill 0`, or role=both workers):
+    - small decode: the fractional split of the budget by work share gives an ideal decode pool under
+      COLOCATE_BELOW_DECODE of an instance;
+    - nothing to protect (with a TPOT objective): what disaggregation buys is decode steps that never wait for
+      a prefill. On a colocated instance a decoding request waits at worst for one prompt's prefill between
+      two of its tokens, I/C_p seconds; when that fits within the TPOT objective, colocated instances meet
+      TPOT anyway and disaggregation only costs the KV transfer, the admission work and the integer split of
+      the budget (the ratio sweeps: colocated won every quiet sweep with I/C_p 0.09-0.23 s under a 0.5 s
+      TPOT objective; docs/operator.md).
+    No budget: the share only, no verdict."""
     share = decode_seconds / (prefill_seconds + decode_seconds)
     if budget is None or budget < 1:
-        return {"decode_share": share, "budget": None, "ideal_decode": None, "colocate": None,
+        return {"decode_share": share, "budget": None, "ideal_decode": None, "colocate": None, "rule": None,
                 "message": f"decode is {100 * share:.3g} % of the work per request"}
     ideal = budget * share
-    colocate = ideal < COLOCATE_BELOW_DECODE
-    msg = (f"decode is {100 * share:.3g} % of the work: of {budget} instances the ideal decode pool is "
-           f"{ideal:.2g}; " + ("disaggregation does not pay at this ratio and budget: colocate "
-                               "(`pdcluster up --prefill 0`, or workers with role both)" if colocate
-                               else "disaggregate"))
-    return {"decode_share": share, "budget": budget, "ideal_decode": ideal, "colocate": colocate, "message": msg}
+    small = ideal < COLOCATE_BELOW_DECODE
+    unprotected = slo_tpot is not None and prefill_seconds <= slo_tpot
+    rule = "small-decode" if small else "prefill-within-tpot" if unprotected else None
+    why = (f"decode is {100 * share:.3g} % of the work: of {budget} instances the ideal decode pool is "
+           f"{ideal:.2g}; ")
+    if small:
+        why += "disaggregation does not pay at this ratio and budget: colocate"
+    elif unprotected:
+        why += (f"a prompt's prefill ({prefill_seconds:.3g} s) fits within the TPOT objective ({slo_tpot:g} s), "
+                "so colocated decode meets it anyway and disaggregation only costs transfers: colocate")
+    else:
+        why += "disaggregate"
+    if rule:
+        why += " (`pdcluster up --prefill 0`, or workers with role both)"
+    return {"decode_share": share, "budget": budget, "ideal_decode": ideal, "colocate": rule is not None,
+            "rule": rule, "message": why}
 
 
 def replicas_for(load: float) -> int:
@@ -183,6 +203,7 @@ def plan(
     headroom: float = 1.5,
     bounds: Bounds | None = None,
     decode_join_seconds: float = 0.0,
+    slo_tpot: float | None = None,
 ) -> Plan:
     bounds = bounds or Bounds()
     bounds.validate()
@@ -204,16 +225,17 @@ def plan(
         "min_decode": bounds.min_decode,
         "max_decode": bounds.max_decode,
         "max_total_replicas": bounds.max_total,
+        "slo_tpot": slo_tpot,
     }
     ratio = sd / sp
     if request_rate is None:
         return Plan(sp, sd, ratio, None, None, None, None, False, [], inputs,
-                    colocation_advice(sp, sd, bounds.max_total))
+                    colocation_advice(sp, sd, bounds.max_total, slo_tpot))
     raw_p = headroom * request_rate * sp
     raw_d = headroom * request_rate * sd
     p, d, limited_by = clamp_pair(replicas_for(raw_p), replicas_for(raw_d), bounds)
     return Plan(sp, sd, ratio, p, d, raw_p, raw_d, bool(limited_by), limited_by, inputs,
-                colocation_advice(sp, sd, bounds.max_total or p + d))
+                colocation_advice(sp, sd, bounds.max_total or p + d, slo_tpot))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,9 +23,10 @@ def test_formula_split_follows_the_per_request_seconds():
     assert (f.prefill, f.decode) == (2, 2)
     assert f.ratio == pytest.approx(1.25)
     assert f.ideal_prefill == pytest.approx(4 * 0.2048 / (0.2048 + 0.256))
-    # prefill-heavy (the scaled Azure code trace): D/P ~ 0.05 -> as much prefill as the budget allows
+    # prefill-heavy (the scaled Azure code trace): D/P ~ 0.05 -> as much prefill as the budget allows, and a
+    # decode pool so small (0.2 of an instance) that the planner's answer for the budget is to colocate
     f = rp.formula_split(4, 535, 7.3, 2570, 641)
-    assert (f.prefill, f.decode) == (3, 1)
+    assert f.disaggregated == (3, 1) and (f.prefill, f.decode) == (0, 4) and f.rule == "small-decode"
     # decode-heavy: the other end
     assert rp.formula_split(4, 100, 1000, 10_000, 500).prefill == 1
     f = rp.formula_split(6, 1000, 200, 1000, 400)  # 1 s vs 0.5 s per request: 2:1 -> 4:2 of 6
@@ -35,12 +36,13 @@ def test_formula_split_follows_the_per_request_seconds():
 def test_formula_split_counts_the_decode_join_seconds():
     # The last sweep's slice: I 302, O 2.8, C_p 481, C_d 211 -> O/C_d 13 ms, 3:1, and colocation advised.
     f0 = rp.formula_split(4, 302, 2.8, 481, 211)
-    assert (f0.prefill, f0.decode) == (3, 1) and f0.decode_join_seconds == 0.0 and f0.colocate
+    assert f0.disaggregated == (3, 1) and f0.decode_join_seconds == 0.0 and f0.colocate
+    assert (f0.prefill, f0.decode) == (0, 4)  # the planner's answer for the budget: colocated
     # With t_join 0.2 s per request decode is ~25 % of the work: still 3:1 of 4, no longer "colocate".
     f = rp.formula_split(4, 302, 2.8, 481, 211, decode_join_seconds=0.2)
     assert f.decode_seconds == pytest.approx(2.8 / 211 + 0.2)
     assert f.ideal_prefill == pytest.approx(4 * (302 / 481) / (302 / 481 + 2.8 / 211 + 0.2))
-    assert (f.prefill, f.decode) == (3, 1) and not f.colocate
+    assert (f.prefill, f.decode) == (3, 1) == f.disaggregated and not f.colocate
     # Large enough, it moves the split: 0.6 s of joining per request -> D/P ~ 1 -> 2:2.
     assert (rp.formula_split(4, 302, 2.8, 481, 211, decode_join_seconds=0.6).prefill) == 2
     with pytest.raises(ValueError, match="decode-join-seconds"):
@@ -151,7 +153,8 @@ def test_a_run_whose_stack_did_not_start_is_tried_once_more(monkeypatch):
 def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_path):
     from pdcluster.bench import ratio_sweep as rs
 
-    args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--workers", "4"])
+    # TPOT objective 0.1 s: a prefill (0.23 s) does not fit in it, so the formula's answer is disaggregated
+    args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--workers", "4", "--slo-tpot", "0.1"])
     sl = {"mean_input_tokens": 228.0, "mean_output_tokens": 20.2}
     cap = {"prefill_tokens_per_second": 995.5, "decode_tokens_per_second": 190.7, "decode_join_seconds": 0.022}
     run = lambda p, d, g, rnd=0: {"round": rnd, "prefill": p, "decode": d, "goodput_rps": g}  # noqa: E731
@@ -166,6 +169,13 @@ def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_pa
     import json
 
     assert json.loads((tmp_path / "summary.json").read_text())["complete"] is False
+    # the sweep's default 0.5 s objective: the prefill fits, the formula's answer is colocated, judged as such,
+    # and its nearest disaggregated split is judged among the disaggregated ones
+    args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--workers", "4"])
+    s = rs.write_summary(args, sl, 60.0, todo, cap, runs, complete=True)
+    assert (s["formula"]["prefill"], s["formula"]["rule"]) == (0, "prefill-within-tpot")
+    assert s["verdict"]["formula_share_of_best"] == 1.0 and s["verdict"]["met"]
+    assert s["verdict"]["disaggregated_share_of_best_disaggregated"] == pytest.approx(0.6 / 0.8)
 
 
 def test_cores_received_is_cpu_seconds_over_wall_time():
@@ -174,3 +184,49 @@ def test_cores_received_is_cpu_seconds_over_wall_time():
     got = cores_received({"decode-2": 10.0, "router": 1.0}, {"decode-2": 16.0, "router": 2.0, "prefill-1": 3.0}, 60.0)
     assert got == pytest.approx({"decode-2": 0.1, "prefill-1": 0.05, "router": 1 / 60})
     assert cores_received({}, {"x": 1.0}, 0.0) == {}
+
+
+def test_formula_split_is_colocated_when_a_prefill_fits_within_the_tpot_objective():
+    """The quiet 6x sweep (docs/benchmarks/ratio_sweep.md §00): I 228, O 20, C_p 2427, C_d 1152, t_join 5 ms.
+    Without an objective the formula said 3:1 (colocated won, 3:1 reached 40 % of it); a prefill of 0.094 s
+    fits within the 0.5 s TPOT objective, so the planner's answer for the budget is colocated."""
+    f = rp.formula_split(4, 228, 20, 2427, 1152, 0.005)
+    assert (f.prefill, f.decode) == (3, 1) and not f.colocate
+    f = rp.formula_split(4, 228, 20, 2427, 1152, 0.005, slo_tpot=0.5)
+    assert (f.prefill, f.decode) == (0, 4) and f.rule == "prefill-within-tpot" and f.disaggregated == (3, 1)
+    # a tight objective (or long prompts) leaves decode something to protect: disaggregate
+    assert (rp.formula_split(4, 228, 20, 2427, 1152, 0.005, slo_tpot=0.05).prefill) == 3
+
+
+def test_the_sweep_load_is_the_highest_scanned_rate_the_best_split_still_mostly_meets():
+    scan = [(4.0, 0.35), (2.0, 0.93), (3.0, 0.82), (1.0, 1.0)]
+    assert rp.pick_speedup(scan) == 3.0  # 4x: most requests miss it -> collapse, not capacity
+    assert rp.pick_speedup(scan, min_attainment=0.9) == 2.0
+    assert rp.pick_speedup([(2.0, 0.3), (3.0, 0.1)]) == 2.0  # none qualifies: the lowest scanned
+    with pytest.raises(ValueError):
+        rp.pick_speedup([])
+
+
+def test_share_of_best_among_a_subset():
+    mean = {(0, 4): 10.0, (1, 3): 6.0, (2, 2): 8.0, (3, 1): 4.0}
+    assert rp.share_of_best(mean, (3, 1)) == pytest.approx(0.4)
+    assert rp.share_of_best(mean, (3, 1), [(1, 3), (2, 2), (3, 1)]) == pytest.approx(0.5)
+    assert rp.share_of_best(mean, (9, 9)) is None
+
+
+def test_the_rate_scan_runs_the_scan_split_once_per_speedup_and_picks_the_load(monkeypatch, tmp_path):
+    from pdcluster.bench import ratio_sweep as rs
+
+    seen = []
+    attained = {2.0: 0.97, 3.0: 0.85, 4.0: 0.4}
+
+    def fake(args, split, rnd, port, span):
+        seen.append((split, args.speedup, span))
+        return {"attainment": attained[args.speedup], "goodput_rps": 1.0, "ttft_p50_s": 1.0, "tpot_p50_s": 0.1,
+                "uptime_before": "x"}
+
+    monkeypatch.setattr(rs, "one_run", fake)
+    args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--duration", "60", "--scan-speedups", "4,2,3"])
+    speed, rows = rs.scan(args)
+    assert speed == 3.0 and [r["speedup"] for r in rows] == [2.0, 3.0, 4.0]
+    assert seen == [((0, 4), 2.0, 30.0), ((0, 4), 3.0, 20.0), ((0, 4), 4.0, 15.0)]

@@ -65,3 +65,28 @@ def test_join_cost_takes_one_step_off_the_admission_time() -> None:
     assert rules.join_cost(0.008, 0.010) == 0.0  # never negative
     assert rules.join_cost(None, 0.010) is None and rules.join_cost(math.nan, 0.01) is None
     assert rules.join_cost(0.040, math.nan) == 0.040
+
+
+def test_a_configured_join_time_is_the_one_plan_uses() -> None:
+    """`pdcluster profile --stream-rate` gives t_join as a cost under arrivals; configured, the autoscaler
+    uses it (not the live admission latency), so it sizes decode exactly as `pdcluster plan` does."""
+    pol = policy(decode_join_seconds=0.07)
+    for live in (None, 0.01, 0.5):
+        d = decide(pol, observation(30.0, live))
+        assert d.inputs["decodeJoinSeconds"] == 0.07
+        p = plan(input_len=302, output_len=2.8, prefill_capacity=CP, decode_capacity=CD, request_rate=30.0,
+                 headroom=1.0, decode_join_seconds=0.07)
+        assert d.decode.recommended == p.decode_replicas == 3  # 30 x (2.8/211 + 0.07) = 2.5
+    # a learned C_d has the joins in it: not counted twice, configured or not
+    assert rules.join_seconds(0.05, "learned", 0.07) == 0.0
+    assert rules.join_seconds(0.05, "spec", None) == 0.05 and rules.join_seconds(0.05, "spec", math.nan) == 0.05
+
+
+def test_up_autoscale_passes_the_configured_join_time_to_the_same_core() -> None:
+    from pdcluster.cli import build_parser
+    from pdcluster.worker.local import launcher
+
+    args = build_parser("up").parse_args(["--autoscale", "--decode-capacity", "211", "--decode-join-seconds", "0.07"])
+    pol = launcher.autoscale_policy(args)
+    assert pol.decode_join_seconds == 0.07 and pol.decode_capacity == 211
+    assert launcher.autoscale_policy(build_parser("up").parse_args([])).decode_join_seconds is None

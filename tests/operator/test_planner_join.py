@@ -89,3 +89,30 @@ def test_plan_cli_refuses_a_negative_join_time(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main([*ARGS, "--decode-join-seconds", "-1"])
     assert e.value.code == 2 and "--decode-join-seconds" in capsys.readouterr().err
+
+
+def test_colocate_when_a_prompts_prefill_fits_within_the_tpot_objective() -> None:
+    """Colocated won every quiet ratio sweep while the small-decode rule stayed silent (ideal decode pool 0.78 of
+    4 in the quiet 6x sweep: I/C_p 0.094 s, decode 0.022 s per request). What disaggregation protects is decode
+    steps from waiting for a prefill; a prefill shorter than the TPOT objective breaks nothing to protect."""
+    a = colocation_advice(0.094, 0.022, 4)
+    assert a["colocate"] is False and a["rule"] is None  # the old rule alone
+    a = colocation_advice(0.094, 0.022, 4, slo_tpot=0.5)
+    assert a["colocate"] is True and a["rule"] == "prefill-within-tpot"
+    assert "fits within the TPOT objective" in a["message"] and "--prefill 0" in a["message"]
+    # a prefill longer than the objective (long prompts, or a tight TPOT): decode needs protecting
+    assert colocation_advice(0.8, 0.3, 4, slo_tpot=0.5)["colocate"] is False
+    assert colocation_advice(0.094, 0.022, 4, slo_tpot=0.05)["colocate"] is False
+    # the small-decode rule still fires first, and no budget still means no verdict
+    assert colocation_advice(3.6, 0.4, 4, slo_tpot=0.1)["rule"] == "small-decode"
+    assert colocation_advice(0.094, 0.022, None, slo_tpot=0.5)["colocate"] is None
+
+
+def test_plan_cli_slo_tpot_turns_on_the_prefill_rule(capsys) -> None:
+    args = ["plan", "--input-len", "228", "--output-len", "20", "--prefill-capacity", "2427", "--decode-capacity",
+            "1152", "--decode-join-seconds", "0.005", "--max-total-replicas", "4", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["advice"]["colocate"] is False
+    assert main([*args, "--slo-tpot", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["advice"]["colocate"] is True and out["inputs"]["slo_tpot"] == 0.5

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --autoscale: prompt tokens/s one prefill worker sustains (`pdcluster profile`); default: learned")
     a("--decode-capacity", type=types.positive_float, default=None, metavar="TOK/S",
       help="with --autoscale: output tokens/s one decode worker sustains; default: learned")
+    a("--decode-join-seconds", type=types.non_negative_float, default=None, metavar="S",
+      help="with --autoscale and --decode-capacity: decode seconds of admitting one transferred request (t_join "
+           "from `pdcluster profile --stream-rate`), as `pdcluster plan` takes it; default: the live series")
     a("--autoscale-interval", type=types.positive_float, default=15.0, metavar="S", help="seconds between decisions")
     a("--scale-down-stabilization", type=types.non_negative_float, default=300.0, metavar="S",
       help="with --autoscale: a pool shrinks only after it was oversized this long (default: %(default)s s, "
@@ -186,7 +189,8 @@ def autoscale_policy(args: argparse.Namespace) -> Any:
 
     return Policy(bounds=Bounds(min(1, args.prefill), args.max_workers, 1, args.max_workers),
                   stabilization_seconds=args.scale_down_stabilization,
-                  prefill_capacity=args.prefill_capacity, decode_capacity=args.decode_capacity)
+                  prefill_capacity=args.prefill_capacity, decode_capacity=args.decode_capacity,
+                  decode_join_seconds=getattr(args, "decode_join_seconds", None))
 
 
 class _Stop(Exception):
