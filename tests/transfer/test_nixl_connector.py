@@ -174,3 +174,24 @@ async def test_many_requests_reuse_staging_without_leaks() -> None:
     assert len(got) == 6 * LAYERS
     assert_released(send, recv)
     await close(send, recv)
+
+
+async def test_a_staged_layer_costs_the_receiver_one_thread_hop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent lookup, READ and MAC check run in one worker-thread call (each hop and back to the loop was
+    most of what a small layer took), and a tampered layer is still refused."""
+    from pdcluster.worker.transfer import nixl_connector
+
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn: Any, *a: Any, **kw: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await to_thread(fn, *a, **kw)
+
+    monkeypatch.setattr(nixl_connector.asyncio, "to_thread", counted)
+    send, recv, got, target = await pair()
+    await run(send, recv, target, "hops")
+    assert len(hops) == LAYERS, hops
+    for i in range(LAYERS):
+        assert torch.equal(got["hops", i][0], kv(i)[0])
+    await close(send, recv)

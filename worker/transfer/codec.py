@@ -179,7 +179,7 @@ def wire_kv(frame: Frame) -> tuple[torch.Tensor, torch.Tensor, Scales | None]:
     if frame.kind != Kind.LAYER:
         raise FrameError(ErrorCode.BAD_HEADER, "not a LAYER frame")
     dtype = TORCH_OF[frame.dtype]
-    width = vector_bytes(frame.dtype, frame.head_dim) // torch.tensor([], dtype=dtype).element_size()
+    width = vector_bytes(frame.dtype, frame.head_dim) // dtype.itemsize
     shape = (frame.num_tokens, frame.kv_heads, width)
     half = len(frame.payload) // 2
     # a frame built here and never sent (tests, in-process use) may hold its payload in parts: join them

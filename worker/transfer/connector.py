@@ -13,7 +13,6 @@ Both: get_finished() -> (finished sending, finished receiving) since the previou
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -21,16 +20,16 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.worker.engine.kv_connector import KVConnectorBase
-from pdcluster.worker.transfer import codec
+from pdcluster.worker.transfer import chunking, codec
 from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
+from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
@@ -70,42 +69,6 @@ class LoadSpec:
     pieces: tuple[tuple[int, int], ...] = ()
 
 
-class KVConnector(KVConnectorBase):
-    """A transfer backend: the engine's connector (save_kv_layer, called by the engine) plus the transport
-    side driven by the worker's /internal routes."""
-
-    # ---- producer
-    @abc.abstractmethod
-    def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None: ...
-
-    @abc.abstractmethod
-    def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
-                      token_start: int = 0) -> None: ...
-
-    @abc.abstractmethod
-    async def wait_for_save(self, request_id: str) -> SaveResult: ...
-
-    @abc.abstractmethod
-    async def abort_save(self, request_id: str) -> None: ...
-
-    # ---- consumer
-    @abc.abstractmethod
-    def start_load_kv(self, spec: LoadSpec) -> None: ...
-
-    @abc.abstractmethod
-    async def wait_for_layer_load(self, request_id: str, layer: int) -> None: ...
-
-    @abc.abstractmethod
-    async def wait_for_load(self, request_id: str, timeout: float | None = None) -> None: ...
-
-    @abc.abstractmethod
-    def cancel_load(self, request_id: str) -> None: ...
-
-    # ---- both
-    @abc.abstractmethod
-    def get_finished(self) -> tuple[set[str], set[str]]: ...
-
-
 @dataclass
 class Received:
     """One data frame's KV as received (views of receive memory) and how to give that memory back."""
@@ -130,8 +93,27 @@ class _Load:
     bytes: int = 0
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _done(frames: list[tuple[Outbox, Frame]] | None = None,
+          error: BaseException | None = None) -> concurrent.futures.Future[list[tuple[Outbox, Frame]]]:
+    fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]] = concurrent.futures.Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(frames or [])
+    return fut
+
+
 class TCPConnector(KVConnector):
     """KV over the framed TCP transport, with optional int8 compression on the wire."""
+
+    _streams = True  # int8 compression: frames leave one by one as the encoder quantizes (chunking.py)
 
     def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
@@ -196,7 +178,7 @@ class TCPConnector(KVConnector):
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                       token_start: int = 0, scales: codec.Scales | None = None) -> None:
-        """Thread-safe and non-blocking: encoding runs on the encoder thread, sending on the loop.
+        """Thread-safe and non-blocking: encoding runs on an encoder thread (or here, `_inline`), sending on the loop.
         `token_start` > 0 ships a later token range of the layer (chunked prefill); codes with `scales` (a
         quantized cache's own layer) go as they are."""
         entry = self._outboxes.get(request_id)
@@ -207,34 +189,51 @@ class TCPConnector(KVConnector):
         loop = self._loop
 
         def encode() -> list[tuple[Outbox, Frame]]:
+            if stream:  # each frame to the loop as soon as it is built: the next one is encoded meanwhile
+                for f in self._frame_iter(request_id, layer, num_layers, k, v, token_start, scales):
+                    loop.call_soon_threadsafe(put, _done([(box, f)]))
+                return []
             if isinstance(box, Fanout):
                 return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
                                                                   s, head_start=h), k, v, scales)
             return [(box, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
 
         def enqueue(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:
-            err: BaseException | None = None
+            loop.call_soon_threadsafe(put, fut)
+
+        def put(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:  # on the loop
             try:
                 frames = fut.result()
-            except Exception as e:  # e.g. an unsupported dtype: fail this transfer only
+            except Exception:  # e.g. an unsupported dtype: fail this transfer only
                 log.exception("kv transfer %s: encoding layer %d failed", request_id, layer)
-                frames, err = [], e
-
-            def put() -> None:
-                if request_id not in self._outboxes:
-                    return
-                if err is not None:
+                if request_id in self._outboxes:
                     box.close()
-                    return
+                return
+            if request_id in self._outboxes:
                 for b, f in frames:
                     b.put(f)
 
-            loop.call_soon_threadsafe(put)
-
+        uses_buffer = scales is not None or self.compression != "int8"
+        stream = not uses_buffer and not isinstance(box, Fanout) and self._streams
+        if self._inline(box, k, uses_buffer):
+            # Nothing to compute (views of the export; the tags are the loop's): build the frames here and,
+            # on the loop's own thread, queue them at once. The hop through an encoder thread and back was
+            # most of a small layer's fixed cost (two thread wake-ups per transfer).
+            try:
+                done = _done(self._lender.encode(request_id, self._lender.take(k), encode, uses_buffer))
+            except Exception as e:
+                done = _done(error=e)
+            (put if _on_loop(loop) else enqueue)(done)
+            return
         fut = self._encoder.submit(self._lender.encode, request_id, self._lender.take(k), encode,
-                                   uses_buffer=scales is not None or self.compression != "int8")
+                                   uses_buffer=uses_buffer)
         fut.add_done_callback(enqueue)
         self._encoding.setdefault(request_id, []).append(fut)
+
+    def _inline(self, box: Outbox | Fanout, k: torch.Tensor, uses_buffer: bool) -> bool:
+        """Encode on the caller's thread: frames that are views of what the caller gave (no quantizing, no
+        head ranges cut out); the NIXL connector narrows this further (it MACs the bytes as it encodes)."""
+        return uses_buffer and not isinstance(box, Fanout)
 
     def _dropped(self, k: torch.Tensor) -> None:
         """A save_kv_layer that will not be sent (its request is gone): memory lent by export_buffer comes back."""
@@ -242,20 +241,13 @@ class TCPConnector(KVConnector):
 
     def _frames(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
                 offset: int, scales: codec.Scales | None = None, head_start: int = 0) -> list[Frame]:
-        tokens = k.shape[0]
-        quant = scales is not None or self.compression == "int8"
-        item = 1 if quant and scales is None else k.element_size()
-        # bytes per token on the wire (K and V; codes add one f32 scale per head): a layer that fits a frame
-        # goes whole (one frame, and its payload a view of the export: no join)
-        per_token = 2 * k.shape[1] * (k.shape[2] * item + (4 if quant else 0))
-        step = max(1, self.chunk_bytes // per_token)
-        if step >= tokens:
-            return [codec.encode_layer(request_id, layer, num_layers, k, v, compression=self.compression,
-                                       token_start=offset, scales=scales, head_start=head_start)]
-        return [codec.encode_layer(request_id, layer, num_layers, k[s:s + step], v[s:s + step],
-                                   compression=self.compression, token_start=offset + s, head_start=head_start,
-                                   scales=(scales[0][s:s + step], scales[1][s:s + step]) if scales else None)
-                for s in range(0, tokens, step)]
+        return list(self._frame_iter(request_id, layer, num_layers, k, v, offset, scales, head_start))
+
+    def _frame_iter(self, request_id: str, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor,
+                    offset: int, scales: codec.Scales | None = None, head_start: int = 0) -> Iterator[Frame]:
+        return chunking.layer_frames(request_id, layer, num_layers, k, v, offset=offset, scales=scales,
+                                     head_start=head_start, compression=self.compression,
+                                     chunk_bytes=self.chunk_bytes)
 
     async def wait_for_save(self, request_id: str) -> SaveResult:
         """All layers acknowledged by the receiver; returns seconds from first frame to last ACK."""

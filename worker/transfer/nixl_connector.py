@@ -39,6 +39,7 @@ from pdcluster.worker.transfer.connector import Received, SaveResult, TCPConnect
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.staging import Staging
 from pdcluster.worker.transfer.transport import TransferError
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
-LARGE = 256 * 1024  # bytes above which MAC checks and decoding leave the event loop
+INLINE_MAX = 4 * 1024 * 1024  # a layer up to this is staged on the engine's thread (MAC ~0.2 ms), not an encoder's
 
 
 @dataclass
@@ -59,6 +60,8 @@ class _Outgoing:
 
 class NixlConnector(TCPConnector):
     """KV over NIXL, described and authenticated over the TCP backend's channel (LAYER frames still work)."""
+
+    _streams = False  # a layer is staged whole (one region, one descriptor)
 
     def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
                  **kw: Any) -> None:
@@ -120,6 +123,11 @@ class NixlConnector(TCPConnector):
         with self._out_lock:
             self._lent[int(buf.data_ptr())] = (off, nbytes)
         return buf
+
+    def _inline(self, box: Outbox | Fanout, k: torch.Tensor, uses_buffer: bool) -> bool:
+        """Small layers only: encoding here MACs (and may stage) the bytes, which a big layer should not cost
+        the engine's thread."""
+        return super()._inline(box, k, uses_buffer) and 2 * k.numel() * k.element_size() <= INLINE_MAX
 
     def _take_lent(self, k: torch.Tensor) -> tuple[int, int] | None:
         """The lent region this save's tensors lie in (K is its first byte), handed back by the engine."""
@@ -243,32 +251,34 @@ class NixlConnector(TCPConnector):
             raise TransferError(f"staged layer of {d.nbytes} bytes exceeds this receiver's staging "
                                 f"({self.staging.size})", ErrorCode.TOO_LARGE)
         off = await self._alloc(d.nbytes)
-        try:
+        view = self._view(off, d.nbytes)
+
+        def fetch() -> bool:
+            """One worker thread for the agent lookup, the READ and the MAC check (a thread hop each, and
+            back to the loop, was most of what a small layer took)."""
             try:
-                remote = await asyncio.to_thread(self._remote, d)
-                await asyncio.to_thread(self.agent.read, remote, off, d.addr, d.nbytes, d.device, self.timeout)
+                self.agent.read(self._remote(d), off, d.addr, d.nbytes, d.device, self.timeout)
             except Exception as e:  # peer gone, restarted, or a range it no longer registers: retryable
                 self._forget(d.agent)
                 raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
-            k, v, scales = await self._checked(frame, d, off, want_payload)
+            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
+                                    frame.head_start)
+
+        try:
+            if not await asyncio.to_thread(fetch):
+                raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
+                                    "staging): not imported", ErrorCode.UNAUTHENTICATED)
+            k, v, scales = self._layer(frame, view, want_payload)
         except BaseException:
             self.staging.free(off)
             raise
         # The importer reads the region in place (into the cache); it is freed once that returns.
         return Received(k, v, scales, d.nbytes, release=lambda: self.staging.free(off))
 
-    async def _checked(self, frame: Frame, d: nixl_wire.Descriptor, off: int,
-                       split: int) -> tuple[torch.Tensor, torch.Tensor, codec.Scales | None]:
-        """MAC check, then the layer as views of the region (valid until the region is freed)."""
-        view = self._view(off, d.nbytes)
-
-        def ok() -> bool:
-            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
-                                    frame.head_start)
-
-        if not (await asyncio.to_thread(ok) if d.nbytes > LARGE else ok()):
-            raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
-                                "staging): not imported", ErrorCode.UNAUTHENTICATED)
+    @staticmethod
+    def _layer(frame: Frame, view: memoryview,
+               split: int) -> tuple[torch.Tensor, torch.Tensor, codec.Scales | None]:
+        """The checked layer as views of its region (valid until the region is freed)."""
         layer = Frame(kind=Kind.LAYER, request_id=frame.request_id, layer=frame.layer,
                       num_layers=frame.num_layers, token_start=frame.token_start, token_end=frame.token_end,
                       kv_heads=frame.kv_heads, head_dim=frame.head_dim, dtype=frame.dtype, flags=frame.flags,
