@@ -64,6 +64,7 @@ class DirectKV:
         self.ports: list[int] = []
         self.sent, self.received = [0] * self.tp, [0] * self.tp
         self.dead: set[int] = set()
+        self.expected: set[str] = set()  # requests the followers were told to expect and not yet done with
         self._waits: dict[tuple[str, str, int], asyncio.Future[dict[str, Any]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -162,6 +163,7 @@ class DirectKV:
             slots = await engine.call(lambda e: e.runner.slots(e.seqs[rid], 0, n).tolist())
         except KeyError:
             raise TransferError(f"{rid} is not reserved") from None
+        self.expected.add(rid)
         for r in self.followers:
             self._wait_for("ready", rid, r)
             self._wait_for("load", rid, r)
@@ -179,16 +181,21 @@ class DirectKV:
     async def wait_loaded(self, rid: str, timeout: float) -> int:
         """Every follower has its heads of every layer: the bytes they received."""
         got = await self._gather("load", rid, timeout)
+        self.expected.discard(rid)
         for r, g in zip(self.followers, got, strict=True):
             self.received[r] += int(g.get("bytes", 0))
         return sum(int(g.get("bytes", 0)) for g in got)
 
     def cancel(self, rid: str) -> None:
+        """Every follower drops what it expected of ``rid`` (its own wait may have failed already)."""
         for r in self.followers:
-            fut = self._waits.pop(("load", rid, r), None)
-            self._waits.pop(("ready", rid, r), None)
-            if fut is not None:
-                fut.cancel()
+            for kind in ("load", "ready"):
+                fut = self._waits.pop((kind, rid, r), None)
+                if fut is not None:
+                    fut.cancel()
+        if rid in self.expected:
+            self.expected.discard(rid)
+            for r in self.followers:
                 self.control.send(r, {"op": "cancel", "rid": rid})
 
     # ------------------------------------------------------------------ prefill side

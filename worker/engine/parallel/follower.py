@@ -75,8 +75,11 @@ def _exporter(me: Rank, runner: ModelRunner, batch: Batch, exports: list[step.Ex
     def hook(layer: int) -> None:
         for row, start, end, rid, targets in exports:
             slots = runner.slots(batch.seqs[row], start, end)
-            if targets is not None and me.endpoint is not None:
-                me.endpoint.save(rid, [tuple(t) for t in targets], layer, start, slots)
+            if targets is not None:  # rank 0 gathers nothing for it: never join a gather here
+                if me.endpoint is not None:
+                    me.endpoint.save(rid, [tuple(t) for t in targets], layer, start, slots)
+                elif layer == 0:  # cannot happen (rank 0 goes direct only once every endpoint started)
+                    log.error("tensor-parallel rank %d: no KV endpoint for %s; its heads are not sent", me.rank, rid)
             else:
                 kv_relay.send_export(runner.cache, layer, slots)
 
