@@ -176,11 +176,16 @@ async def test_many_requests_reuse_staging_without_leaks() -> None:
     await close(send, recv)
 
 
-async def test_a_staged_layer_costs_the_receiver_one_thread_hop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Agent lookup, READ and MAC check run in one worker-thread call (each hop and back to the loop was
-    most of what a small layer took), and a tampered layer is still refused."""
+@pytest.mark.parametrize("small", [True, False])
+async def test_a_staged_layer_costs_the_receiver_at_most_one_thread_hop(monkeypatch: pytest.MonkeyPatch,
+                                                                        small: bool) -> None:
+    """A small layer from a known peer is READ (polled) and MAC-checked on the loop: no thread at all; a big
+    one (or the first from a peer, whose agent is added) does lookup, READ and MAC check in one worker-thread
+    call. Each hop to a thread and back was most of what a small layer took; the bytes still arrive exact."""
     from pdcluster.worker.transfer import nixl_connector
 
+    if not small:
+        monkeypatch.setattr(nixl_connector, "INLINE_MAX", 0)
     hops: list[str] = []
     to_thread = asyncio.to_thread
 
@@ -191,7 +196,33 @@ async def test_a_staged_layer_costs_the_receiver_one_thread_hop(monkeypatch: pyt
     monkeypatch.setattr(nixl_connector.asyncio, "to_thread", counted)
     send, recv, got, target = await pair()
     await run(send, recv, target, "hops")
-    assert len(hops) == LAYERS, hops
+    assert len(hops) == (1 if small else LAYERS), hops  # small: only the first, which adds the peer's agent
     for i in range(LAYERS):
-        assert torch.equal(got["hops", i][0], kv(i)[0])
+        assert torch.equal(got["hops", i][0], kv(i)[0]) and torch.equal(got["hops", i][1], kv(i)[1])
+    await close(send, recv)
+
+
+async def test_tampered_staging_read_on_the_loop_is_not_imported() -> None:
+    """The same MAC check on the short path (a small layer from a peer already added: READ polled on the
+    loop, no thread)."""
+    send, recv, got, target = await pair()
+    await run(send, recv, target, "warm", layers=1)  # adds the sender's agent at the receiver
+    orig = send._frames
+
+    def tamper(*a: Any) -> list[Frame]:
+        frames = orig(*a)
+        send.agent.buffer[:64] ^= 0xFF
+        return frames
+
+    send._frames = tamper
+    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("t", target, LAYERS)
+    send.save_kv_layer("t", 0, *kv(0))
+    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+        await send.wait_for_save("t")
+    with pytest.raises(TransferError, match="MAC"):
+        await recv.wait_for_load("t", timeout=5)
+    assert ("t", 0) not in got
+    recv.cancel_load("t")
+    assert_released(send, recv)
     await close(send, recv)

@@ -7,6 +7,7 @@ memory, DRAM segments); GPU memory is registered the same way where CUDA is pres
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -138,19 +139,51 @@ class Agent:
         NIXL refuses a range outside the peer's registrations (nixlNotFoundError) before anything moves."""
         self._xfer("READ", remote, local_off, remote_addr, nbytes, remote_dev, timeout)
 
-    def _xfer(self, op: str, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int,
-              timeout: float) -> None:
+    async def aread(self, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int = 0,
+                    timeout: float = 30.0) -> None:
+        """`read`, waited for on the event loop with no thread: for small layers, where a hop to a worker
+        thread and back costs more than the READ (which often completes inside the call that posts it)."""
+        handle, state = self._post("READ", remote, local_off, remote_addr, nbytes, remote_dev)
+        try:
+            deadline, polls = time.monotonic() + timeout, 0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nixl READ of {nbytes} bytes with {remote} timed out")
+                # yield to the loop's other work between checks; past a few hundred the READ is a slow one:
+                # check once a millisecond (the loop's timer resolution) instead of spinning the core
+                polls += 1
+                await asyncio.sleep(0 if polls < 200 else 1e-3)
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise OSError(f"nixl READ with {remote} failed ({state})")
+        finally:
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
+
+    def _post(self, op: str, remote: str, local_off: int, remote_addr: int, nbytes: int,
+              remote_dev: int) -> tuple[Any, str]:
+        """Describe and post one transfer: (its handle, its first state)."""
         if not 0 <= local_off <= self.buffer.numel() - nbytes:
             raise ValueError(f"local range [{local_off}, +{nbytes}) is outside the staging buffer")
-        # One call at a time into the agent (its thread-safety depends on the build's sync mode); the
-        # polling loop runs unlocked, so concurrent transfers still overlap on the wire.
+        # One call at a time into the agent (its thread-safety depends on the build's sync mode); waiting runs
+        # unlocked, so concurrent transfers still overlap on the wire.
         with self._lock:
             src = self._agent.get_xfer_descs([(self.base + local_off, nbytes, 0)], self.mem_type)
             dst = self._agent.get_xfer_descs([(remote_addr, nbytes, remote_dev)], self.mem_type)
             handle = self._agent.initialize_xfer(op, src, dst, remote)
         try:
             with self._lock:
-                state = self._agent.transfer(handle)
+                return handle, self._agent.transfer(handle)
+        except BaseException:
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
+            raise
+
+    def _xfer(self, op: str, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int,
+              timeout: float) -> None:
+        handle, state = self._post(op, remote, local_off, remote_addr, nbytes, remote_dev)
+        try:
             deadline = time.monotonic() + timeout
             pause = 0.0
             while state == "PROC":

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
-INLINE_MAX = 4 * 1024 * 1024  # a layer up to this is staged on the engine's thread (MAC ~0.2 ms), not an encoder's
+# a layer up to this is staged on the engine's thread (MAC ~0.2 ms), not an encoder's, and read on the receiver's loop
+INLINE_MAX = 4 * 1024 * 1024
 
 
 @dataclass
@@ -265,7 +266,7 @@ class NixlConnector(TCPConnector):
                                     frame.head_start)
 
         try:
-            if not await asyncio.to_thread(fetch):
+            if not (await self._fetch_here(d, off, view, frame) if self._small(d) else await asyncio.to_thread(fetch)):
                 raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
                                     "staging): not imported", ErrorCode.UNAUTHENTICATED)
             k, v, scales = self._layer(frame, view, want_payload)
@@ -274,6 +275,23 @@ class NixlConnector(TCPConnector):
             raise
         # The importer reads the region in place (into the cache); it is freed once that returns.
         return Received(k, v, scales, d.nbytes, release=lambda: self.staging.free(off))
+
+    def _small(self, d: nixl_wire.Descriptor) -> bool:
+        """A layer read on the loop itself: small, from a peer already added (adding one may connect)."""
+        with self._remote_lock:
+            known = self._remotes.get(d.agent) == d.metadata and self.agent.has_remote(d.agent)
+        return known and d.nbytes <= INLINE_MAX
+
+    async def _fetch_here(self, d: nixl_wire.Descriptor, off: int, view: memoryview, frame: Frame) -> bool:
+        """READ (polled on the loop, no thread) and MAC check of a small layer: a hop to a worker thread and
+        back costs more than both."""
+        try:
+            await self.agent.aread(self._remote(d), off, d.addr, d.nbytes, d.device, self.timeout)
+        except Exception as e:  # as in `fetch`: retryable
+            self._forget(d.agent)
+            raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
+        return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
+                                frame.head_start)
 
     @staticmethod
     def _layer(frame: Frame, view: memoryview,
