@@ -395,5 +395,5 @@ def render_children(owner: Owner, spec: PDClusterSpec, replicas: dict[str, int],
     for role in ROLES:
         objs.append(render_pdb(owner, role))
     if spec.networkPolicy.enabled:
-        objs.append(render_network_policy(owner))
+        objs.append(render_network_policy(owner, spec.decode.tensorParallelSize))  # every decode rank receives
     return objs

@@ -62,3 +62,15 @@ def test_internal_bodies_take_the_optional_fields_and_refuse_bad_ones() -> None:
     for ports in ([], [0], [70000], ["9"]):
         with pytest.raises(ValidationError):
             PrefillBody.model_validate({**run, "target": {**target, "rank_ports": ports}})
+
+
+def test_network_policy_opens_one_kv_port_per_decode_rank() -> None:
+    from pdcluster.operator.models import KV_TRANSFER_PORT
+    from pdcluster.operator.naming import Owner
+    from pdcluster.operator.policies import render_network_policy
+
+    owner = Owner("c", "ns", "uid")
+    kv = render_network_policy(owner)["spec"]["ingress"][1]["ports"]
+    assert kv == [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]  # TP 1: as before
+    kv = render_network_policy(owner, 4)["spec"]["ingress"][1]["ports"]
+    assert kv == [{"protocol": "TCP", "port": KV_TRANSFER_PORT, "endPort": KV_TRANSFER_PORT + 3}]

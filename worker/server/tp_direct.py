@@ -59,6 +59,8 @@ class DirectKV:
         self.tp = int(getattr(self.runner, "tp", 1) or 1)
         self.num_layers, self.num_kv_heads, self.head_dim = disagg.num_layers, disagg.kv_heads, disagg.head_dim
         self.timeout = float(disagg.timeout)
+        # --kv-transfer-port P: rank r listens on P + r (a NetworkPolicy can name the range); none: any free port
+        self.port_base = int(disagg.transfer_port or 0)
         enabled = enabled and disagg.connector is not None
         self.enabled, self.reason = enabled, "" if enabled else "--kv-transfer-tp-path relay, or no transfer secret"
         self.ports: list[int] = []
@@ -80,6 +82,7 @@ class DirectKV:
         port0 = d.transfer_port
         options = {"secret": (d.secret or b"").hex(), "backend": d.backend, "compression": d.compression,
                    "timeout": d.timeout, "max_retries": d.max_retries, "host": d.listen_host,
+                   "port_base": self.port_base,
                    "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers}
         if self.enabled and self.tp > 1:
             if self.control is None:

@@ -39,7 +39,6 @@ class RankEndpoint:
                  options: dict[str, Any]) -> None:
         self.rank, self.size, self.runner, self.lock, self.reply = rank, size, runner, lock, reply
         self.num_kv_heads, self.num_layers = int(options["num_kv_heads"]), int(options["num_layers"])
-        # a load waits from its reservation on (prefill comes first): as long as rank 0's reaper lets it
         self.timeout = float(options.get("timeout", 30.0))
         self.saving: dict[str, list[head_slice.HeadRoute]] = {}
         self.slots: dict[str, torch.Tensor] = {}
@@ -51,7 +50,8 @@ class RankEndpoint:
             str(options.get("backend", "tcp")), bytes.fromhex(options["secret"]), importer=self._import,
             compression=str(options.get("compression", "none")), timeout=self.timeout,
             max_retries=int(options.get("max_retries", 2)))
-        port = self._run(self.conn.listen(str(options.get("host", "127.0.0.1")), 0))
+        base = int(options.get("port_base", 0))  # rank 0's fixed --kv-transfer-port: this rank takes base + rank
+        port = self._run(self.conn.listen(str(options.get("host", "127.0.0.1")), base + rank if base else 0))
         log.info("tensor-parallel rank %d: kv transfer (%s) listening on port %d", rank, choice.backend, port)
         reply({"op": "kv_ready", "port": port, "backend": choice.backend})
 
@@ -123,6 +123,7 @@ class RankEndpoint:
 
     async def _await_load(self, rid: str) -> None:
         try:
+            # a load waits from its reservation on (prefill comes first): as long as rank 0's reaper lets it
             await self.conn.wait_for_load(rid, timeout=2 * self.timeout + 5)
             nbytes, _ = self.conn.finish_load(rid)
             self.reply({"op": "loaded", "rid": rid, "bytes": nbytes})
