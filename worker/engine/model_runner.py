@@ -200,6 +200,9 @@ class ModelRunner:
             pos = torch.arange(max(lens), device=dev)
             md.gather_slots = md.block_tables.long()[:, pos // bs] * bs + pos % bs  # padding -> block 0
             md.gather_mask = (pos[None, :] < md.seq_lens[:, None])[:, None, None, :]
+            if min(lens) < max(lens):  # else every position is real: SDPA needs no mask
+                bias = torch.zeros(md.gather_mask.shape, dtype=self.dtype, device=dev)
+                md.gather_bias = bias.masked_fill_(~md.gather_mask, float("-inf"))
         if self.cfg.sliding_window is not None:
             # the kernel has no window argument: sliding-window layers gather their last `window` slots
             assert md.block_tables is not None and md.seq_lens is not None
