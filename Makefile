@@ -50,14 +50,15 @@ bench-prefix: setup
 	$(PY) -m pdcluster.bench.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing
 
 # The P:D ratio on the real stack (about 30 min on the shared 2-core VM; see docs/benchmarks/ratio_sweep.md):
-# profile a 1:1 `pdcluster up` (C_p, C_d, t_join), replay one Azure slice (prompts shrunk to fit, outputs at
+# scan the load (one colocated run at 2x, 3x, 4x: the highest speed it still mostly meets the SLO at), profile
+# a 1:1 `pdcluster up` (C_p, C_d, t_join; C_p and t_join under a stream at the sweep's rate), replay one Azure slice (prompts shrunk to fit, outputs at
 # their real lengths up to 256) through every split of 4 workers (2 rounds), each worker under its own CPU
 # limit (cgroup v1 quota, 0.4 CPU; needs root), then a rise-and-fall slice through `pdcluster up --autoscale`
 # with the capacities of the (unlimited) t_join sweep.
 bench-ratio: setup
-	$(PY) -m pdcluster.bench.ratio_sweep --trace $(TRACES)/azure2023_code.csv --start 1320 --duration 30 \
-	  --speedup 0.5 --max-model-len 1024 --max-output-tokens 256 --worker-cpu 0.4 --router-cpu 0.4 \
-	  --out docs/benchmarks/ratio_sweep/limits
+	$(PY) -m pdcluster.bench.ratio_sweep --trace $(TRACES)/azure2023_code.csv --start 1320 --duration 60 \
+	  --scan-speedups 2,3,4 --max-model-len 1024 --max-output-tokens 256 --worker-cpu 0.4 --router-cpu 0.4 \
+	  --out docs/benchmarks/ratio_sweep/stream
 	$(PY) -m pdcluster.bench.autoscale_replay --trace $(TRACES)/azure2023_code.csv \
 	  --capacity-from docs/benchmarks/ratio_sweep/join/summary.json --out docs/benchmarks/ratio_sweep
 

@@ -76,13 +76,17 @@ async def _pool_cpu(read: Reader, urls: dict[str, list[str]]) -> dict[str, float
 
 
 async def measure(read: Reader, send: Sender, urls: dict[str, list[str]], *, rate: float, requests: int,
-                  input_len: int, output_len: int, instance_cpus: float, idle_s: float = 5.0,
+                  input_len: int, output_len: int, instance_cpus: float, idle_s: float = 5.0, warmup: int = 20,
                   clock: Callable[[], float] | None = None) -> dict[str, Any]:
-    """Idle baseline over `idle_s`, then `requests` arrivals at `rate` req/s of `input_len` prompt and
-    `output_len` output tokens; each pool's CPU seconds around both. `urls`: the router's healthy prefill and
-    decode workers (a disaggregated stack: the colocated one has no transfer to measure)."""
+    """`warmup` uncounted arrivals (the first requests of a shape cost a worker more: measured 2.3 vs 1.2
+    prefill CPU seconds for the same 60 requests, first stream vs second), an idle baseline over `idle_s`,
+    then `requests` arrivals at `rate` req/s of `input_len` prompt and `output_len` output tokens; each
+    pool's CPU seconds around the last two. `urls`: the router's healthy prefill and decode workers (a
+    disaggregated stack: the colocated one has no transfer to measure)."""
     loop = asyncio.get_running_loop()
     now = clock or loop.time
+    if warmup:
+        await send(warmup, input_len, output_len, rate)
     c0, t0 = await _pool_cpu(read, urls), now()
     await asyncio.sleep(idle_s)
     c1, t1 = await _pool_cpu(read, urls), now()

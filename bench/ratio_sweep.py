@@ -4,11 +4,16 @@
 
     python -m pdcluster.bench.ratio_sweep --trace ../shared/traces/azure2023_code.csv --out DIR
 
-Capacities and t_join (the decode seconds of admitting one transferred request) come from `pdcluster
-profile --url` against a 1:1 stack of the same workers (or from --prefill-capacity/--decode-capacity/
---decode-join-seconds); I and O are the slice's mean lengths after length scaling (with
---max-output-tokens, outputs keep their real lengths up to that cap and prompts alone shrink). The
-splits run interleaved, round after round, so a machine whose load drifts hurts every split alike.
+With --scan-speedups, one run of --scan-split per speedup picks the load first: the highest speedup at which
+that split still answers --scan-attainment of the requests within SLO (below it every split meets the SLO,
+far above it every split collapses). Capacities and t_join come from `pdcluster profile --url` against a
+1:1 stack of the same workers, with its stream step at the sweep's arrival rate times 2/N (C_p and t_join
+under arrivals; --no-stream-profile: the closed-batch and one-at-a-time figures), or from
+--prefill-capacity/--decode-capacity/--decode-join-seconds; I and O are the slice's mean lengths after
+length scaling (with --max-output-tokens, outputs keep their real lengths up to that cap and prompts alone
+shrink). The formula's split is the planner's answer for the budget, its colocation advice (with the
+sweep's TPOT objective) included. The splits run interleaved, round after round, so a machine whose load
+drifts hurts every split alike.
 Writes DIR/summary.json and DIR/goodput.png; the per-run request records stay under --work.
 """
 
@@ -241,6 +246,8 @@ def markdown_table(summary: dict) -> str:
             return sum(r[k] or 0.0 for r in rs) / len(rs)
 
         name = f"{p}:{d}" + (" colocated" if p == 0 else "") + (" **(formula)**" if (p, d) == formula else "")
+        if formula[0] == 0 and [p, d] == list(summary["formula"].get("disaggregated") or []):
+            name += " (formula's ratio alone)"
         per = " / ".join(f"{r['goodput_rps']:.2f}" for r in rs)
         load = " / ".join(f"{r['load1_before']:.0f}" for r in rs)
         steps = [j for r in rs if (j := r.get("decode_step_seconds_live")) is not None]

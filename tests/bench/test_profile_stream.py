@@ -54,13 +54,16 @@ def test_measure_reads_each_pool_around_an_idle_span_and_the_stream() -> None:
     async def read(u: str) -> str:
         return f"process_cpu_seconds_total {next(reads[u])}\n"
 
+    sent = []
+
     async def send(n: int, i: int, o: int, rate: float):
-        assert (n, i, o, rate) == (40, 228, 20, 4.0)
+        sent.append((n, i, o, rate))
         return [_R(True)] * 39 + [_R(False)], 10.0
 
     out = asyncio.run(ps.measure(read, send, {"prefill": ["p1", "p2"], "decode": ["d1"]}, rate=4.0, requests=40,
-                                 input_len=228, output_len=20, instance_cpus=0.5, idle_s=0.0,
+                                 input_len=228, output_len=20, instance_cpus=0.5, idle_s=0.0, warmup=5,
                                  clock=lambda: next(times)))
+    assert sent == [(5, 228, 20, 4.0), (40, 228, 20, 4.0)]  # uncounted warm-up first, at the same rate
     # prefill: 8 CPU s, idle 0.1 CPU/s x 10 s = 1 -> 7 / 39 ok / 0.5; decode: 6 - 0.1 x 10 = 5 -> 5 / 39 / 0.5
     assert out["prefill_seconds"] == pytest.approx(7 / 39 / 0.5)
     assert out["decode_seconds"] == pytest.approx(5 / 39 / 0.5)
