@@ -210,7 +210,11 @@ def plot(summary: dict, path: Path) -> None:
     formula = tuple(v["formula"])
     fig, ax = plt.subplots(figsize=(7, 4))
     colors = ["tab:orange" if s == formula else "tab:blue" for s in order]
-    ax.bar(range(len(order)), means, color=colors, alpha=0.8)
+    alone = tuple(summary["formula"].get("disaggregated") or ()) if formula[0] == 0 else ()
+    bars = ax.bar(range(len(order)), means, color=colors, alpha=0.8)
+    for b, s in zip(bars, order, strict=True):
+        if s == alone:  # the formula's ratio alone, when its answer for the budget is to colocate
+            b.set_hatch("//")
     for i, s in enumerate(order):
         ys = [r["goodput_rps"] for r in runs if (r["prefill"], r["decode"]) == s]
         ax.scatter([i] * len(ys), ys, color="black", s=14, zorder=3)
@@ -219,11 +223,14 @@ def plot(summary: dict, path: Path) -> None:
     ideal = summary["formula"]["ideal_prefill"]
     ax.set_xticks(range(len(order)), labels)
     tj = summary["formula"].get("decode_join_seconds") or 0.0
-    ax.set_xlabel(f"P:D split of {summary['workers']} workers (orange: the formula's, t_join {1000 * tj:.0f} ms; "
-                  f"ideal P = {ideal:.2f})", fontsize=8)
+    rule = summary["formula"].get("rule")
+    ax.set_xlabel(f"P:D split of {summary['workers']} workers (orange: the formula's{f' ({rule})' if rule else ''}"
+                  f"{'; hatched: its ratio alone' if alone else ''}; t_join {1000 * tj:.0f} ms; ideal P = {ideal:.2f})",
+                  fontsize=8)
     ax.set_ylabel("goodput (requests/s within SLO)")
     slo = summary["slo"]
-    ax.set_title(f"Ratio sweep, pdcluster up: SLO TTFT {slo['ttft_s']} s, TPOT {slo['tpot_s']} s "
+    ax.set_title(f"Ratio sweep, pdcluster up, {summary['slice']['speedup']:g}x: SLO TTFT {slo['ttft_s']} s, "
+                 f"TPOT {slo['tpot_s']} s "
                  f"({len({r['round'] for r in runs})} rounds; dots = rounds)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
