@@ -112,3 +112,28 @@ async def test_int8_compression_sends_each_range_while_the_next_is_quantized(mon
     assert torch.equal(gk, codec.to_float(qk, qv, (sk, sv))[0]) and torch.equal(gv, codec.to_float(qk, qv, (sk, sv))[1])
     await send.close()
     await recv.close()
+
+
+async def test_a_big_layer_keeps_the_encoder_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past INLINE_MAX the hop is small next to the transfer, and the engine's thread stays free."""
+    from pdcluster.worker.transfer import connector
+
+    monkeypatch.setattr(connector, "INLINE_MAX", 1024)
+    send, recv, sink, target = await _pair()
+    used: list[int] = []
+    submit = send._encoder.submit
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        used.append(1)
+        return submit(*a, **kw)
+
+    send._encoder.submit = counted  # type: ignore[method-assign]
+    k, v = torch.randn(2, 9, HEADS, DIM).unbind(0)  # 18 KiB of K+V > 1 KiB
+    recv.start_load_kv(LoadSpec("b", 1, 9, HEADS, DIM))
+    send.start_save("b", target, 1)
+    send.save_kv_layer("b", 0, k, v)
+    await send.wait_for_save("b")
+    await recv.wait_for_load("b", timeout=10)
+    assert used == [1] and torch.equal(sink["b", 0][0], k)
+    await send.close()
+    await recv.close()

@@ -34,6 +34,7 @@ from pdcluster.worker.transfer.lending import Lender
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
+INLINE_MAX = 4 * 1024 * 1024  # bytes of K+V up to which a layer is framed on the caller's thread (`_inline`)
 
 # Importer: (request_id, layer, k, v, token_start=..., scales=...) for tokens [token_start, +k.shape[0]) of a
 # layer, as the wire carried them (codec.wire_kv: float values, or int8/int4 codes with their float32 scales),
@@ -231,9 +232,10 @@ class TCPConnector(KVConnector):
         self._encoding.setdefault(request_id, []).append(fut)
 
     def _inline(self, box: Outbox | Fanout, k: torch.Tensor, uses_buffer: bool) -> bool:
-        """Encode on the caller's thread: frames that are views of what the caller gave (no quantizing, no
-        head ranges cut out); the NIXL connector narrows this further (it MACs the bytes as it encodes)."""
-        return uses_buffer and not isinstance(box, Fanout)
+        """Encode on the caller's thread: small layers whose frames are views of what the caller gave (no
+        quantizing, no head ranges cut out; NIXL MACs them, ~0.2 ms at the limit). A big layer keeps the
+        encoder thread: the hop is small next to its transfer, and the engine's thread stays free."""
+        return uses_buffer and not isinstance(box, Fanout) and 2 * k.numel() * k.element_size() <= INLINE_MAX
 
     def _dropped(self, k: torch.Tensor) -> None:
         """A save_kv_layer that will not be sent (its request is gone): memory lent by export_buffer comes back."""

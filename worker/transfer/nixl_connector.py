@@ -35,11 +35,10 @@ from typing import Any
 import torch
 
 from pdcluster.worker.transfer import codec, nixl_wire
-from pdcluster.worker.transfer.connector import Received, SaveResult, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
-from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.staging import Staging
 from pdcluster.worker.transfer.transport import TransferError
 
@@ -47,8 +46,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
-# a layer up to this is staged on the engine's thread (MAC ~0.2 ms), not an encoder's, and read on the receiver's loop
-INLINE_MAX = 4 * 1024 * 1024
 
 
 @dataclass
@@ -124,11 +121,6 @@ class NixlConnector(TCPConnector):
         with self._out_lock:
             self._lent[int(buf.data_ptr())] = (off, nbytes)
         return buf
-
-    def _inline(self, box: Outbox | Fanout, k: torch.Tensor, uses_buffer: bool) -> bool:
-        """Small layers only: encoding here MACs (and may stage) the bytes, which a big layer should not cost
-        the engine's thread."""
-        return super()._inline(box, k, uses_buffer) and 2 * k.numel() * k.element_size() <= INLINE_MAX
 
     def _take_lent(self, k: torch.Tensor) -> tuple[int, int] | None:
         """The lent region this save's tensors lie in (K is its first byte), handed back by the engine."""
