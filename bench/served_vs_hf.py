@@ -14,7 +14,9 @@ response complete, prefill included) and **decode tok/s** (batch x 63 / (last to
 first token), from SSE arrival times on our side, from a timestamping streamer on HF's). The served token
 ids are checked against HF's (greedy must be identical). The **roofline** is the weight-streaming bound of
 a batch-1 decode step: bytes of every weight a step reads (all but the embedding table) / a read bandwidth
-measured in this run with the same thread count (best of a few sums over a 512 MiB buffer).
+measured in this run with the same thread count (best of a few sums over a 512 MiB buffer). Beside it, the
+**matmul floor**: the step's matrix-vector products alone (the engine's own weights, one row), timed in the
+same run, says how much of the roofline the BLAS library reaches before any attention, norm or serving work.
 With `--py-spy PATH` (a py-spy binary) the served process is sampled during the runs and the top functions
 are printed (where the served step spends its time).
 """
@@ -52,6 +54,21 @@ def read_bandwidth(threads: int, mib: int = 512, tries: int = 5) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best
+
+
+def matmul_floor(engine: Any, tries: int = 9) -> float:
+    """Seconds of a batch-1 step's matrix-vector products alone (every Linear of the engine's model, as it
+    stores them, one row each), median of `tries`: the part of the roofline the BLAS library can reach."""
+    lins = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(1, m.in_features) for m in lins]
+    times = []
+    with torch.inference_mode():
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            for x, m in zip(xs, lins, strict=True):
+                m(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def step_bytes(model: Any) -> int:
@@ -209,11 +226,16 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
     params_m = sum(p.numel() for p in hf.parameters()) / 1e6
     bw = read_bandwidth(a.threads)
     roofline = bw / step_bytes(hf)  # batch-1 decode steps (tokens) per second at full read bandwidth
+    floor = matmul_floor(engine)
     print(f"model: {params_m:.1f}M params, fp32, {a.threads} threads, prompt {a.prompt_len}, {a.new_tokens} new, "
           f"{'streamed' if stream else 'non-streamed'}; read bandwidth {bw / 1e9:.1f} GB/s, "
-          f"batch-1 roofline {roofline:.1f} tok/s ({step_bytes(hf) / 1e6:.0f} MB per step)")
+          f"batch-1 roofline {roofline:.1f} tok/s ({step_bytes(hf) / 1e6:.0f} MB per step); the step's "
+          f"matmuls alone {floor * 1e3:.1f} ms = {1 / floor:.1f} tok/s = {100 / floor / roofline:.1f} % of roofline "
+          f"({step_bytes(hf) / floor / 1e9:.1f} GB/s)")
     results: dict[str, Any] = {"params_m": round(params_m, 1), "threads": a.threads, "stream": stream,
                                "read_gb_s": round(bw / 1e9, 2), "roofline_tok_s": round(roofline, 1),
+                               "matmul_floor_ms": round(floor * 1e3, 2),
+                               "matmul_floor_pct_roofline": round(100 / floor / roofline, 1),
                                "load_avg": os.getloadavg()[0], "batches": {}}
     g = torch.Generator().manual_seed(0)
     for batch in (int(b) for b in a.batches.split(",")):

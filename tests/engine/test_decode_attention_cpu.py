@@ -1,5 +1,5 @@
-"""CPU decode attention: small attention runs on one intra-op thread, the mask is built once per step as an
-additive bias (absent when every row is full), and both leave greedy output and logits as they were."""
+"""CPU decode attention: the mask is built once per step as an additive bias (absent when every row is full)
+and K/V are gathered with index_select; both leave the logits' bits as they were."""
 
 from __future__ import annotations
 
@@ -10,61 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.worker.engine import attention
-from pdcluster.worker.engine.intra_op import (
-    SINGLE_THREAD_POSITIONS,
-    decode_attention_threads,
-    intra_op_threads,
-)
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def test_thread_decision() -> None:
-    assert decode_attention_threads(1, "cpu") == 1
-    assert decode_attention_threads(SINGLE_THREAD_POSITIONS, "cpu") == 1
-    assert decode_attention_threads(SINGLE_THREAD_POSITIONS + 1, "cpu") is None  # no evidence there
-    assert decode_attention_threads(8, "cuda") is None
-
-
-def test_thread_scope_restores_even_on_error() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with intra_op_threads(1):
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), intra_op_threads(1):
-            raise RuntimeError("boom")
-        assert torch.get_num_threads() == 2
-        with intra_op_threads(None), intra_op_threads(4):  # never raises the count
-            assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_decode_attention_runs_on_one_thread(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[int] = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(*a: Any, **kw: Any) -> torch.Tensor:
-        seen.append(torch.get_num_threads())
-        return sdpa(*a, **kw)
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        engine = make_engine()
-        engine.add_request("a", list(range(5, 25)), GREEDY)
-        engine.step()  # prefill: not the decode path
-        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-        engine.step()
-        assert seen and set(seen) == {1}  # every layer's decode attention
-        assert torch.get_num_threads() == 2  # and the GEMMs get the configured threads back
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_bias_only_for_ragged_batches(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,6 @@ from torch import nn
 
 from pdcluster.kernels import dequantize_kv, paged_decode_attention
 from pdcluster.worker.engine.config import ModelConfig
-from pdcluster.worker.engine.intra_op import decode_attention_threads, intra_op_threads
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import RMSNorm
 
@@ -216,12 +215,11 @@ class Attention(nn.Module):
         assert slots is not None and mask is not None, (
             "decode metadata lacks the gather slots this layer needs"
         )
-        with intra_op_threads(decode_attention_threads(slots.numel(), q.device.type)):
-            b, d = q.shape[0], self.head_dim
-            k, v = gather_kv(cache, self.layer, slots)  # [seqs, L, kv_heads, d]
-            qb, kb, vb = q.view(b, self.num_heads, 1, d), k.transpose(1, 2), v.transpose(1, 2)
-            if self.softcap is not None:
-                o = eager_attention(qb, kb, vb, mask, self.scale, self.softcap)
-            else:
-                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=self.scale, enable_gqa=True)
+        b, d = q.shape[0], self.head_dim
+        k, v = gather_kv(cache, self.layer, slots)  # [seqs, L, kv_heads, d]
+        qb, kb, vb = q.view(b, self.num_heads, 1, d), k.transpose(1, 2), v.transpose(1, 2)
+        if self.softcap is not None:
+            o = eager_attention(qb, kb, vb, mask, self.scale, self.softcap)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=self.scale, enable_gqa=True)
         return o.view(b, self.num_heads, d)
