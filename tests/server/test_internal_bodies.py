@@ -80,6 +80,24 @@ def test_hostile_json_on_internal_routes_is_400(internal: tuple[httpx.Client, Di
         assert_openai_400(c.post("/internal/decode", content=raw, headers={"content-type": "application/json"}))
 
 
+def test_reserve_with_an_impossible_prefill_tp_is_400_and_holds_nothing() -> None:
+    """A prefill TP that cannot split the model's KV heads (3 ranks, 4 heads) is refused before any block is
+    reserved, not a 500 after (the router only sends prefill_tp it read from the worker, but /internal is an
+    API and a wrong value must lose nothing)."""
+    engine = DisaggFakeEngine()
+    engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = 4
+    d = Disaggregation(engine, role="decode", secret=SECRET)
+    app = build_app(engine, role="decode", served_model_name="fake", routers=[d.router], on_startup=[d.start],
+                    on_shutdown=[d.stop], request_timeout=30)
+    with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
+        r = c.post("/internal/reserve", json={**RUN, "request_id": "tp3", "prefill_tp": 3})
+        assert_openai_400(r)
+        assert "KV head" in r.json()["error"]["message"]
+        assert engine.seen == [], "a reservation was made for a layout that cannot be served"
+        ok = c.post("/internal/reserve", json={**RUN, "request_id": "tp2", "prefill_tp": 2})
+        assert ok.status_code == 200 and ok.json()["rank_ports"], ok.text
+
+
 def test_valid_internal_generate_still_streams(internal: tuple[httpx.Client, DisaggFakeEngine]) -> None:
     c, _ = internal
     tok = c.post("/internal/tokenize", json={"kind": "completions", "body": {"prompt": "abc", "max_tokens": 2}})

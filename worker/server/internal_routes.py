@@ -218,7 +218,8 @@ class Disaggregation:
                 raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
             w.admit()
             rid = data.request_id
-            try:
+            try:  # whole layers, or each rank's heads: a layout the KV heads do not allow holds nothing
+                specs = me.direct.load_specs(rid, len(ids), data.prefill_tp)
                 ok = await me.engine.reserve_for_import(rid, ids, params)
             except ValueError as e:
                 raise errors.bad_request(str(e)) from None
@@ -226,7 +227,6 @@ class Disaggregation:
                 w.metrics.rejected("queue_full")
                 raise errors.APIError(429, "no free KV cache blocks for this prompt", code="no_kv_blocks",
                                       headers={"Retry-After": "1"})
-            specs = me.direct.load_specs(rid, len(ids), data.prefill_tp)  # whole layers, or each rank's heads
             me.connector.start_load_kv(specs[0])
             try:  # every follower expects its heads before the router hears where to send them
                 ports = await me.direct.expect(rid, specs, me.engine)
