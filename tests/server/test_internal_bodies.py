@@ -98,6 +98,22 @@ def test_reserve_with_an_impossible_prefill_tp_is_400_and_holds_nothing() -> Non
         assert ok.status_code == 200 and ok.json()["rank_ports"], ok.text
 
 
+def test_prefill_to_decode_ranks_the_heads_cannot_split_is_400() -> None:
+    """/internal/prefill whose target names 3 decode ranks for 4 KV heads: a 400 before the stream (inside
+    it the connection would just break), and the engine never sees the request."""
+    engine = DisaggFakeEngine()
+    engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = 4
+    d = Disaggregation(engine, role="prefill", secret=SECRET)
+    app = build_app(engine, role="prefill", served_model_name="fake", routers=[d.router], on_startup=[d.start],
+                    on_shutdown=[d.stop], request_timeout=30)
+    with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
+        target = {"host": "127.0.0.1", "port": 9, "rank_ports": [9, 10, 11]}
+        r = c.post("/internal/prefill", json={**RUN, "request_id": "p3", "target": target})
+        assert_openai_400(r)
+        assert "rank_ports" in r.json()["error"]["message"]
+        assert engine.seen == []
+
+
 def test_valid_internal_generate_still_streams(internal: tuple[httpx.Client, DisaggFakeEngine]) -> None:
     c, _ = internal
     tok = c.post("/internal/tokenize", json={"kind": "completions", "body": {"prompt": "abc", "max_tokens": 2}})

@@ -9,8 +9,7 @@ The router drives one disaggregated request like this:
      by layer to the decode worker; NDJSON `first_token` as soon as prefill is done, then `transferred` once
      every layer is acknowledged (or `error`).
   4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
-     remaining tokens as NDJSON. Short prompts (and resumes after a decode worker died) use
-     POST /internal/generate instead, which prefills on the decode worker itself.
+     remaining tokens as NDJSON. Short prompts and resumes use /internal/generate (prefill on the decode side).
 Every path that does not end normally releases the request's blocks on both sides (abort, cancel, or the
 reaper for reservations that never get their /internal/decode)."""
 
@@ -248,6 +247,7 @@ class Disaggregation:
             ids, params = checked(w, data)  # a bad request is a 400 here, not a broken stream later
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
+            me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
             w.admit()
             rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
             return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any
 
+from pdcluster.worker.api import errors
 from pdcluster.worker.engine.parallel import kv_relay
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 from pdcluster.worker.transfer import head_slice, reshard
@@ -202,6 +203,15 @@ class DirectKV:
                 self.control.send(r, {"op": "cancel", "rid": rid})
 
     # ------------------------------------------------------------------ prefill side
+    def check_target(self, rank_ports: list[int] | None) -> None:
+        """A 400 before the stream starts when the decode ranks given cannot take this worker's KV heads
+        (e.g. 3 ranks for 4 heads): inside the stream it would only break the connection."""
+        if self.enabled and rank_ports and (self.tp, len(rank_ports)) != (1, 1):
+            try:
+                reshard.plan(self.num_kv_heads, self.tp, len(rank_ports))
+            except ValueError as e:
+                raise errors.bad_request(f"target.rank_ports: {e}", param="target.rank_ports") from None
+
     def start_save(self, rid: str, target: TransferTarget, rank_ports: list[int] | None
                    ) -> list[head_slice.HeadRoute] | None:
         """Start sending ``rid``: rank 0's head routes when it goes direct (the followers learn theirs from
