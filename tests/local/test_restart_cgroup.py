@@ -38,6 +38,14 @@ def test_a_cgroup2_path_is_taken_relative_to_the_mounted_root_and_options_are_no
     assert cg.moved_dirs(outside, cg.parse_placement(OWN), cg.parse_mounts(MOUNTINFO)) == []
 
 
+def test_an_exiting_child_reads_as_the_root_of_every_hierarchy_and_that_is_not_a_placement() -> None:
+    # seen on this box: a SIGKILLed worker not yet reaped shows "/" everywhere, memory included, where up sits
+    # in /process_api/...: taken at face value, the restart joined the memory root and lost the CPU limit
+    exiting = cg.parse_placement("9:name=systemd:/\n4:memory:/\n1:cpu,cpuacct:/\n0::/\n")
+    own = cg.parse_placement("9:name=systemd:/\n4:memory:/process_api/1\n1:cpu,cpuacct:/\n0::/kubepods\n")
+    assert cg.moved_dirs(exiting, own, cg.parse_mounts(MOUNTINFO)) == []
+
+
 def test_same_placement_or_unreadable_child_means_nothing_to_rejoin(tmp_path: Path) -> None:
     assert cg.moved_dirs(cg.parse_placement(OWN), cg.parse_placement(OWN), cg.parse_mounts(MOUNTINFO)) == []
     assert cg.Placement(tmp_path).dirs_of(12345) is None  # gone: the last placement read is kept
@@ -136,3 +144,38 @@ def test_up_gives_up_after_start_timeout_and_names_the_flag(tmp_path: Path, caps
             break
     assert rc == 1 and time.monotonic() - t0 < 60, err
     assert "within 0.5 s (--start-timeout)" in err and f"127.0.0.1:{port}" in err, err
+
+
+class ExitingPlacement(FakePlacement):
+    """In its group while alive; then, killed but not yet reaped, the child reads as the root cgroup."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        super().__init__(dirs)
+        self.exiting = False
+
+    def dirs_of(self, pid: int) -> list[Path] | None:
+        return [] if self.exiting else list(self.dirs)
+
+
+def test_a_read_during_the_childs_exit_does_not_forget_its_group(tmp_path: Path) -> None:
+    """The real-cgroup test failed 1 run in 3: a poll between the SIGKILL and the reaping read the exiting
+    task's placement as the root cgroup and the restart went to `up`'s own."""
+    group = tmp_path / "decode-18602"
+    group.mkdir()
+    place = ExitingPlacement([group])
+    sup = Supervisor(tmp_path / "logs", placement=place)
+    try:
+        p = sup.add("decode-0", [sys.executable, "-c", "import time; time.sleep(60)"])
+        sup.poll()
+        place.exiting = True
+        sup.poll()  # still alive by popen's account, in its exit by /proc's
+        first = p.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while p.pid == first and time.monotonic() < deadline:
+            sup.poll()
+            time.sleep(0.05)
+        assert (group / "cgroup.procs").read_text() == str(p.pid)
+    finally:
+        sup.stop(timeout=5)

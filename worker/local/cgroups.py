@@ -47,9 +47,13 @@ def parse_mounts(mountinfo: str) -> dict[Hierarchy, tuple[str, Path]]:
 def moved_dirs(child: Mapping[Hierarchy, str], own: Mapping[Hierarchy, str],
                mounts: Mapping[Hierarchy, tuple[str, Path]]) -> list[Path]:
     """The cgroup directories of the hierarchies in which `child` sits elsewhere than `own` (the supervisor),
-    the ones a restart must rejoin. A hierarchy not mounted here, or a path outside its mount, is skipped."""
+    the ones a restart must rejoin. A hierarchy not mounted here, or a path outside its mount, is skipped, and
+    so is a root path: a task in its exit (killed, not yet reaped) reads as the root of every hierarchy, and
+    no limit is ever set by moving a worker to the root."""
     out: list[Path] = []
     for key, path in sorted(child.items(), key=lambda kv: sorted(kv[0])):
+        if path == "/":
+            continue
         # a v1 mount's options hold its controllers among others (rw, xattr, ...); cgroup2 has the empty key
         mount = next((m for opts, m in mounts.items() if (opts >= key if key else not opts)), None)
         if own.get(key) == path or mount is None:

@@ -151,9 +151,12 @@ class Supervisor:
         return events
 
     def _note_placement(self, p: Proc) -> None:
-        """Remembers where a live child sits (read every poll: a limit may be set on it at any time)."""
+        """Remembers where a live child sits (read every poll: a limit may be set on it at any time). A read
+        that finds it nowhere special does not erase what was seen: a task already in its exit (killed, not yet
+        reaped) reads as the root cgroup, and forgetting its group then was the race that lost the limit. A
+        group removed since is skipped at the restart (`cgroups.join`)."""
         dirs = self.placement.dirs_of(p.pid) if p.pid is not None else None
-        if dirs is not None:
+        if dirs:
             p.cgroups = dirs
 
     def _give_up_if_hopeless(self, p: Proc, code: int) -> None:
