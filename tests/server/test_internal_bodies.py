@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 from collections.abc import Iterator
@@ -22,14 +23,23 @@ SECRET = b"internal-bodies-secret-0123456789"
 AUTH = {"Authorization": "Bearer " + hmac.new(SECRET, b"pdcluster-internal-v1", hashlib.sha256).hexdigest()}
 
 
-@pytest.fixture(scope="module")
-def internal() -> Iterator[tuple[httpx.Client, DisaggFakeEngine]]:
+@contextlib.contextmanager
+def internal_app(role: str = "decode", kv_heads: int | None = None) -> Iterator[tuple[httpx.Client, DisaggFakeEngine]]:
+    """A worker of ``role`` over real HTTP with the fake engine (its model given ``kv_heads`` KV heads)."""
     engine = DisaggFakeEngine()
-    d = Disaggregation(engine, role="decode", secret=SECRET)
-    app = build_app(engine, role="decode", served_model_name="fake", routers=[d.router], on_startup=[d.start],
+    if kv_heads is not None:
+        engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = kv_heads
+    d = Disaggregation(engine, role=role, secret=SECRET)
+    app = build_app(engine, role=role, served_model_name="fake", routers=[d.router], on_startup=[d.start],
                     on_shutdown=[d.stop], request_timeout=30)
     with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
         yield c, engine
+
+
+@pytest.fixture(scope="module")
+def internal() -> Iterator[tuple[httpx.Client, DisaggFakeEngine]]:
+    with internal_app() as got:
+        yield got
 
 
 GOOD_PARAMS = {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [],
@@ -84,12 +94,7 @@ def test_reserve_with_an_impossible_prefill_tp_is_400_and_holds_nothing() -> Non
     """A prefill TP that cannot split the model's KV heads (3 ranks, 4 heads) is refused before any block is
     reserved, not a 500 after (the router only sends prefill_tp it read from the worker, but /internal is an
     API and a wrong value must lose nothing)."""
-    engine = DisaggFakeEngine()
-    engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = 4
-    d = Disaggregation(engine, role="decode", secret=SECRET)
-    app = build_app(engine, role="decode", served_model_name="fake", routers=[d.router], on_startup=[d.start],
-                    on_shutdown=[d.stop], request_timeout=30)
-    with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
+    with internal_app("decode", kv_heads=4) as (c, engine):
         r = c.post("/internal/reserve", json={**RUN, "request_id": "tp3", "prefill_tp": 3})
         assert_openai_400(r)
         assert "KV head" in r.json()["error"]["message"]
@@ -101,12 +106,7 @@ def test_reserve_with_an_impossible_prefill_tp_is_400_and_holds_nothing() -> Non
 def test_prefill_to_decode_ranks_the_heads_cannot_split_is_400() -> None:
     """/internal/prefill whose target names 3 decode ranks for 4 KV heads: a 400 before the stream (inside
     it the connection would just break), and the engine never sees the request."""
-    engine = DisaggFakeEngine()
-    engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = 4
-    d = Disaggregation(engine, role="prefill", secret=SECRET)
-    app = build_app(engine, role="prefill", served_model_name="fake", routers=[d.router], on_startup=[d.start],
-                    on_shutdown=[d.stop], request_timeout=30)
-    with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
+    with internal_app("prefill", kv_heads=4) as (c, engine):
         target = {"host": "127.0.0.1", "port": 9, "rank_ports": [9, 10, 11]}
         r = c.post("/internal/prefill", json={**RUN, "request_id": "p3", "target": target})
         assert_openai_400(r)
