@@ -70,6 +70,10 @@ def test_cpu_stat_parsing_and_throttled_share():
 def test_process_table_reads_our_own_child():
     child = subprocess.Popen(["sleep", "30"])
     try:
+        # Popen returns after the fork, maybe before the exec: until then the child's cmdline is ours
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/cmdline").read_bytes() != b"sleep\x0030\x00" and time.monotonic() < deadline:
+            time.sleep(0.01)
         table = cl.process_table()
         assert table[child.pid] == (os.getpid(), ["sleep", "30"])
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .harness import AUTH, SECRET, free_port, metric
+from .harness import AUTH, SECRET, metric
 
 MAX_NEW = 160
 
@@ -175,12 +176,16 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
 
 
 def free_block(n: int) -> int:
-    """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it)."""
+    """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it), below the
+    kernel's ephemeral range: a block inside it can be taken between this check and `up`'s binds by any
+    socket the stack opens meanwhile (a worker's UCX listener took decode-1's port in one CI run)."""
     from pdcluster.worker.local.launcher import port_in_use
 
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     while True:
-        p = free_port()
-        if p + n < 65535 and not any(port_in_use("127.0.0.1", p + i) for i in range(n)):
+        p = rng.randrange(max(1024, low - 8000), low - n)
+        if not any(port_in_use("127.0.0.1", p + i) for i in range(n)):
             return p
 
 
