@@ -74,3 +74,28 @@ def test_network_policy_opens_one_kv_port_per_decode_rank() -> None:
     assert kv == [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]  # TP 1: as before
     kv = render_network_policy(owner, 4)["spec"]["ingress"][1]["ports"]
     assert kv == [{"protocol": "TCP", "port": KV_TRANSFER_PORT, "endPort": KV_TRANSFER_PORT + 3}]
+
+
+class NixlConnector:  # named as the real one: DirectKV decides by the connector's class name
+    pass
+
+
+class TCPConnector:
+    pass
+
+
+@pytest.mark.parametrize(("path", "conn", "direct"), [
+    ("auto", TCPConnector, True), ("auto", NixlConnector, False), ("direct", NixlConnector, True),
+    ("relay", TCPConnector, False), ("auto", None, False)])
+def test_which_path_auto_direct_and_relay_choose(path: str, conn: type | None, direct: bool) -> None:
+    """auto: direct over TCP, the relay over NIXL (a wrong-token run on TP 1 -> 2 direct over NIXL is not
+    explained yet); direct and relay as asked; no connector (no secret): the relay, whatever was asked."""
+    from types import SimpleNamespace
+
+    from pdcluster.worker.server.tp_direct import DirectKV
+
+    disagg = SimpleNamespace(engine=None, num_layers=2, kv_heads=4, head_dim=8, timeout=5.0, transfer_port=None,
+                             connector=conn() if conn else None)
+    kv = DirectKV(disagg, path=path)
+    assert kv.enabled is direct
+    assert direct or kv.reason

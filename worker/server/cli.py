@@ -33,7 +33,7 @@ class TransferOptions:
     max_retries: int = 3
     secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
     backend: str = "auto"  # auto | nixl | tcp (worker/transfer/backend.py)
-    tp_path: str = "direct"  # direct | relay: KV between TP layouts (server/tp_direct.py)
+    tp_path: str = "auto"  # auto | direct | relay: KV between TP layouts (server/tp_direct.py)
 
 
 class UsageError(Exception):
@@ -109,10 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=cli_args.non_negative_int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
-    t.add_argument("--kv-transfer-tp-path", choices=["direct", "relay"], default="direct",
+    t.add_argument("--kv-transfer-tp-path", choices=["auto", "direct", "relay"], default="auto",
                    help="KV between tensor-parallel layouts: direct (each rank sends/receives its own KV heads "
-                        "on its own endpoint, when the peer advertises it) or relay (through rank 0 over the "
-                        "ranks' group). Default: direct")
+                        "on its own endpoint, when the peer advertises it), relay (through rank 0 over the "
+                        "ranks' group) or auto (direct over TCP, relay over NIXL). Default: auto")
     add_engine_arguments(parser)
 
 
@@ -128,7 +128,7 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
         max_retries=args.kv_transfer_max_retries,
         secret_file=args.kv_transfer_secret_file,
         backend=args.kv_transfer_backend,
-        tp_path=getattr(args, "kv_transfer_tp_path", "direct"),
+        tp_path=getattr(args, "kv_transfer_tp_path", "auto"),
     )
 
 

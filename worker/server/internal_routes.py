@@ -63,7 +63,7 @@ class Disaggregation:
     def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
                  transfer_port: int | None = None, node: str | None = None, backend: str = "tcp",
-                 tp_path: str = "direct") -> None:
+                 tp_path: str = "auto") -> None:
         self.engine = engine  # AsyncEngine
         self.role = role
         self.timeout = timeout
@@ -83,7 +83,7 @@ class Disaggregation:
         self.router = self._routes()
         self.layout = engine.kv_layout
         self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
-        self.direct = DirectKV(self, enabled=tp_path == "direct")  # each TP rank's own endpoint, or the relay
+        self.direct = DirectKV(self, path=tp_path)  # each TP rank's own endpoint, or the relay
 
     @classmethod
     def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
@@ -101,7 +101,7 @@ class Disaggregation:
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
-                   backend=getattr(options, "backend", "auto"), tp_path=getattr(options, "tp_path", "direct"))
+                   backend=getattr(options, "backend", "auto"), tp_path=getattr(options, "tp_path", "auto"))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

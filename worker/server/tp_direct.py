@@ -53,7 +53,7 @@ def _fail(fut: asyncio.Future[Any], e: Exception) -> None:
 class DirectKV:
     """The followers' endpoints as rank 0 sees them, and the per-request waits on their outcomes."""
 
-    def __init__(self, disagg: Any, *, enabled: bool) -> None:
+    def __init__(self, disagg: Any, *, path: str = "auto") -> None:
         self.disagg = disagg  # internal_routes.Disaggregation: its connector, options and KV layout
         self.runner = find_runner(disagg.engine)
         self.control: Any = getattr(self.runner, "control", None)  # parallel/control.py (TP > 1)
@@ -62,8 +62,12 @@ class DirectKV:
         self.timeout = float(disagg.timeout)
         # --kv-transfer-port P: rank r listens on P + r (a NetworkPolicy can name the range); none: any free port
         self.port_base = int(disagg.transfer_port or 0)
-        enabled = enabled and disagg.connector is not None
+        enabled = path != "relay" and disagg.connector is not None
         self.enabled, self.reason = enabled, "" if enabled else "--kv-transfer-tp-path relay, or no transfer secret"
+        # auto: direct over TCP, the relay over NIXL. A fresh-clone CI run saw wrong tokens once on TP 1 -> 2
+        # direct over NIXL (passes alone; cause not found yet): until it is, NIXL takes direct only when asked.
+        if enabled and path == "auto" and type(disagg.connector).__name__ == "NixlConnector":
+            self.enabled, self.reason = False, "auto with NIXL (direct over NIXL only with --kv-transfer-tp-path direct)"
         self.ports: list[int] = []
         self.sent, self.received = [0] * self.tp, [0] * self.tp
         self.dead: set[int] = set()
