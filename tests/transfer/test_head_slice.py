@@ -36,6 +36,19 @@ def test_slice_heads_is_free_for_all_heads_and_a_copy_otherwise() -> None:
         slice_heads(k, v, None, 3, 2)
 
 
+def test_a_one_token_range_is_a_copy_too() -> None:
+    """A save of one token: heads [0, 2) of a [1, 4, D] tensor are already contiguous, and `.contiguous()`
+    returned the view itself, whose data_ptr is the export's. A NIXL sender keys the staging it lent the
+    export by that pointer: the first route took the export's region as its own, freed it (size mismatch) and
+    the second route read heads out of freed staging — wrong tokens on TP 1 -> 2 direct over NIXL."""
+    k, v = torch.randn(1, H, D), torch.randn(1, H, D)
+    for src in (0, 2):
+        sk, sv, _ = slice_heads(k, v, None, src, 2)
+        assert torch.equal(sk, k[:, src:src + 2]) and torch.equal(sv, v[:, src:src + 2])
+        assert sk.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+        assert sv.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
 @pytest.mark.parametrize("wire", ["float", "int8"])
 def test_write_heads_equals_writing_the_whole_layer(kv_dtype: str, wire: str) -> None:

@@ -231,3 +231,31 @@ async def test_tampered_staging_read_on_the_loop_is_not_imported() -> None:
     recv.cancel_load("t")
     assert_released(send, recv)
     await close(send, recv)
+
+
+async def test_two_head_routes_of_a_one_token_export_in_staging_arrive_exact() -> None:
+    """TP 1 -> 2 over NIXL: one save of one token, exported by the engine into staging the sender lent, cut
+    into two head ranges. Heads [0, 2) of a [1, 4, D] save were a view sharing the export's first byte: the
+    first route took and freed the export's region and its staging copy overwrote heads [2, 4) before the
+    second route read them (wrong tokens from the third on, once, in CI)."""
+    from pdcluster.worker.transfer.head_slice import HeadRoute
+
+    send, recv, got, target = await pair()
+    heads = 4
+    recv.start_load_kv(LoadSpec("one", 1, 1, heads, DIM, 0, ((0, 2), (2, 2))))
+    send.start_save_heads("one", [HeadRoute(target.host, target.port, s, 2, s) for s in (0, 2)], 1)
+    n = heads * DIM * 4  # bytes of K (fp32, one token)
+    buf = send.export_buffer("one", 0, 0, 2 * n, False)
+    assert buf is not None, "the sender should lend staging for the export"
+    k, v = buf[:n].view(torch.float32).view(1, heads, DIM), buf[n:].view(torch.float32).view(1, heads, DIM)
+    want_k, want_v = torch.randn(1, heads, DIM), torch.randn(1, heads, DIM)
+    k.copy_(want_k)
+    v.copy_(want_v)
+    send.save_kv_layer("one", 0, k, v)
+    await send.wait_for_save("one")
+    await recv.wait_for_load("one", timeout=10)
+    assert sorted(got.head_offsets) == [0, 2]
+    for (_, _, rk, rv, _), off in zip(got.raw, got.head_offsets, strict=True):
+        assert torch.equal(rk, want_k[:, off:off + 2]) and torch.equal(rv, want_v[:, off:off + 2]), off
+    assert_released(send, recv)
+    await close(send, recv)

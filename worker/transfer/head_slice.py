@@ -61,7 +61,9 @@ def slice_heads(k: torch.Tensor, v: torch.Tensor, scales: codec.Scales | None, s
         raise ValueError(f"head range [{src}, +{count}) outside the sender's {heads} heads")
     if (src, count) == (0, heads):
         return k, v, scales
-    cut = [t[:, src:src + count].contiguous() for t in (k, v, *(scales or ()))]
+    # a copy even when the range is already contiguous (one token): a view would share the export's memory,
+    # which a NIXL sender keys by its first byte and frees once a route has taken it
+    cut = [t[:, src:src + count].clone(memory_format=torch.contiguous_format) for t in (k, v, *(scales or ()))]
     return cut[0], cut[1], (cut[2], cut[3]) if scales is not None else None
 
 
