@@ -40,6 +40,18 @@ def _request(router: str) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - t0
 
 
+def _assert_faulted_and_clean(urls: dict[str, str], faulted: str) -> None:
+    """After a follower of ``faulted`` died: that worker is unhealthy, both sides hold nothing, every surviving
+    rank is clean and the faulted worker reports exactly its rank 1 dead."""
+    assert httpx.get(f"{urls[faulted]}/health", timeout=5).status_code == 503
+    for role in ("prefill", "decode"):
+        d = _quiet(urls[role])
+        assert d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0, (role, d)
+    assert_ranks_clean(urls, skip_dead=True)
+    ranks = httpx.get(f"{urls[faulted]}/internal/load?ranks=1", headers=AUTH, timeout=15).json()["kv_ranks"]
+    assert [bool(x.get("dead")) for x in ranks] == [False, True], ranks
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_follower_killed_mid_transfer(model: Path, tmp_path: Path, backend: str) -> None:  # noqa: F811
     """Prefill TP 2 -> decode TP 1: prefill rank 1 dies after sending its heads of layer 0."""
@@ -50,13 +62,7 @@ def test_prefill_follower_killed_mid_transfer(model: Path, tmp_path: Path, backe
         assert seconds < 90 and r.status_code in (200, 500, 502, 503), r.text
         if r.status_code == 200:  # the router's fallback prefilled on the decode worker: still the right tokens
             assert r.json()["choices"][0]["token_ids"] == reference(model, [prompts()[-1]])[0]
-        assert httpx.get(f"{urls['prefill']}/health", timeout=5).status_code == 503
-        for role in ("prefill", "decode"):
-            d = _quiet(urls[role])
-            assert d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0, (role, d)
-        assert_ranks_clean(urls, skip_dead=True)
-        ranks = httpx.get(f"{urls['prefill']}/internal/load?ranks=1", headers=AUTH, timeout=15).json()["kv_ranks"]
-        assert [bool(x.get("dead")) for x in ranks] == [False, True], ranks
+        _assert_faulted_and_clean(urls, "prefill")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -67,10 +73,4 @@ def test_decode_follower_killed_mid_transfer(model: Path, tmp_path: Path, backen
         assert isinstance(urls, dict)
         r, seconds = _request(urls["router"])
         assert seconds < 90 and r.status_code in (200, 500, 502, 503), r.text
-        assert httpx.get(f"{urls['decode']}/health", timeout=5).status_code == 503
-        for role in ("prefill", "decode"):
-            d = _quiet(urls[role])
-            assert d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0, (role, d)
-        assert_ranks_clean(urls, skip_dead=True)
-        ranks = httpx.get(f"{urls['decode']}/internal/load?ranks=1", headers=AUTH, timeout=15).json()["kv_ranks"]
-        assert [bool(x.get("dead")) for x in ranks] == [False, True], ranks
+        _assert_faulted_and_clean(urls, "decode")

@@ -71,6 +71,25 @@ async def run(send: Any, recv: Any, target: TransferTarget, rid: str, layers: in
     return res
 
 
+async def send_tampered_layer(send: Any, recv: Any, target: TransferTarget) -> None:
+    """Layer 0 of request "t" with its staged bytes flipped after the MAC was taken: refused on both sides."""
+    orig = send._frames
+
+    def tamper(*a: Any) -> list[Frame]:
+        frames = orig(*a)
+        send.agent.buffer[:64] ^= 0xFF  # what a peer on the fabric could do to the registered region
+        return frames
+
+    send._frames = tamper
+    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("t", target, LAYERS)
+    send.save_kv_layer("t", 0, *kv(0))
+    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+        await send.wait_for_save("t")
+    with pytest.raises(TransferError, match="MAC"):
+        await recv.wait_for_load("t", timeout=5)
+
+
 @pytest.mark.parametrize("compression", ["none", "int8"])
 async def test_staged_layers_arrive_exact_or_within_int8(compression: str) -> None:
     send, recv, got, target = await pair({"compression": compression})
@@ -93,21 +112,7 @@ async def test_staged_layers_arrive_exact_or_within_int8(compression: str) -> No
 async def test_tampered_staging_is_not_imported() -> None:
     """NIXL's data plane is unauthenticated: bytes changed after staging fail the MAC at the receiver."""
     send, recv, got, target = await pair()
-    orig = send._frames
-
-    def tamper(*a: Any) -> list[Frame]:
-        frames = orig(*a)
-        send.agent.buffer[:64] ^= 0xFF  # what a peer on the fabric could do to the registered region
-        return frames
-
-    send._frames = tamper
-    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
-    send.start_save("t", target, LAYERS)
-    send.save_kv_layer("t", 0, *kv(0))
-    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
-        await send.wait_for_save("t")
-    with pytest.raises(TransferError, match="MAC"):
-        await recv.wait_for_load("t", timeout=5)
+    await send_tampered_layer(send, recv, target)
     assert not got
     recv.cancel_load("t")
     assert_released(send, recv)
@@ -212,21 +217,7 @@ async def test_tampered_staging_read_on_the_loop_is_not_imported() -> None:
     loop, no thread)."""
     send, recv, got, target = await pair()
     await run(send, recv, target, "warm", layers=1)  # adds the sender's agent at the receiver
-    orig = send._frames
-
-    def tamper(*a: Any) -> list[Frame]:
-        frames = orig(*a)
-        send.agent.buffer[:64] ^= 0xFF
-        return frames
-
-    send._frames = tamper
-    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
-    send.start_save("t", target, LAYERS)
-    send.save_kv_layer("t", 0, *kv(0))
-    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
-        await send.wait_for_save("t")
-    with pytest.raises(TransferError, match="MAC"):
-        await recv.wait_for_load("t", timeout=5)
+    await send_tampered_layer(send, recv, target)
     assert ("t", 0) not in got
     recv.cancel_load("t")
     assert_released(send, recv)
