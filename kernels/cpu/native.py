@@ -1,0 +1,105 @@
+"""Build-once loader for the C++ CPU kernels in this folder.
+
+Why JIT and not a wheel-time build: the project installs as plain Python (uv, editable) and the kernels use
+AVX-512, which only the machine that runs them can vouch for. A module is compiled the first time a process
+asks for it, into a cache folder keyed by everything that changes the binary (sources, flags, torch and
+Python versions), so the next process loads it in milliseconds. Nothing here is required: every failure
+(no compiler, no ninja, a CPU without AVX-512, a compile error) logs one line saying why and returns None,
+and the caller runs its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("pdcluster.kernels.cpu")
+
+HERE = Path(__file__).resolve().parent
+ENV_SWITCH = "PDCLUSTER_NATIVE_KERNELS"  # "0" turns every native kernel off
+CFLAGS = ["-O3", "-march=x86-64-v4", "-mtune=native", "-fopenmp", "-ffp-contract=fast"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType | None] = {}
+
+
+def cpu_flags() -> set[str]:
+    """The `flags` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why no native kernel can be built or run here, or None when they can."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 Linux ({sys.platform}/{platform.machine()})"
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - cpu_flags()
+    if missing:
+        return "the CPU lacks " + ", ".join(sorted(missing))
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return "no C++ compiler on PATH"
+    if not shutil.which("ninja"):
+        return "ninja is not on PATH"
+    return None
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PDCLUSTER_CACHE") or str(Path.home() / ".cache" / "pdcluster")
+    return Path(base) / "native-kernels"
+
+
+def build_key(name: str, sources: list[Path]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS)):
+        h.update(part.encode() + b"\0")
+    for src in sources:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def load(name: str, sources: list[str]) -> ModuleType | None:
+    """The compiled module `name` built from `sources` (file names in this folder), or None (logged once)."""
+    with _lock:
+        if name in _modules:
+            return _modules[name]
+        _modules[name] = mod = _build(name, [HERE / s for s in sources])
+        return mod
+
+
+def _build(name: str, sources: list[Path]) -> ModuleType | None:
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("native CPU kernel %s off: %s; using the torch path", name, reason)
+        return None
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        key = build_key(name, sources)
+        folder = cache_root() / f"{name}-{key}"
+        folder.mkdir(parents=True, exist_ok=True)
+        # copies: cpp_extension appends its own flags to the lists it is given
+        mod = cpp_load(name=f"{name}_{key}", sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
+                       extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
+    except Exception as exc:  # a failed build must never take the worker down: it has a torch path
+        log.warning("native CPU kernel %s could not be built (%s: %s); using the torch path",
+                    name, type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+        return None
+    log.info("native CPU kernel %s loaded from %s", name, folder)
+    return mod

@@ -1,0 +1,65 @@
+"""The native-kernel loader: builds once into the cache, and falls back (None, logged) on every failure."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdcluster.kernels.cpu import native
+
+SRC = """
+#include <torch/extension.h>
+torch::Tensor twice(torch::Tensor x) { return x * 2; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDCLUSTER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_modules", {})
+    return tmp_path
+
+
+needs_build = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                 reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+
+
+@needs_build
+def test_builds_once_into_the_cache_keyed_by_source(fresh: Path):
+    src = fresh / "twice.cpp"
+    src.write_text(SRC)
+    mod = native.load("pdc_test_twice", [str(src)])
+    assert mod is not None
+    assert torch.equal(mod.twice(torch.arange(4.0)), torch.arange(4.0) * 2)
+    assert native.load("pdc_test_twice", [str(src)]) is mod  # same process: no rebuild
+    folders = list((fresh / "cache" / "native-kernels").iterdir())
+    assert [f.name.split("-")[0] for f in folders] == ["pdc_test_twice"]
+    assert folders[0].name == "pdc_test_twice-" + native.build_key("pdc_test_twice", [src]), folders
+    src.write_text(SRC + "\n// changed\n")
+    assert native.build_key("pdc_test_twice", [src]) not in folders[0].name
+
+
+def test_switched_off_by_env(fresh: Path, monkeypatch, caplog):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        assert native.load("pdc_test_off", ["does-not-matter.cpp"]) is None
+    assert f"{native.ENV_SWITCH}=0" in caplog.text
+
+
+def test_no_avx512_means_torch_path(fresh: Path, monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+    assert "avx512" in (native.unavailable_reason() or "")
+    assert native.load("pdc_test_noavx", ["x.cpp"]) is None
+
+
+@needs_build
+def test_compile_error_is_logged_not_raised(fresh: Path, caplog):
+    src = fresh / "broken.cpp"
+    src.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger="pdcluster.kernels.cpu"):
+        assert native.load("pdc_test_broken", [str(src)]) is None
+    assert "could not be built" in caplog.text and "torch path" in caplog.text
