@@ -151,10 +151,7 @@ NIXL = pytest.mark.skipif(_nixl() is not None, reason=str(_nixl()))
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,backend,path", [
     (2, 1, "tcp", "direct"), (1, 2, "tcp", "direct"), (2, 4, "tcp", "direct"),
-    pytest.param(2, 1, "nixl", "direct", marks=NIXL), pytest.param(1, 2, "nixl", "direct", marks=[NIXL, pytest.mark.xfail(
-        strict=False, reason="wrong tokens in one CI run; cause found and fixed (a one-token head slice aliased "
-        "the export's NIXL staging: tests/transfer/test_nixl_connector.py, one_token); not strict until CI has "
-        "run it green, then drop this and make `auto` direct over NIXL")]),
+    pytest.param(2, 1, "nixl", "direct", marks=NIXL), pytest.param(1, 2, "nixl", "direct", marks=NIXL),
     (2, 1, "tcp", "relay"), pytest.param(1, 2, "nixl", "relay", marks=NIXL)])
 def test_greedy_through_router_equals_tp1(model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int,
                                           backend: str, path: str) -> None:

@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-transfer-tp-path", choices=["auto", "direct", "relay"], default="auto",
                    help="KV between tensor-parallel layouts: direct (each rank sends/receives its own KV heads "
                         "on its own endpoint, when the peer advertises it), relay (through rank 0 over the "
-                        "ranks' group) or auto (direct over TCP, relay over NIXL). Default: auto")
+                        "ranks' group) or auto (today the same as direct, on either backend). Default: auto")
     add_engine_arguments(parser)
 
 

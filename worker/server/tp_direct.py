@@ -64,10 +64,6 @@ class DirectKV:
         self.port_base = int(disagg.transfer_port or 0)
         enabled = path != "relay" and disagg.connector is not None
         self.enabled, self.reason = enabled, "" if enabled else "--kv-transfer-tp-path relay, or no transfer secret"
-        # auto: direct over TCP, the relay over NIXL. A fresh-clone CI run saw wrong tokens once on TP 1 -> 2
-        # direct over NIXL (passes alone; cause not found yet): until it is, NIXL takes direct only when asked.
-        if enabled and path == "auto" and type(disagg.connector).__name__ == "NixlConnector":
-            self.enabled, self.reason = False, "auto with NIXL (direct over NIXL only with --kv-transfer-tp-path direct)"
         self.ports: list[int] = []
         self.sent, self.received = [0] * self.tp, [0] * self.tp
         self.dead: set[int] = set()
