@@ -1,5 +1,6 @@
-"""CPU decode attention: the mask is built once per step as an additive bias (absent when every row is full)
-and K/V are gathered with index_select; both leave the logits' bits as they were."""
+"""CPU decode attention, torch path: the mask is built once per step as an additive bias (absent when every row
+is full) and K/V are gathered with index_select; both leave the logits' bits as they were. The native kernel
+(tests/engine/test_native_decode.py) is switched off here: these tests are about the path it replaces."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from pdcluster.worker.engine import attention
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _torch_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention.cpu_attention, "available", lambda *a: False)
 
 
 def test_bias_only_for_ragged_batches(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:

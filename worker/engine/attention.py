@@ -2,11 +2,13 @@
 (q/k RMSNorm per head, a sliding window, tanh soft-capping of the scores, a custom score scale).
 
 Prefill attends with SDPA (a banded mask for sliding-window layers) or, with soft-capping, with the same
-matmul / tanh / softmax sequence as transformers' eager attention. Decode goes through the paged kernel when
-it can; the kernels in ``pdcluster.kernels`` take neither a window nor a soft-cap, so those layers gather
-their keys and values by slot instead: a sliding-window layer gathers only the last ``window`` positions of
-each sequence (built once per step by :func:`window_slots`), which both honours the window exactly and
-bounds the gather's size, and a soft-capped global layer gathers the whole sequence.
+matmul / tanh / softmax sequence as transformers' eager attention. Decode on the CPU goes through the native
+AVX-512 kernel (``pdcluster.kernels.cpu.attention``: reads K/V through the block table, takes the window and
+the soft-cap) wherever it builds and reads the layer's cache format. Otherwise decode goes through the paged
+kernel when it can; the kernels in ``pdcluster.kernels`` take neither a window nor a soft-cap, so those
+layers gather their keys and values by slot instead: a sliding-window layer gathers only the last ``window``
+positions of each sequence (built once per step by :func:`window_slots`), which both honours the window
+exactly and bounds the gather's size, and a soft-capped global layer gathers the whole sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.kernels import dequantize_kv, paged_decode_attention
+from pdcluster.kernels.cpu import attention as cpu_attention
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import RMSNorm
@@ -123,6 +126,9 @@ class Attention(nn.Module):
         if cfg.family.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.family.gemma)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.family.gemma)
+        # Decode through the native CPU kernel: None = decide at the first decode (it needs the cache's
+        # format); benchmarks set False to measure the torch path in the same process
+        self.native_decode: bool | None = None
 
     @property
     def gathers_whole_sequence(self) -> bool:
@@ -190,6 +196,14 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
     def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
+        if self.native_decode is None:
+            self.native_decode = cpu_attention.available(cache.k[self.layer], self.head_dim)
+        if self.native_decode and md.block_tables is not None and md.seq_lens is not None:
+            return cpu_attention.paged_decode_attention_cpu(
+                q, cache.k[self.layer], cache.v[self.layer], md.block_tables, md.seq_lens, scale=self.scale,
+                k_scale=cache.k_scale[self.layer], v_scale=cache.v_scale[self.layer], window=self.window,
+                softcap=self.softcap,
+            )
         bias: torch.Tensor | None = None
         if self.window is not None:
             slots, mask = md.window_slots, md.window_mask

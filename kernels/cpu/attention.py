@@ -1,0 +1,77 @@
+"""Paged decode attention on the CPU through the native AVX-512 kernel (``attention.cpp``).
+
+One query token per sequence reads its keys and values straight from the paged cache through the block table:
+no gathered copy, online softmax, the query heads of a KV head sharing every row read, an optional sliding
+window and tanh soft-cap. Caches: fp32, fp16, bf16, int8 and packed int4 (head_dim a multiple of 32) with
+their float32 per-(token, head) scales, the layouts of ``pdcluster.kernels``. Math is float32.
+
+:func:`available` says whether the kernel can serve a cache layer here; callers keep their torch path for
+every other case (no AVX-512 or compiler, ``PDCLUSTER_NATIVE_KERNELS=0``, a CUDA cache).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pdcluster.kernels.cpu import native
+
+NAME = "pdc_attention"
+SOURCES = ["attention.cpp"]
+# Work (positions x KV heads) below which the kernel stays on the calling thread: waking the second thread
+# costs more than it saves on tiny calls (measured: docs/benchmarks/engine.md, native decode attention).
+PARALLEL_MIN = 256
+
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def module() -> ModuleType | None:
+    """The compiled kernel module, or None where it cannot be built (logged once by the loader)."""
+    return native.load(NAME, SOURCES)
+
+
+def supports(cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel handles a cache pool of this dtype/device and head dim (before loading it)."""
+    if cache.device.type != "cpu" or not cache.is_contiguous():
+        return False
+    if cache.dtype in _FLOAT or cache.dtype == torch.int8:
+        return cache.shape[-1] == head_dim
+    if cache.dtype == torch.uint8:  # packed int4: the kernel unpacks 32 elements (16 bytes) at a time
+        return head_dim % 32 == 0 and cache.shape[-1] == head_dim // 2
+    return False
+
+
+def available(cache: torch.Tensor, head_dim: int) -> bool:
+    return supports(cache, head_dim) and module() is not None
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    parallel_min: int = PARALLEL_MIN,
+) -> torch.Tensor:
+    """``q [seqs, heads, head_dim]`` against the paged caches; returns ``[seqs, heads, head_dim]`` in q.dtype.
+
+    Shapes as ``pdcluster.kernels.paged_decode_attention``; ``window`` keeps the last ``window`` positions
+    (transformers' sliding window), ``softcap`` applies ``tanh(s / cap) * cap`` to the scaled scores. A row
+    with seq_len 0 is zeros. Bad shapes, dtypes or table entries raise (RuntimeError from the kernel).
+    """
+    mod = module()
+    if mod is None:
+        raise RuntimeError(f"native CPU kernel {NAME} is not available here")
+    qf = q.to(torch.float32).contiguous()
+    out = mod.paged_decode(
+        qf, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens.contiguous(), float(scale),
+        int(window or 0), float(softcap or 0.0), int(parallel_min),
+    )
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
