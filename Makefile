@@ -33,6 +33,7 @@ lint: setup
 bench: setup
 	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
 	$(PY) -m pdcluster.bench.served_vs_hf --threads 2 --repeats 3
+	GOMP_SPINCOUNT=2000 $(PY) -m pdcluster.bench.native_attention --threads 2
 	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
 	$(PY) -m pdcluster.bench.disagg_transfer
 
