@@ -130,37 +130,50 @@ void attend_one(const Args& a, int64_t s, int h) {
     sum[g] = 0.0f;
   }
   const int32_t* table = a.bt + s * a.bt_stride;
-  auto slot_of = [&](int pos) -> int64_t {
-    return static_cast<int64_t>(table[pos / a.block_size]) * a.block_size + pos % a.block_size;
-  };
   const bool quant = (K == Kind::I8 || K == Kind::I4);
+  int64_t idx[CHUNK + 3];  // (slot * kv_heads + h) of each position of the chunk; 3 pads repeat the last
   for (int c0 = start; c0 < len; c0 += CHUNK) {
     const int n = std::min(CHUNK, len - c0);
-    // 1. scores, four positions at a time (one K row read serves all G query heads)
+    // Walk the block table once per chunk (no division per position; shared by the K and V passes)
+    int blk = c0 / a.block_size, off = c0 % a.block_size;
+    for (int t = 0; t < n; ++t) {
+      idx[t] = (static_cast<int64_t>(table[blk]) * a.block_size + off) * a.kv_heads + h;
+      if (++off == a.block_size) off = 0, ++blk;
+    }
+    for (int t = n; t < n + 3; ++t) idx[t] = idx[n - 1];
+    // 1. scores, four positions at a time; query heads in pairs so each K row load serves two of them
     for (int t = 0; t < n; t += 4) {
       const void* rows[4];
       float kscale[4] = {1.f, 1.f, 1.f, 1.f};
       for (int i = 0; i < 4; ++i) {
-        int64_t slot = slot_of(c0 + std::min(t + i, n - 1));
-        int64_t idx = slot * a.kv_heads + h;
-        rows[i] = a.k + idx * a.row_bytes;
-        if (quant) kscale[i] = a.ks[idx];
+        rows[i] = a.k + idx[t + i] * a.row_bytes;
+        if (quant) kscale[i] = a.ks[idx[t + i]];
       }
-      for (int g = 0; g < G; ++g) {
-        const float* qg = qs + g * NV * 16;
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      const __m128 vks = _mm_loadu_ps(kscale);
+      for (int g = 0; g < G; g += 2) {
+        const bool pair = g + 1 < G;
+        const float* q0 = qs + g * NV * 16;
+        const float* q1 = pair ? q0 + NV * 16 : q0;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, u0 = s0, u1 = s0, u2 = s0, u3 = s0;
         for (int j = 0; j < NV; ++j) {
           __mmask16 m = (K == Kind::I4 || j < NV - 1) ? 0xFFFF : tail;
-          __m512 qv = _mm512_loadu_ps(qg + 16 * j);
-          s0 = _mm512_fmadd_ps(qv, load_row<K>(rows[0], j, m), s0);
-          s1 = _mm512_fmadd_ps(qv, load_row<K>(rows[1], j, m), s1);
-          s2 = _mm512_fmadd_ps(qv, load_row<K>(rows[2], j, m), s2);
-          s3 = _mm512_fmadd_ps(qv, load_row<K>(rows[3], j, m), s3);
+          const __m512 r0 = load_row<K>(rows[0], j, m), r1 = load_row<K>(rows[1], j, m);
+          const __m512 r2 = load_row<K>(rows[2], j, m), r3 = load_row<K>(rows[3], j, m);
+          const __m512 qa = _mm512_loadu_ps(q0 + 16 * j), qb = _mm512_loadu_ps(q1 + 16 * j);
+          s0 = _mm512_fmadd_ps(qa, r0, s0), s1 = _mm512_fmadd_ps(qa, r1, s1);
+          s2 = _mm512_fmadd_ps(qa, r2, s2), s3 = _mm512_fmadd_ps(qa, r3, s3);
+          if (pair) {
+            u0 = _mm512_fmadd_ps(qb, r0, u0), u1 = _mm512_fmadd_ps(qb, r1, u1);
+            u2 = _mm512_fmadd_ps(qb, r2, u2), u3 = _mm512_fmadd_ps(qb, r3, u3);
+          }
         }
-        __m128 r = _mm_mul_ps(hsum4(s0, s1, s2, s3), _mm_loadu_ps(kscale));
-        float tmp[4];
-        _mm_storeu_ps(tmp, r);
-        for (int i = 0; i < 4 && t + i < n; ++i) sc[g * CHUNK + t + i] = tmp[i];
+        float tmp[8];
+        _mm_storeu_ps(tmp, _mm_mul_ps(hsum4(s0, s1, s2, s3), vks));
+        _mm_storeu_ps(tmp + 4, _mm_mul_ps(hsum4(u0, u1, u2, u3), vks));
+        for (int i = 0; i < 4 && t + i < n; ++i) {
+          sc[g * CHUNK + t + i] = tmp[i];
+          if (pair) sc[(g + 1) * CHUNK + t + i] = tmp[4 + i];
+        }
       }
     }
     // 2. online softmax: rescale what was accumulated to the new max, exponentiate this chunk
@@ -186,29 +199,38 @@ void attend_one(const Args& a, int64_t s, int h) {
         for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ag + 16 * j, _mm512_mul_ps(va, _mm512_loadu_ps(ag + 16 * j)));
       }
     }
-    // 3. acc += p * V, four positions per accumulator load/store
+    // 3. acc += p * V, four positions per accumulator load/store, query heads in pairs
     for (int t = 0; t < n; t += 4) {
       const void* rows[4];
-      float vscale[4] = {1.f, 1.f, 1.f, 1.f};
+      float vscale[4];
       for (int i = 0; i < 4; ++i) {
-        int64_t idx = slot_of(c0 + std::min(t + i, n - 1)) * a.kv_heads + h;
-        rows[i] = a.v + idx * a.row_bytes;
-        if (quant) vscale[i] = a.vs[idx];
-        if (t + i >= n) vscale[i] = 0.0f;  // padding positions repeat the last row with weight 0
+        rows[i] = a.v + idx[t + i] * a.row_bytes;
+        // padding positions repeat the last row with weight 0
+        vscale[i] = t + i >= n ? 0.0f : quant ? a.vs[idx[t + i]] : 1.0f;
       }
-      for (int g = 0; g < G; ++g) {
-        const float* pg = sc + g * CHUNK + t;
-        __m512 p[4];
-        for (int i = 0; i < 4; ++i) p[i] = _mm512_set1_ps(t + i < n ? pg[i] * vscale[i] : 0.0f);
-        float* ag = acc + g * NV * 16;
+      for (int g = 0; g < G; g += 2) {
+        const bool pair = g + 1 < G;
+        __m512 p[4], w[4];
+        for (int i = 0; i < 4; ++i) {
+          p[i] = _mm512_set1_ps(t + i < n ? sc[g * CHUNK + t + i] * vscale[i] : 0.0f);
+          w[i] = _mm512_set1_ps(pair && t + i < n ? sc[(g + 1) * CHUNK + t + i] * vscale[i] : 0.0f);
+        }
+        float* a0 = acc + g * NV * 16;
+        float* a1 = a0 + NV * 16;
         for (int j = 0; j < NV; ++j) {
           __mmask16 m = (K == Kind::I4 || j < NV - 1) ? 0xFFFF : tail;
-          __m512 x = _mm512_loadu_ps(ag + 16 * j);
-          x = _mm512_fmadd_ps(p[0], load_row<K>(rows[0], j, m), x);
-          x = _mm512_fmadd_ps(p[1], load_row<K>(rows[1], j, m), x);
-          x = _mm512_fmadd_ps(p[2], load_row<K>(rows[2], j, m), x);
-          x = _mm512_fmadd_ps(p[3], load_row<K>(rows[3], j, m), x);
-          _mm512_storeu_ps(ag + 16 * j, x);
+          const __m512 r0 = load_row<K>(rows[0], j, m), r1 = load_row<K>(rows[1], j, m);
+          const __m512 r2 = load_row<K>(rows[2], j, m), r3 = load_row<K>(rows[3], j, m);
+          __m512 x = _mm512_loadu_ps(a0 + 16 * j);
+          x = _mm512_fmadd_ps(p[0], r0, x), x = _mm512_fmadd_ps(p[1], r1, x);
+          x = _mm512_fmadd_ps(p[2], r2, x), x = _mm512_fmadd_ps(p[3], r3, x);
+          _mm512_storeu_ps(a0 + 16 * j, x);
+          if (pair) {
+            __m512 y = _mm512_loadu_ps(a1 + 16 * j);
+            y = _mm512_fmadd_ps(w[0], r0, y), y = _mm512_fmadd_ps(w[1], r1, y);
+            y = _mm512_fmadd_ps(w[2], r2, y), y = _mm512_fmadd_ps(w[3], r3, y);
+            _mm512_storeu_ps(a1 + 16 * j, y);
+          }
         }
       }
     }
