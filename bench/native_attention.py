@@ -6,7 +6,8 @@
    block size 16): batch 1 at 190 positions and batch 16 at 160..220 positions (ragged, mean 190). Variants,
    interleaved call by call: the engine's torch path (``gather_kv`` by slot + SDPA with the step's additive
    bias; the slots and the bias are built once per step, so they are outside the timing, as in the engine)
-   and the native kernel, each on ``--threads`` threads and on one thread.
+   and the native kernel, each on ``--threads`` threads and on one thread. Also an int8 cache at batch 16,
+   where the engine's torch path is ``paged_decode_attention`` (gather blocks, dequantize, two matmuls).
 2. Whole decode steps of ``LLMEngine`` on engine_vs_hf's 56M Llama (``--prompt-len`` tokens, batch 1 and 16),
    native attention on and off alternating step by step (same requests, lengths within one token).
 
@@ -52,17 +53,20 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, l
     return samples
 
 
-def layer_case(lens: list[int], repeats: int) -> dict[str, Any]:
-    """One layer's decode attention for sequences of ``lens`` positions, three ways."""
+def layer_case(lens: list[int], repeats: int, kv: str = "auto") -> dict[str, Any]:
+    """One layer's decode attention for sequences of ``lens`` positions, the engine's torch path and the
+    native kernel; ``kv`` "int8" times an int8 cache, whose torch path is ``paged_decode_attention``."""
+    from pdcluster.kernels import paged_decode_attention
     from pdcluster.kernels.cpu import attention as cpu_attention
     from pdcluster.worker.engine.attention import gather_kv
     from pdcluster.worker.engine.kv_cache import PagedKVCache
 
     g = torch.Generator().manual_seed(0)
     nblk = [-(-n // BLOCK) for n in lens]
-    cache = PagedKVCache(1, sum(nblk) + 8, BLOCK, KV_HEADS, HEAD_DIM)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    cache = PagedKVCache(1, sum(nblk) + 8, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype=kv)
+    slots_all = torch.arange(cache.num_blocks * BLOCK)
+    shape = (slots_all.numel(), KV_HEADS, HEAD_DIM)
+    cache.write(0, torch.randn(shape, generator=g), torch.randn(shape, generator=g), slots_all)
     perm = torch.randperm(cache.num_blocks, generator=g).tolist()  # scattered blocks, as after churn
     width = max(nblk)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
@@ -78,6 +82,9 @@ def layer_case(lens: list[int], repeats: int) -> dict[str, Any]:
     bias = None if min(lens) == max(lens) else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
 
     def torch_path() -> torch.Tensor:
+        if kv != "auto":  # the engine's path for quantized layers
+            return paged_decode_attention(q, cache.k[0], cache.v[0], tables, seq_lens, scale=scale,
+                                          k_scale=cache.k_scale[0], v_scale=cache.v_scale[0], backend="torch")
         k, v = gather_kv(cache, 0, slots)
         o = F.scaled_dot_product_attention(q.view(len(lens), HEADS, 1, HEAD_DIM), k.transpose(1, 2),
                                            v.transpose(1, 2), attn_mask=bias, scale=scale, enable_gqa=True)
@@ -94,7 +101,8 @@ def layer_case(lens: list[int], repeats: int) -> dict[str, Any]:
         return run
 
     def native() -> torch.Tensor:
-        return cpu_attention.paged_decode_attention_cpu(q, cache.k[0], cache.v[0], tables, seq_lens, scale=scale)
+        return cpu_attention.paged_decode_attention_cpu(q, cache.k[0], cache.v[0], tables, seq_lens, scale=scale,
+                                                        k_scale=cache.k_scale[0], v_scale=cache.v_scale[0])
 
     fns = {"torch": torch_path, "torch 1 thread": one_thread(torch_path), "native": native,
            "native 1 thread": one_thread(native)}
@@ -156,9 +164,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spin = os.environ.get("GOMP_SPINCOUNT")
     print(f"threads {a.threads}, GOMP_SPINCOUNT={spin} (serve sets 2000 before torch loads; so does `make bench`)")
     out: dict[str, Any] = {"threads": a.threads, "gomp_spincount": spin, "layer_us": {}, "step_ms": {}}
-    cases = {"batch 1 @190": [190], "batch 16 @160..220": [160 + 4 * i for i in range(16)]}
-    for name, lens in cases.items():
-        out["layer_us"][name] = row = layer_case(lens, a.repeats)
+    ragged = [160 + 4 * i for i in range(16)]
+    cases = {"batch 1 @190": ([190], "auto"), "batch 16 @160..220": (ragged, "auto"),
+             "int8 cache, batch 16 @160..220": (ragged, "int8")}
+    for name, (lens, kv) in cases.items():
+        out["layer_us"][name] = row = layer_case(lens, a.repeats, kv)
         print(f"layer, {name}: " + " | ".join(f"{k} {v['median']} us (p25 {v['p25']})" for k, v in row.items()
                                                if k != "torch/native") + f" | torch/native {row['torch/native']}")
     for batch in (1, 16):
