@@ -57,9 +57,12 @@ def read_bandwidth(threads: int, mib: int = 512, tries: int = 5) -> float:
 
 
 def matmul_floor(engine: Any, tries: int = 9) -> float:
-    """Seconds of a batch-1 step's matrix-vector products alone (every Linear of the engine's model, as it
-    stores them, one row each), median of `tries`: the part of the roofline the BLAS library can reach."""
-    lins = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    """Seconds of a batch-1 step's matrix-vector products alone (every projection of the engine's model, as it
+    stores them: MKL's Linear or the native packed kernel, one row each), median of `tries`: the part of the
+    roofline the matmul library can reach."""
+    from pdcluster.worker.engine.cpu_linear import PackedLinear  # the native kernel's projections count too
+
+    lins = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
     xs = [torch.randn(1, m.in_features) for m in lins]
     times = []
     with torch.inference_mode():
@@ -83,11 +86,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(folder: Path, port: int, threads: int, extra: list[str]) -> subprocess.Popen[bytes]:
+def start_server(folder: Path, port: int, threads: int, extra: list[str],
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "pdcluster.cli", "serve", "--model", str(folder), "--port", str(port),
            "--threads", str(threads), "--max-batch-size", "16", "--max-batch-tokens", "4096",
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=None if env is None else {**os.environ, **env})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -181,6 +186,10 @@ def _row(samples: dict[str, list[float]]) -> dict[str, Any]:
         s, h, e = samples[f"served_{kind}"], samples[f"hf_{kind}"], samples[f"engine_{kind}"]
         row[f"{kind}_ratio_paired_median"] = round(statistics.median(a / b for a, b in zip(s, h, strict=True)), 2)
         row[f"{kind}_engine_hf_paired_median"] = round(statistics.median(a / b for a, b in zip(e, h, strict=True)), 2)
+        if f"served_off_{kind}" in samples:  # the same server with the native kernels off, same prompts
+            off = samples[f"served_off_{kind}"]
+            row[f"{kind}_off_hf_paired_median"] = round(statistics.median(a / b for a, b in zip(off, h, strict=True)), 2)
+            row[f"{kind}_on_off_paired_median"] = round(statistics.median(a / b for a, b in zip(s, off, strict=True)), 2)
     row["samples"] = {k: [round(x, 1) for x in v] for k, v in samples.items()}
     return row
 
@@ -190,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload_arguments(ap)
     ap.add_argument("--no-stream", action="store_true", help="non-streamed requests (no decode tok/s)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `pdcluster serve` argument")
+    ap.add_argument("--native-off-too", action="store_true",
+                    help="also serve with PDCLUSTER_NATIVE_KERNELS=0 (a second server) and compare, interleaved")
     ap.add_argument("--py-spy", metavar="PATH", help="sample the served process with this py-spy binary")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
@@ -208,21 +219,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         num_threads=a.threads))
         port = _free_port()
         server = start_server(folder, port, a.threads, a.server_arg)
+        port_off = _free_port() if a.native_off_too else None
+        server_off = (start_server(folder, port_off, a.threads, a.server_arg, {"PDCLUSTER_NATIVE_KERNELS": "0"})
+                      if port_off else None)
         results: dict[str, Any] = {}
         try:
-            results.update(_measure(a, hf, engine, port, stream))
+            results.update(_measure(a, hf, engine, port, stream, port_off))
             if a.py_spy:
                 results["profile"] = _profile(a, port, stream, server.pid, Path(tmp) / "spy.txt")
                 print(results["profile"])
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            for proc in (server, server_off):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(timeout=60)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return results
 
 
-def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: bool) -> dict[str, Any]:
+def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: bool,
+             port_off: int | None = None) -> dict[str, Any]:
     params_m = sum(p.numel() for p in hf.parameters()) / 1e6
     bw = read_bandwidth(a.threads)
     roofline = bw / step_bytes(hf)  # batch-1 decode steps (tokens) per second at full read bandwidth
@@ -241,8 +258,10 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
     for batch in (int(b) for b in a.batches.split(",")):
         warm = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
         asyncio.run(served_run(port, warm, 4, stream)), hf_run(hf, warm, 4), engine_run(engine, warm, 4)
-        samples: dict[str, list[float]] = {f"{side}_{kind}": [] for kind in ("whole", "decode")
-                                           for side in ("served", "engine", "hf")}
+        sides = ("served", "engine", "hf") + (("served_off",) if port_off else ())
+        if port_off:
+            asyncio.run(served_run(port_off, warm, 4, stream))
+        samples: dict[str, list[float]] = {f"{side}_{kind}": [] for kind in ("whole", "decode") for side in sides}
         for _ in range(a.repeats):  # interleaved, so both sides see the same background load
             prompts = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
             sw, sd, sids = asyncio.run(served_run(port, prompts, a.new_tokens, stream))
@@ -250,6 +269,12 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
             ew, ed, eids = engine_run(engine, prompts, a.new_tokens)
             if not sids == eids == hids:
                 raise AssertionError(f"batch {batch}: served / in-process greedy tokens differ from HF generate")
+            if port_off:
+                ow, od, oids = asyncio.run(served_run(port_off, prompts, a.new_tokens, stream))
+                if oids != hids:
+                    raise AssertionError(f"batch {batch}: served (native off) greedy tokens differ from HF generate")
+                samples["served_off_whole"].append(ow)
+                samples["served_off_decode"].append(od)
             for k, v in (("served_whole", sw), ("hf_whole", hw), ("served_decode", sd), ("hf_decode", hd),
                          ("engine_whole", ew), ("engine_decode", ed)):
                 samples[k].append(v)
@@ -257,6 +282,8 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
         if batch == 1 and stream:
             row["served_decode_pct_roofline"] = round(100 * row["served_decode_median"] / roofline, 1)
             row["hf_decode_pct_roofline"] = round(100 * row["hf_decode_median"] / roofline, 1)
+            if port_off:
+                row["served_off_decode_pct_roofline"] = round(100 * row["served_off_decode_median"] / roofline, 1)
         results["batches"][batch] = row
         print(f"batch {batch:>3}: whole-request tok/s served {row['served_whole_median']:.1f} | in-process "
               f"{row['engine_whole_median']:.1f} | HF {row['hf_whole_median']:.1f} | served/HF "
@@ -266,6 +293,9 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
               f"{row['decode_engine_hf_paired_median']:.2f}x)"
               + (f"; served {row['served_decode_pct_roofline']}% / HF {row['hf_decode_pct_roofline']}% of roofline"
                  if "served_decode_pct_roofline" in row else "")
+              + (f"; native off: served {row['served_off_decode_median']:.1f} decode tok/s, off/HF "
+                 f"{row['decode_off_hf_paired_median']:.2f}x, on/off {row['decode_on_off_paired_median']:.2f}x"
+                 if port_off else "")
               + f" | {row['samples']}")
     return results
 

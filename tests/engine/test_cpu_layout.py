@@ -1,18 +1,27 @@
-"""CPU weight layout: projections stored column-major after loading, values and tying unchanged."""
+"""CPU weight layout: projections stored column-major after loading, values and tying unchanged.
+
+These cover the torch path (native kernels off); the packed native path is tests/engine/test_cpu_linear.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from pdcluster.kernels.cpu import native
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_layout import column_major_linears
 from pdcluster.worker.engine.layers import SparseMoE
 from pdcluster.worker.engine.loader import load_model
 
 from .families_util import build_family_model
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
 
 
 def _is_column_major(t: torch.Tensor) -> bool:

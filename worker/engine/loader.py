@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_layout import column_major_linears
+from pdcluster.worker.engine.cpu_linear import pack_linears
 from pdcluster.worker.engine.model import DecoderForCausalLM
 from pdcluster.worker.engine.parallel.collectives import install as install_collectives
 from pdcluster.worker.engine.parallel.shard import slice_weight
@@ -162,7 +163,9 @@ def load_model(
     model.init_rope(max_len or cfg.max_position_embeddings)
     if cfg.tp_size > 1:  # sums and gathers across ranks (parallel/collectives.py)
         install_collectives(model, cfg)
-    if device.type == "cpu":  # the batch-1 decode GEMVs stream column-major weights ~1.7x faster (cpu_layout.py)
+    if device.type == "cpu":  # fp32 projections on the native packed kernel (cpu_linear.py) where it builds;
+        if cfg.tp_size == 1:  # the rest column-major: MKL's GEMV streams it ~1.7x faster (cpu_layout.py)
+            pack_linears(model)
         column_major_linears(model)
     return model.eval()
 

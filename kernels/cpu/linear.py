@@ -1,0 +1,57 @@
+"""The native fp32 small-M linear (linear.cpp): weight packing, the kernel call, and its torch reference.
+
+``pack(w)`` turns a ``[N, K]`` weight into ``[ceil(N/64), K, 64]`` panels (zero-padded past N) once at load;
+``linear(x, wp, n, bias)`` is ``x @ W.T + bias`` on them for ``x [M, K]``. The packed tensor is the only
+copy a swapped model keeps, so ``row(wp, ids)`` reads rows of W back out of it (a tied embedding lookup)
+and ``unpack_t(wp, n)`` gives ``W.T`` for the MKL path (large M) without a second resident copy.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pdcluster.kernels.cpu import native
+
+NR = 64  # output columns per panel (linear.cpp)
+
+
+def module() -> ModuleType | None:
+    """The compiled kernel, or None (logged once) where native kernels are off or cannot be built."""
+    return native.load("pdc_linear", ["linear.cpp"])
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` weight (any strides) -> contiguous fp32 ``[ceil(N/64), K, 64]`` panels, zero-padded."""
+    n, k = w.shape
+    nb = -(-n // NR)
+    padded = torch.zeros(nb * NR, k, dtype=torch.float32)
+    padded[:n].copy_(w)
+    return padded.view(nb, NR, k).transpose(1, 2).contiguous()
+
+
+def unpack(wp: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[N, K]`` weight back from its panels (a copy)."""
+    nb, k, _ = wp.shape
+    return wp.transpose(1, 2).reshape(nb * NR, k)[:n]
+
+
+def rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of W (``[len(ids), K]``) read from the panels: W[i, :] = wp[i // 64, :, i % 64]."""
+    return wp[ids // NR, :, ids % NR]
+
+
+def linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None, prefetch: bool = True,
+           parallel: bool = True) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` by the native kernel (the caller checked ``module()`` is not None)."""
+    mod = module()
+    assert mod is not None, "native linear kernel not available"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return mod.packed_linear(x, wp, n, bias, prefetch, parallel)
+
+
+def reference(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product by torch (MKL), from the panels: what the kernel is checked against."""
+    return torch.nn.functional.linear(x, unpack(wp, n), bias)

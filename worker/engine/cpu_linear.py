@@ -1,0 +1,115 @@
+"""CPU fp32 projections on the native packed-weight kernel (kernels/cpu/linear.cpp), swapped in at load.
+
+Why: a decode step is a chain of small-M products (M = the batch). MKL's GEMV streams the weights at 46-63 %
+of the read bandwidth on this AMD EPYC, and its 16-row sgemm runs far below the core's AVX-512 FMA peak
+(docs/benchmarks/engine.md, fourth and fifth passes). The kernel streams 64-column panels packed once here.
+
+What changes: every ``nn.Linear`` of the decoder (fused QKV, O, fused gate/up, down, LM head) becomes a
+``PackedLinear`` holding only the packed panels; a tied input embedding becomes a ``PackedEmbedding`` that
+reads its rows out of the LM head's panels, so the tied matrix stays one tensor in memory. Values are the
+loaded ones: outputs equal ``F.linear``'s up to fp32 summation order (one accumulator per output, ascending
+k). MoE experts and routers, half dtypes, CUDA and tensor-parallel ranks keep the torch path, and so does
+every model when ``PDCLUSTER_NATIVE_KERNELS=0`` or the kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pdcluster.kernels.cpu import linear as native_linear
+from pdcluster.kernels.cpu import native
+
+log = logging.getLogger("pdcluster.engine")
+
+# Rows above which the product goes to MKL (bmm on the panels) instead of the kernel: measured crossover,
+# docs/benchmarks/engine.md "Fifth pass".
+MAX_KERNEL_ROWS = 64
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with W kept only as 64-column panels ``wp [ceil(N/64), K, 64]``."""
+
+    def __init__(self, wp: nn.Parameter, out_features: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.wp = wp
+        self.bias = bias
+        self.in_features, self.out_features = int(wp.shape[1]), out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight, rebuilt from the panels (a copy: for inspection, not for the hot path)."""
+        return native_linear.unpack(self.wp.data, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.data
+        if x2.dtype == torch.float32 and x2.shape[0] <= MAX_KERNEL_ROWS:
+            y = native_linear.linear(x2, self.wp.data, self.out_features, bias)
+        else:  # prefill: MKL's GEMM over the panels, [NB, M, 64] -> [M, N]
+            y = torch.matmul(x2.to(self.wp.dtype), self.wp.data).transpose(0, 1).reshape(x2.shape[0], -1)
+            y = y[:, : self.out_features]
+            if bias is not None:
+                y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table that is a tied LM head's panels: row i = ``wp[i // 64, :, i % 64]``."""
+
+    def __init__(self, wp: nn.Parameter, num_embeddings: int) -> None:
+        super().__init__()
+        self.wp = wp
+        self.num_embeddings, self.embedding_dim = num_embeddings, int(wp.shape[1])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return native_linear.unpack(self.wp.data, self.num_embeddings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # F.embedding's bounds check, kept: an id past the table must fail loudly, not read padding
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        return native_linear.rows(self.wp.data, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+
+
+def native_linear_ready() -> bool:
+    """The kernel can run here now (re-reads the off switch each time, so a test can flip it)."""
+    return native.unavailable_reason() is None and native_linear.module() is not None
+
+
+def _pack(weight: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(native_linear.pack(weight.detach()), requires_grad=False)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap the decoder's fp32 CPU ``nn.Linear``s for ``PackedLinear`` in place (and a tied input embedding
+    for a ``PackedEmbedding`` on the same panels); returns how many projections were swapped, 0 when the
+    kernel is off or unavailable (the model is then untouched)."""
+    candidates = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+        and not _is_router(parent, name)
+    ]
+    if not candidates or not native_linear_ready():
+        return 0
+    packed: dict[int, nn.Parameter] = {}
+    for parent, name, lin in candidates:
+        key = id(lin.weight)
+        if key not in packed:
+            packed[key] = _pack(lin.weight)
+        setattr(parent, name, PackedLinear(packed[key], lin.out_features, lin.bias))
+    embed = getattr(model, "embed_tokens", None)
+    if type(embed) is nn.Embedding and id(embed.weight) in packed:  # tied: read rows from the LM head's panels
+        model.embed_tokens = PackedEmbedding(packed[id(embed.weight)], embed.num_embeddings)
+    log.info("CPU projections on the native packed kernel: %d swapped", len(candidates))
+    return len(candidates)
+
+
+def _is_router(parent: nn.Module, name: str) -> bool:
+    # an MoE router's logits pick experts: keep transformers' exact MKL product there
+    return name == "gate" and parent.__class__.__name__ == "SparseMoE"
