@@ -8,8 +8,11 @@ decode step (8 layers x fused QKV, O, fused gate/up, down; plus the 512 x 32000 
 set, variants interleaved repeat by repeat:
 
 - ``mkl``: ``F.linear`` on column-major weights (the engine's torch path, cpu_layout.py),
-- ``kernel``: the packed kernel with ``at::parallel_for`` over panels (``--threads`` threads),
-- ``kernel_1t``: the packed kernel in the calling thread only.
+- ``mkl_packed``: MKL's batched GEMM straight from the panels (the engine's path above the kernel's rows),
+- ``kernel``: the packed kernel as the engine runs it (split over threads only when each thread gets at least
+  ``linear.MIN_TASK_MACS`` multiply-adds),
+- ``kernel_1t``: the packed kernel in the calling thread only,
+- ``kernel_nt``: the packed kernel always split over panels on ``--threads`` threads (``at::parallel_for``).
 
 Reported per row count M: median ms, GB/s of weights streamed and % of the read bandwidth measured in the
 same run (``served_vs_hf.read_bandwidth``, same threads), GFLOP/s, and mkl / kernel ratios; plus per-matrix
@@ -49,8 +52,10 @@ def variants(weights: list[torch.Tensor], xs: list[torch.Tensor]) -> dict[str, C
     ns = [w.shape[0] for w in weights]
     return {
         "mkl": lambda: [F.linear(x, w) for x, w in zip(xs, cm, strict=True)],
+        "mkl_packed": lambda: [L.mkl_packed(x, wp, n) for x, wp, n in zip(xs, wps, ns, strict=True)],
         "kernel": lambda: [L.linear(x, wp, n) for x, wp, n in zip(xs, wps, ns, strict=True)],
-        "kernel_1t": lambda: [L.linear(x, wp, n, parallel=False) for x, wp, n in zip(xs, wps, ns, strict=True)],
+        "kernel_1t": lambda: [L.linear(x, wp, n, panels_per_task=0) for x, wp, n in zip(xs, wps, ns, strict=True)],
+        "kernel_nt": lambda: [L.linear(x, wp, n, panels_per_task=1) for x, wp, n in zip(xs, wps, ns, strict=True)],
     }
 
 

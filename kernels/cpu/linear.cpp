@@ -11,7 +11,7 @@
 // Every output is one accumulator summed in ascending k, then + bias: a fixed order, independent of the
 // thread count and of which rows share a call.
 //
-// Threads: at::parallel_for over panels (torch's own OpenMP pool; the wheel ships libgomp.so.1, the same
+// Threads: at::parallel_for over panels, at least `grain` panels per task, or none (grain 0) (torch's own OpenMP pool; the wheel ships libgomp.so.1, the same
 // soname this module links, so there is one runtime and one set of threads, not two pools spinning).
 
 // Narrow ATen headers, not <torch/extension.h>: the first-use build takes seconds, not minutes.
@@ -78,7 +78,7 @@ constexpr int MAX_MR = 6;
 
 // x [M, K] fp32 (row stride may exceed K), wp [NB, K, 64] contiguous fp32, n = real columns, bias [n] or None
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
-                            const c10::optional<at::Tensor>& bias, bool prefetch, bool parallel) {
+                            const c10::optional<at::Tensor>& bias, bool prefetch, int64_t grain) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: [M, K] fp32, unit stride");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == NR && wp.scalar_type() == at::kFloat && wp.is_contiguous(),
               "wp: contiguous [NB, K, 64] fp32");
@@ -110,8 +110,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
       }
     }
   };
-  if (parallel)
-    at::parallel_for(0, NB, 1, run);
+  if (grain > 0 && grain < NB)  // at least `grain` panels per task: small products stay on the calling thread
+    at::parallel_for(0, NB, grain, run);
   else
     run(0, NB);
   return y;
@@ -119,5 +119,5 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W.T (+ bias) on 64-column packed weights",
-        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("prefetch") = true, py::arg("parallel") = true);
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("prefetch") = true, py::arg("grain") = 1);
 }

@@ -15,6 +15,16 @@ import torch
 from pdcluster.kernels.cpu import native
 
 NR = 64  # output columns per panel (linear.cpp)
+# Multiply-adds a thread must get before a product is split across threads (at::parallel_for over panels):
+# below it the fork/join costs more than the second core gives. Measured: docs/benchmarks/engine.md, fifth pass.
+MIN_TASK_MACS = 1 << 22
+
+
+def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
+    """Panels per thread for an ``m``-row product over ``panels`` panels of depth ``k``; 0 = one thread."""
+    per_panel = m * k * NR
+    g = max(1, -(-min_task_macs // per_panel))
+    return 0 if g >= panels else g
 
 
 def module() -> ModuleType | None:
@@ -43,13 +53,21 @@ def rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None, prefetch: bool = True,
-           parallel: bool = True) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` by the native kernel (the caller checked ``module()`` is not None)."""
+           panels_per_task: int | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` by the native kernel (the caller checked ``module()`` is not None);
+    ``panels_per_task`` overrides the threading policy (``grain``): 0 = the calling thread only."""
     mod = module()
     assert mod is not None, "native linear kernel not available"
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return mod.packed_linear(x, wp, n, bias, prefetch, parallel)
+    g = grain(x.shape[0], wp.shape[1], wp.shape[0]) if panels_per_task is None else panels_per_task
+    return mod.packed_linear(x, wp, n, bias, prefetch, g)
+
+
+def mkl_packed(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` by MKL straight from the panels (a batched GEMM, ``[NB, M, 64]``, then ``[M, N]``):
+    the large-M path, which needs no second copy of W."""
+    return torch.matmul(x, wp).transpose(0, 1).reshape(x.shape[0], -1)[:, :n]
 
 
 def reference(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,6 +55,15 @@ def test_kernel_is_row_order_independent_and_takes_strided_rows() -> None:
     wide[:, :96] = x
     assert torch.equal(L.linear(wide[:, :96], wp, 200), batch)  # row stride 128, unit column stride
     assert torch.equal(L.linear(x, wp, 200, prefetch=False), batch)
+    for per_task in (0, 1, 2):  # one thread, or panels split over the pool: same bits
+        assert torch.equal(L.linear(x, wp, 200, panels_per_task=per_task), batch)
+
+
+def test_threading_policy() -> None:
+    assert L.grain(1, 512, 8, min_task_macs=1 << 22) == 0  # 256K multiply-adds: one thread
+    assert L.grain(16, 512, 500, min_task_macs=1 << 22) == 8  # 8 panels x 512K = 4M per task
+    assert L.grain(1, 512, 500, min_task_macs=0) == 1
+    assert L.grain(64, 4096, 2, min_task_macs=1) == 1
 
 
 @needs_kernel

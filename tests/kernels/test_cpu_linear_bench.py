@@ -18,5 +18,5 @@ def test_native_linear_bench_runs(tmp_path: Path) -> None:
     out = native_linear.main(["--threads", "1", "--rows", "1,3", "--repeats", "1", "--json", str(tmp_path / "o.json")])
     assert set(out["sets"]) == {1, 3} and set(out["per_matrix"]) == {1}
     for row in out["sets"].values():
-        assert {"mkl", "kernel", "kernel_1t"} <= set(row) and row["kernel"]["ms"] > 0
+        assert {"mkl", "kernel", "kernel_1t", "kernel_nt"} <= set(row) and row["kernel"]["ms"] > 0
     assert (tmp_path / "o.json").exists() and out["read_gb_s"] > 0

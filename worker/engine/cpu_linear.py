@@ -49,8 +49,7 @@ class PackedLinear(nn.Module):
         if x2.dtype == torch.float32 and x2.shape[0] <= MAX_KERNEL_ROWS:
             y = native_linear.linear(x2, self.wp.data, self.out_features, bias)
         else:  # prefill: MKL's GEMM over the panels, [NB, M, 64] -> [M, N]
-            y = torch.matmul(x2.to(self.wp.dtype), self.wp.data).transpose(0, 1).reshape(x2.shape[0], -1)
-            y = y[:, : self.out_features]
+            y = native_linear.mkl_packed(x2.to(self.wp.dtype), self.wp.data, self.out_features)
             if bias is not None:
                 y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
