@@ -1,32 +1,47 @@
 """Raw loopback TCP and the TCP KV backend measured the same way, side by side (issue 12: backend >= 70 % of raw).
 
+What is timed is one *request*: L layers of `nbytes` of fp32 K+V each (L = `request_layers(nbytes)`, 32 at
+1-16 MiB down to 2 at 256 MiB, so a request is at most 512 MiB), streamed from the prefill side's cache to
+the decode side's cache, from the first byte leaving until the sender holds the acknowledgement that the
+receiver has all of it. That is how KV moves in a worker (layer by layer, every layer of the request in
+flight, no wait per layer), and both paths pay the same fixed per-request cost: one final acknowledgement
+round trip.
+
 Both paths run across the same two processes: this one sends, a spawned child receives (a worker's prefill
-and decode sides are separate processes too, so each side has its own interpreter and core). Repeats are
-interleaved — one raw message, then one message per backend case, then the next round — after a warm-up
-round, and each cell is the median, so a load spike hits every cell alike.
+and decode sides are separate processes too). Repeats are interleaved — one raw request, then one request per
+backend case, then the next round — after a warm-up round, and each cell is the median, so a load spike hits
+every cell alike.
 
-- raw: `sendall` of one message from a buffer allocated once, `recv_into` one buffer allocated once, a
-  1-byte reply when the whole message is in (the ceiling for any TCP transport on this machine);
-- backend: the real connector (handshake once, GMAC tags, ACK after import), timed like a worker moving one
-  layer: the export gathers K and V into the buffer the connector lends (`export_buffer`, else a fresh one
-  as the engine allocates), `save_kv_layer`, and `wait_for_save` returns once the receiver's importer has
-  copied the layer into its cache and ACKed. GB/s of the fp32 KV the layer stands for (int8: a quarter of
-  the bytes on the wire; codes: an int8 cache's own codes + scales, nothing quantized).
+- raw: the L layers sent with `sendall` straight from the source cache's memory (one layer per call), received
+  with `recv_into` straight into the destination cache's layer, one 1-byte reply once the last layer is in
+  (the ceiling for any TCP transport on this machine: no framing, no authentication, no copy);
+- backend: the real connector (handshake once, GMAC tags, ACK per frame). A thread standing in for the
+  engine exports each layer as the engine does — gathers K and V into the buffer the connector lends
+  (`export_buffer`, else a fresh one) and calls `save_kv_layer` — while the event loop sends; the clock stops
+  when `wait_for_save` returns, i.e. when the receiver's importer has written the last layer into its cache
+  and that ACK is back (a transport with `destination`, placing.py, receives float layers straight into the
+  cache instead). Receiver caches: fp32 for the fp32 case, fp32 for int8 compression (the importer
+  dequantizes, as a float cache must), int8 codes + scales for the codes case (stored as they are). GB/s of
+  the fp32 KV the request stands for (int8 and codes: a quarter of the bytes on the wire).
 
-`connector_module` names the module whose `TCPConnector` both sides use: a copy of an older transport (e.g.
-`git show HEAD:...` into a temporary package on PYTHONPATH) runs in the same harness for before/after.
+`modules` names the modules whose `TCPConnector` both sides use: a copy of an older transport (`transfer_ab.py`
+builds one from a git revision) runs in the same harness, its own receiver process, for before/after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,49 +50,122 @@ SECRET = b"bench-secret-0123456789abcdef"
 HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
-_LEN = struct.Struct(">Q")
+REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
+_HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
+EXTRA_PACKAGES = "PDCLUSTER_BENCH_PACKAGES"  # a folder of packages (an older transport, transfer_ab.py)
 
 
-def _raw_sink(srv: socket.socket, size: int) -> None:
-    """Child thread: each message is announced by its length, received whole into one reusable buffer."""
-    buf = memoryview(bytearray(size))
+def load_module(name: str) -> Any:
+    """`importlib.import_module`, also finding the packages in $PDCLUSTER_BENCH_PACKAGES (spawned children
+    get the parent's module search path as it started: each process loads them itself)."""
+    top = name.split(".")[0]
+    folder = Path(os.environ.get(EXTRA_PACKAGES, "")) / top
+    if top not in sys.modules and os.environ.get(EXTRA_PACKAGES) and (folder / "__init__.py").is_file():
+        spec = importlib.util.spec_from_file_location(top, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        assert spec is not None and spec.loader is not None
+        sys.modules[top] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[top])
+    return importlib.import_module(name)
+
+
+def request_layers(nbytes: int) -> int:
+    """Layers of one timed request: as many as fit REQUEST_BYTES, between 2 and 32 (a typical model's count)."""
+    return max(2, min(32, REQUEST_BYTES // max(1, nbytes)))
+
+
+def tokens_of(nbytes: int) -> int:
+    return max(1, nbytes // (2 * HEADS * DIM * 4))
+
+
+class LayerCache:
+    """The decode side's cache for the harness: `layers` layers of K and V `[tokens, heads, dim]`, fp32, or int8
+    codes with float32 scales. The importer writes each received token range into its layer once (float from
+    float: a copy; codes into a float cache: dequantized straight into it; codes into a codes cache: copied)."""
+
+    def __init__(self, layers: int, tokens: int, codes: bool) -> None:
+        dt = torch.int8 if codes else torch.float32
+        self.kv = torch.empty(layers, 2, tokens, HEADS, DIM, dtype=dt)
+        self.scales = torch.empty(layers, 2, tokens, HEADS) if codes else None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_start: int,
+              scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        n = k.shape[0]
+        for i, x in enumerate((k, v)):
+            dst = self.kv[layer, i, token_start:token_start + n]
+            if self.scales is not None:
+                assert scales is not None
+                dst.copy_(x)
+                self.scales[layer, i, token_start:token_start + n].copy_(scales[i])
+            elif scales is not None:  # int8 on the wire, float cache: one dequantizing pass into the cache
+                torch.mul(x, scales[i].unsqueeze(-1), out=dst)
+            else:
+                dst.copy_(x)
+
+
+def _raw_sink(srv: socket.socket, caches: dict[bool, LayerCache]) -> None:
+    """Child thread: each raw request announces (layers, bytes per layer); each layer is received whole straight
+    into that layer of the fp32 cache; one byte back when the request is in."""
     conn, _ = srv.accept()
+    dst = caches[False].kv.view(torch.uint8).numpy()
     while True:
-        head = conn.recv(_LEN.size, socket.MSG_WAITALL)
-        if len(head) < _LEN.size:
+        head = conn.recv(_HEAD.size, socket.MSG_WAITALL)
+        if len(head) < _HEAD.size:
             break
-        n, got = _LEN.unpack(head)[0], 0
-        while got < n:
-            k = conn.recv_into(buf[got:n])
-            if k == 0:
-                return
-            got += k
+        layers, n = _HEAD.unpack(head)
+        for layer in range(layers):
+            view, got = memoryview(dst[layer]).cast("B")[:n], 0
+            while got < n:
+                k = conn.recv_into(view[got:])
+                if k == 0:
+                    return
+                got += k
         conn.sendall(b"k")
     conn.close()
 
 
-async def _receiver_main(pipe: Any, module: str, size: int) -> None:
-    from pdcluster.bench.transfer_paths import _Cache
-
+async def _receiver_main(pipe: Any, module: str, nbytes: int) -> None:
     torch.set_num_threads(1)
+    layers, tokens = request_layers(nbytes), tokens_of(nbytes)
+    caches = {False: LayerCache(layers, tokens, False), True: LayerCache(layers, tokens, True)}
+    for c in caches.values():  # first touch here, not in a timed round
+        c.kv.view(torch.uint8).fill_(0)
     srv = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_sink, args=(srv, size), daemon=True).start()
-    recv = importlib.import_module(module).TCPConnector(SECRET, importer=_Cache())
+    threading.Thread(target=_raw_sink, args=(srv, caches), daemon=True).start()
+    kind: dict[str, bool] = {}  # request id -> whether its cache holds codes
+
+    def importer(rid: str, layer: int, k: torch.Tensor, v: torch.Tensor, *, token_start: int = 0,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        caches[kind[rid]].write(layer, k, v, token_start, scales)
+
+    def destination(rid: str, layer: int, token_start: int, n: int, dtype: torch.dtype) -> Any:
+        """Float K and V of the float cache, received in place (placing.py): no import copy."""
+        if kind[rid] or dtype != torch.float32:
+            return None
+        kv = caches[False].kv[layer, :, token_start:token_start + n]
+        return [memoryview(kv[i].numpy()).cast("B") for i in range(2)], lambda: None
+
+    mod = load_module(module)
+    try:
+        recv = mod.TCPConnector(SECRET, importer=importer, destination=destination)
+    except TypeError:  # a transport from before placing.py
+        recv = mod.TCPConnector(SECRET, importer=importer)
     port = await recv.listen()
     pipe.send((srv.getsockname()[1], port))
-    load_spec = importlib.import_module(module).LoadSpec
     pending: set[asyncio.Task[None]] = set()
 
     async def finish(rid: str) -> None:
         await recv.wait_for_load(rid, timeout=300)
         recv.finish_load(rid)
+        kind.pop(rid, None)
 
     while True:
         msg = await asyncio.to_thread(pipe.recv)
         if msg is None:
             break
-        rid, tokens = msg
-        recv.start_load_kv(load_spec(rid, 1, tokens, HEADS, DIM))
+        rid, codes = msg
+        kind[rid] = codes
+        recv.start_load_kv(mod.LoadSpec(rid, layers, tokens, HEADS, DIM))
         t = asyncio.ensure_future(finish(rid))
         pending.add(t)
         t.add_done_callback(pending.discard)
@@ -86,39 +174,48 @@ async def _receiver_main(pipe: Any, module: str, size: int) -> None:
     srv.close()
 
 
-def _receiver(pipe: Any, module: str, size: int) -> None:
-    asyncio.run(_receiver_main(pipe, module, size))
+def _receiver(pipe: Any, module: str, nbytes: int) -> None:
+    asyncio.run(_receiver_main(pipe, module, nbytes))
 
 
-def _raw_once(sock: socket.socket, data: memoryview) -> float:
+def _raw_once(sock: socket.socket, layers: list[memoryview]) -> float:
     t0 = time.perf_counter()
-    sock.sendall(_LEN.pack(len(data)))
-    sock.sendall(data)
+    sock.sendall(_HEAD.pack(len(layers), len(layers[0])))
+    for data in layers:
+        sock.sendall(data)
     if sock.recv(1) != b"k":
         raise RuntimeError("raw sink closed")
     return time.perf_counter() - t0
 
 
+def _export_all(send: Any, rid: str, src: torch.Tensor, src_scales: torch.Tensor | None) -> None:
+    """The engine's side of a request, on its own thread: per layer, gather K and V into what the connector
+    lends (else a fresh buffer, as the engine allocates) and hand it to `save_kv_layer`."""
+    for layer in range(src.shape[0]):
+        kv_src = src[layer]
+        size = kv_src.numel() * kv_src.element_size()
+        scale_size = src_scales[layer].numel() * 4 if src_scales is not None else 0
+        buf = send.export_buffer(rid, layer, 0, size + scale_size, quantized=src_scales is not None)
+        if buf is None:
+            buf = torch.empty(size + scale_size, dtype=torch.uint8)
+        kv = buf[:size].view(kv_src.dtype).view(kv_src.shape)
+        kv.copy_(kv_src)  # the engine's gather out of its paged cache
+        kw: dict[str, Any] = {}
+        if src_scales is not None:
+            sc = buf[size:].view(torch.float32).view(src_scales[layer].shape)
+            sc.copy_(src_scales[layer])
+            kw["scales"] = (sc[0], sc[1])
+        send.save_kv_layer(rid, layer, kv[0], kv[1], **kw)
+
+
 async def _backend_once(send: Any, pipe: Any, port: int, module: Any, rid: str, src: torch.Tensor,
                         src_scales: torch.Tensor | None) -> float:
-    tokens = src.shape[1]
-    pipe.send((rid, tokens))
+    pipe.send((rid, src_scales is not None))
     if await asyncio.to_thread(pipe.recv) != "ready":
         raise RuntimeError("receiver not ready")
-    send.start_save(rid, module.TransferTarget("127.0.0.1", port), 1)
+    send.start_save(rid, module.TransferTarget("127.0.0.1", port), src.shape[0])
     t0 = time.perf_counter()
-    size = src.numel() * src.element_size() + (src_scales.numel() * 4 if src_scales is not None else 0)
-    buf = send.export_buffer(rid, 0, 0, size, quantized=src_scales is not None)
-    if buf is None:
-        buf = torch.empty(size, dtype=torch.uint8)  # what the engine does when the connector lends nothing
-    kv = buf[:src.numel() * src.element_size()].view(src.dtype).view(src.shape)
-    kv.copy_(src)  # the engine's gather out of its paged cache
-    kw: dict[str, Any] = {}
-    if src_scales is not None:
-        sc = buf[src.numel():].view(torch.float32).view(src_scales.shape)
-        sc.copy_(src_scales)
-        kw["scales"] = (sc[0], sc[1])
-    send.save_kv_layer(rid, 0, kv[0], kv[1], **kw)
+    await asyncio.to_thread(_export_all, send, rid, src, src_scales)
     await send.wait_for_save(rid)
     return time.perf_counter() - t0
 
@@ -127,22 +224,22 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
                   cases: tuple[tuple[str, str, bool], ...]) -> dict[str, list[float]]:
     from pdcluster.kernels.kv_quant import quantize_kv
 
-    tokens = max(1, nbytes // (2 * HEADS * DIM * 4))
-    fp32 = 2 * tokens * HEADS * DIM * 4
-    src = torch.randn(2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(0))
-    q, s = quantize_kv(src, bits=8)
-    data = memoryview(bytearray(nbytes))
+    layers, tokens = request_layers(nbytes), tokens_of(nbytes)
+    fp32 = layers * 2 * tokens * HEADS * DIM * 4
+    src = torch.randn(layers, 2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_kv(src, bits=8) if any(c for _, _, c in cases) else (None, None)
+    raw_layers = [memoryview(src[i].numpy()).cast("B") for i in range(layers)]
     raws = [socket.create_connection(("127.0.0.1", p[0])) for p in ports]
-    mods = [importlib.import_module(m) for m in modules]
+    mods = [load_module(m) for m in modules]
     senders = {(i, name): mods[i].TCPConnector(SECRET, compression=comp)
                for i in range(len(modules)) for name, comp, _ in cases}
     times: dict[str, list[float]] = {}
     for rnd in range(reps + 1):  # round 0 warms up (connections, first-touch of every buffer)
         for i, m in enumerate(modules):
             tag = "" if i == 0 else f"@{m}"
-            dt = _raw_once(raws[i], data)
+            dt = _raw_once(raws[i], raw_layers)
             if rnd:
-                times.setdefault("raw" + tag, []).append(nbytes / dt)
+                times.setdefault("raw" + tag, []).append(fp32 / dt)
             for name, _, codes in cases:
                 dt = await _backend_once(senders[(i, name)], pipes[i], ports[i][1], mods[i], f"{name}-{rnd}",
                                          q if codes else src, s if codes else None)
@@ -158,7 +255,7 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
 def side_by_side(nbytes: int, reps: int = 5, modules: list[str] | None = None,
                  cases: tuple[tuple[str, str, bool], ...] = CASES) -> dict[str, Any]:
     """Median GB/s per cell ("raw", "fp32", "int8", "codes"; cells of a further module get "@module"), with
-    every repeat kept under "runs"."""
+    every repeat kept under "runs" and the request's shape under "layers"."""
     modules = modules or [MODULE]
     ctx = mp.get_context("spawn")
     procs, pipes, ports = [], [], []
@@ -181,5 +278,6 @@ def side_by_side(nbytes: int, reps: int = 5, modules: list[str] | None = None,
             p.join(30)
             if p.is_alive():
                 p.kill()
-    return {"mib": nbytes >> 20, **{k: statistics.median(v) / 1e9 for k, v in runs.items()},
+    return {"mib": nbytes >> 20, "layers": request_layers(nbytes),
+            **{k: statistics.median(v) / 1e9 for k, v in runs.items()},
             "runs": {k: [x / 1e9 for x in v] for k, v in runs.items()}}

@@ -7,6 +7,7 @@ one model runner: the KV connector (kv_connector.py) is the boundary other code 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +73,26 @@ def store_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
     for pool, new in pairs:
         flat = pool.view(-1, *pool.shape[2:])  # [slots, heads(, width)]
         flat.narrow(1, head_offset, n).index_copy_(0, slots, new.to(pool.device, pool.dtype))
+
+
+def slot_views(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> list[memoryview]:
+    """Byte views of ``slots`` of one float layer, K then V, one view per run of consecutive slots (a run
+    spans blocks that happen to be adjacent)."""
+    breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
+    bounds = list(zip([0, *breaks], [*breaks, int(slots.numel())], strict=True))
+    starts = slots.tolist()
+    views = []
+    for pool in (cache.k[layer], cache.v[layer]):
+        if not pool.is_contiguous():
+            raise ValueError("slot_views needs a contiguous pool (a reshape would copy)")
+        flat = pool.view(-1, cache.kv_heads * cache.head_dim)
+        arr = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
+        views += [memoryview(arr[starts[a]:starts[a] + b - a]).cast("B") for a, b in bounds]
+    return views
+
+
+def _nothing() -> None:
+    """The engine holds nothing for a placed receive: the reservation itself keeps the blocks."""
 
 
 class KVTransferMixin:
@@ -152,6 +173,22 @@ class KVTransferMixin:
             self.runner.import_layer(layer, k, v, scales, slots)  # type: ignore[union-attr]
             return
         store_layer(self.runner.cache, layer, k, v, scales, slots, self.runner.device, self.runner.dtype)
+
+    def import_views(self: LLMEngine, request_id: str, layer: int, token_start: int, num_tokens: int,
+                     dtype: torch.dtype) -> tuple[list[memoryview], Callable[[], None]] | None:
+        """Where tokens ``[token_start, +num_tokens)`` of a reserved request's float layer lie in this cache,
+        as byte views in the wire's order (K's runs of slots, then V's), so that a transport can receive them
+        in place (transfer/placing.py) instead of into a buffer that ``import_kv_layer`` then copies. None
+        unless the cache stores exactly what arrives (host memory, this layer in ``dtype``, one rank).
+        Called off the engine thread: it only reads a reservation that is fixed until ``cancel_import``, which
+        the transport's owner calls only after the connector's ``cancel_load``."""
+        seq = self.seqs.get(request_id)
+        cache = self.runner.cache
+        if seq is None or seq.status != SequenceStatus.IMPORTING or self.config.tensor_parallel_size > 1 \
+                or cache.device.type != "cpu" or cache.layer_bits[layer] is not None or cache.dtype != dtype \
+                or not 0 <= token_start < token_start + num_tokens <= seq.num_prompt_tokens:
+            return None
+        return slot_views(cache, layer, self.runner.slots(seq, token_start, token_start + num_tokens)), _nothing
 
     def commit_import(self: LLMEngine, request_id: str, first_token_id: int) -> None:
         """All layers are in: the request decodes from here as if it had prefilled itself. The first token

@@ -74,9 +74,9 @@ class Disaggregation:
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
-            self.connector, choice = transfer_backend.build(backend, secret, importer=self._import,
-                                                            compression=compression, timeout=timeout,
-                                                            max_retries=max_retries)
+            self.connector, choice = transfer_backend.build(  # destination: float layers land in the blocks
+                backend, secret, importer=self._import, compression=compression, timeout=timeout,
+                max_retries=max_retries, destination=getattr(getattr(engine, "engine", None), "import_views", None))
             self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()

@@ -18,6 +18,7 @@ from pdcluster.worker.transfer import handshake
 from pdcluster.worker.transfer.frame import (
     DEFAULT_LIMITS,
     PREAMBLE_SIZE,
+    TRAILER_SIZE,
     ErrorCode,
     Frame,
     FrameError,
@@ -25,10 +26,11 @@ from pdcluster.worker.transfer.frame import (
     Header,
     Limits,
     parse_body,
+    parse_placed,
     parse_preamble,
     seal_frame,
 )
-from pdcluster.worker.transfer.sockio import Closed, Conn
+from pdcluster.worker.transfer.sockio import Buffer, Closed, Conn
 
 # Status codes that a retry on the same receiver cannot fix.
 FATAL = {ErrorCode.UNKNOWN_REQUEST, ErrorCode.SHAPE_MISMATCH, ErrorCode.UNAUTHENTICATED,
@@ -36,6 +38,21 @@ FATAL = {ErrorCode.UNKNOWN_REQUEST, ErrorCode.SHAPE_MISMATCH, ErrorCode.UNAUTHEN
 
 FrameHandler = Callable[[Frame], Awaitable[ErrorCode]]
 RecvInto = Callable[[memoryview], Awaitable[None]]
+
+
+@dataclass
+class Placement:
+    """Where a data frame's payload is received in place (the receiver's cache), and how to undo the claim
+    when its body fails: `abandon(fatal)`, fatal = the tag failed (what was written there is not the sender's)."""
+
+    views: list[memoryview]
+    abandon: Callable[[bool], None]
+    alive: Callable[[], bool] = lambda: True  # checked before each receive into `views` (placing.py)
+    done: Callable[[], None] = lambda: None  # the payload is in and its tags checked
+
+
+# (authenticated header, request id as the body claims it) -> a Placement, or None for a pooled buffer
+Place = Callable[[Header, str], Placement | None]
 
 
 class TransferError(Exception):
@@ -78,18 +95,42 @@ async def read_preamble(recv_into: RecvInto, key: FrameKey, seq: int, limits: Li
 
 
 async def read_body(recv_into: RecvInto, hdr: Header, key: FrameKey, seq: int,
-                    into: memoryview | None = None) -> Frame:
+                    into: memoryview | None = None, prefix: Buffer | None = None) -> Frame:
     """The body, received in place into a buffer the frame then owns (its payload is a view of it): `into`
-    (exactly hdr.body_len bytes, e.g. from a BufferPool), else a new one."""
-    if into is None:
-        return parse_body(hdr, await read_exact(recv_into, hdr.body_len), key, seq)
+    (exactly hdr.body_len bytes, e.g. from a BufferPool), else a new one. `prefix`: its first bytes, already
+    read from the connection."""
+    into = memoryview(new_buffer(hdr.body_len)) if into is None else into
     if len(into) != hdr.body_len:
         raise ValueError(f"receive buffer of {len(into)} bytes for a body of {hdr.body_len}")
+    done = 0
+    if prefix is not None:
+        done = len(prefix)
+        into[:done] = prefix
     try:
-        await recv_into(into)
+        await recv_into(into[done:])
     except Closed as e:
         raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {e.got} of {hdr.body_len} bytes") from None
     return parse_body(hdr, into, key, seq)
+
+
+async def read_placed(conn: Conn, hdr: Header, key: FrameKey, seq: int, meta: Buffer, where: Placement) -> Frame:
+    """The rest of a body whose `meta` (request id + scales) was read: the payload straight into `where`, then
+    the tags, checked over exactly those bytes. On any failure the placement is abandoned before raising."""
+    try:
+        await conn.recv_into_parts(where.views, where.alive)
+        tags = await read_exact(conn.recv_into, TRAILER_SIZE)
+        frame = parse_placed(hdr, meta, where.views, tags, key, seq)
+        where.done()
+        return frame
+    except Closed as e:
+        where.abandon(False)
+        raise FrameError(ErrorCode.TRUNCATED, f"connection closed after {e.got} bytes of a placed payload") from None
+    except FrameError as e:
+        where.abandon(e.code == ErrorCode.UNAUTHENTICATED)
+        raise
+    except BaseException:
+        where.abandon(False)
+        raise
 
 
 async def read_frame(recv_into: RecvInto, key: FrameKey, seq: int, limits: Limits = DEFAULT_LIMITS) -> Frame:
@@ -127,8 +168,9 @@ class Channel:
         self.received += 1
         return hdr, seq
 
-    async def read_body(self, hdr: Header, seq: int, into: memoryview | None = None) -> Frame:
-        return await read_body(self.conn.recv_into, hdr, self.keys.recv, seq, into)
+    async def read_body(self, hdr: Header, seq: int, into: memoryview | None = None,
+                        prefix: Buffer | None = None) -> Frame:
+        return await read_body(self.conn.recv_into, hdr, self.keys.recv, seq, into, prefix)
 
     async def read_frame(self) -> Frame:
         hdr, seq = await self.read_preamble()

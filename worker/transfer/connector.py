@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.worker.transfer import chunking, codec
+from pdcluster.worker.transfer import chunking, codec, handoff, placing
 from pdcluster.worker.transfer.chancache import ChannelCache
-from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Kind, Limits
+from pdcluster.worker.transfer.channel import Placement
+from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Header, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
@@ -94,23 +95,6 @@ class _Load:
     bytes: int = 0
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
-def _done(frames: list[tuple[Outbox, Frame]] | None = None,
-          error: BaseException | None = None) -> concurrent.futures.Future[list[tuple[Outbox, Frame]]]:
-    fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]] = concurrent.futures.Future()
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(frames or [])
-    return fut
-
-
 class TCPConnector(KVConnector):
     """KV over the framed TCP transport, with optional int8 compression on the wire."""
 
@@ -118,10 +102,14 @@ class TCPConnector(KVConnector):
 
     def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
-                 chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4) -> None:
+                 chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4,
+                 destination: placing.Destination | None = None) -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression must be one of {codec.COMPRESSIONS}")
         self.secret, self.importer, self.compression = secret, importer, compression
+        # float layers received straight into the cache, no importer call (placing.py); the owner must call
+        # cancel_load before it frees a request's blocks
+        self.destination = destination
         self.timeout, self.max_retries, self.limits = timeout, max_retries, limits
         self.chunk_bytes = min(chunk_bytes, limits.max_frame_bytes // 2)
         self.stats = TransportStats()
@@ -142,7 +130,8 @@ class TCPConnector(KVConnector):
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
         self.server = KVServer(self.secret, self._on_frame, limits=self.limits, stats=self.stats,
-                               frame_timeout=self.timeout, recycle=True)  # the importer copies: bodies reused
+                               frame_timeout=self.timeout, recycle=True,  # the importer copies: bodies reused
+                               place=self._place if self.destination is not None else None)
         return await self.server.start(host, port)
 
     async def close(self) -> None:
@@ -192,7 +181,7 @@ class TCPConnector(KVConnector):
         def encode() -> list[tuple[Outbox, Frame]]:
             if stream:  # each frame to the loop as soon as it is built: the next one is encoded meanwhile
                 for f in self._frame_iter(request_id, layer, num_layers, k, v, token_start, scales):
-                    loop.call_soon_threadsafe(put, _done([(box, f)]))
+                    loop.call_soon_threadsafe(put, handoff.done([(box, f)]))
                 return []
             if isinstance(box, Fanout):
                 return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
@@ -221,10 +210,10 @@ class TCPConnector(KVConnector):
             # on the loop's own thread, queue them at once. The hop through an encoder thread and back was
             # most of a small layer's fixed cost (two thread wake-ups per transfer).
             try:
-                done = _done(self._lender.encode(request_id, self._lender.take(k), encode, uses_buffer))
+                done = handoff.done(self._lender.encode(request_id, self._lender.take(k), encode, uses_buffer))
             except Exception as e:
-                done = _done(error=e)
-            (put if _on_loop(loop) else enqueue)(done)
+                done = handoff.done(error=e)
+            (put if handoff.on_loop(loop) else enqueue)(done)
             return
         fut = self._encoder.submit(self._lender.encode, request_id, self._lender.take(k), encode,
                                    uses_buffer=uses_buffer)
@@ -321,10 +310,18 @@ class TCPConnector(KVConnector):
             load.changed.clear()
             await load.changed.wait()
 
+    def _place(self, hdr: Header, request_id: str) -> Placement | None:
+        load = self._loads.get(request_id)
+        assert self.destination is not None
+        return placing.claim(load, hdr, request_id, self.destination, lambda: self._loads.get(request_id) is load)
+
     async def _on_frame(self, frame: Frame) -> ErrorCode:
         load = self._loads.get(frame.request_id)
         if load is None or load.error:
             return ErrorCode.UNKNOWN_REQUEST
+        if frame.placed:  # already in the cache, tags checked (placing.py): only the bookkeeping is left
+            load.bytes += len(frame.payload)
+            return self._imported(load, frame)
         if frame.kind == Kind.ABORT:
             load.error = "sender aborted the transfer"
             load.changed.set()
@@ -332,8 +329,7 @@ class TCPConnector(KVConnector):
         if frame.kind not in (Kind.LAYER, Kind.STAGED):
             return ErrorCode.BAD_HEADER
         s = load.spec
-        if (frame.num_layers, frame.head_dim) != (s.num_layers, s.head_dim) or frame.token_end > s.num_tokens \
-                or (frame.head_start, frame.kv_heads) not in (s.pieces or ((s.head_offset, s.kv_heads),)):
+        if not placing.fits(s, frame):
             load.error = (f"shape mismatch: got layers={frame.num_layers} heads={frame.kv_heads} from head "
                           f"{frame.head_start} dim={frame.head_dim} tokens<{frame.token_end}, expected {s}")
             load.changed.set()
@@ -369,7 +365,12 @@ class TCPConnector(KVConnector):
         finally:
             got.release()  # the importer has copied the bytes into the cache: the receive memory is free
         load.bytes += got.nbytes
-        ranges[key] = frame.num_tokens * frame.kv_heads
+        return self._imported(load, frame)
+
+    def _imported(self, load: _Load, frame: Frame) -> ErrorCode:
+        """A data frame's range is in the cache: the layer (and the request) may be complete."""
+        s, ranges = load.spec, load.ranges.setdefault(frame.layer, {})
+        ranges[(frame.token_start, frame.head_start)] = frame.num_tokens * frame.kv_heads
         if sum(ranges.values()) >= s.num_tokens * s.kv_heads:
             load.loaded.add(frame.layer)
             del load.ranges[frame.layer]

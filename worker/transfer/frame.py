@@ -154,7 +154,8 @@ class Frame:
     status: int = 0
     head_start: int = 0  # global index of the first KV head carried (TP re-sharding); 0 = from the first
     scales: bytes | memoryview = b""  # parsed frames hold zero-copy views into the received buffer
-    payload: bytes | memoryview | Gathered = b""  # Gathered: sender side only, never parsed
+    payload: bytes | memoryview | Gathered = b""  # Gathered: sent scatter-gather, or received in place
+    placed: bool = False  # receiver: the payload was received straight into its destination (parse_placed)
 
     @property
     def num_tokens(self) -> int:
@@ -285,9 +286,15 @@ class FrameKey:
             return enc.tag
         return self._gcm.encrypt(_SEQ.pack(label, seq), b"", data)  # GMAC: no plaintext, data as AAD
 
-    def check(self, label: bytes, seq: int, data: Buffer, tag: Buffer) -> bool:
+    def check(self, label: bytes, seq: int, data: Buffer | Gathered, tag: Buffer) -> bool:
         try:
-            self._gcm.decrypt(_SEQ.pack(label, seq), bytes(tag), data)
+            if isinstance(data, Gathered):  # fed part by part, as `tag` signs a Gathered payload
+                dec = Cipher(algorithms.AES(self._key), modes.GCM(_SEQ.pack(label, seq), bytes(tag))).decryptor()
+                for part in data.parts:
+                    dec.authenticate_additional_data(part)
+                dec.finalize()
+            else:
+                self._gcm.decrypt(_SEQ.pack(label, seq), bytes(tag), data)
         except InvalidTag:
             return False
         return True
@@ -330,6 +337,30 @@ def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
         head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
         head_start=hdr.head_start,
         scales=view[rid_end:scales_end], payload=view[scales_end:signed_end],
+    )
+
+
+def parse_placed(hdr: Header, meta: Buffer, parts: list[memoryview], tags: Buffer, key: FrameKey, seq: int) -> Frame:
+    """A body received in pieces: `meta` (request id + scales), the payload straight into its destination
+    `parts` (in wire order), then the two tags. Checked exactly as `parse_body` checks a body in one buffer
+    (the same bytes, the same tags); the frame's payload is `parts` (`placed`)."""
+    if len(meta) != hdr.request_id_len + hdr.scales_len or len(tags) != TRAILER_SIZE \
+            or sum(len(p) for p in parts) != hdr.payload_len:
+        raise FrameError(ErrorCode.TRUNCATED, "placed body does not match its header's lengths")
+    payload = Gathered(parts)
+    tag_view = memoryview(tags)
+    if not (key.check(_MET, seq, meta, tag_view[:TAG_SIZE]) and key.check(_PAY, seq, payload, tag_view[TAG_SIZE:])):
+        raise FrameError(ErrorCode.UNAUTHENTICATED, "body tag mismatch (tampered, replayed or wrong secret)")
+    view = memoryview(meta)
+    try:
+        request_id = bytes(view[:hdr.request_id_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise FrameError(ErrorCode.BAD_HEADER, "request id is not utf-8") from None
+    return Frame(
+        kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
+        token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
+        head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
+        head_start=hdr.head_start, scales=view[hdr.request_id_len:], payload=payload, placed=True,
     )
 
 

@@ -19,22 +19,26 @@ from pdcluster.worker.transfer.channel import (
     FATAL,
     Channel,
     FrameHandler,
+    Place,
     TransferError,
     TransportStats,
     accept_channel,
+    read_exact,
     read_frame,
+    read_placed,
 )
 from pdcluster.worker.transfer.frame import (
     DEFAULT_LIMITS,
     ErrorCode,
     Frame,
     FrameError,
+    Header,
     Kind,
     Limits,
     ack,
 )
 from pdcluster.worker.transfer.outbox import Outbox
-from pdcluster.worker.transfer.sockio import Conn
+from pdcluster.worker.transfer.sockio import Buffer, Conn
 
 __all__ = ["FATAL", "ByteBudget", "KVServer", "Outbox", "TransferError", "TransportStats", "read_frame"]
 log = logging.getLogger(__name__)
@@ -68,7 +72,7 @@ class KVServer:
                  idle_timeout: float = 60.0, frame_timeout: float = 30.0,
                  stats: TransportStats | None = None, pipeline: int = 4, max_unauthenticated: int = 64,
                  auth_timeout: float = 10.0, max_buffered_bytes: int = 2 * DEFAULT_LIMITS.max_frame_bytes,
-                 recycle: bool = False) -> None:
+                 recycle: bool = False, place: Place | None = None) -> None:
         self.secret, self.handler, self.limits = secret, handler, limits
         self.idle_timeout, self.frame_timeout = idle_timeout, frame_timeout
         self.stats = stats or TransportStats()
@@ -78,6 +82,10 @@ class KVServer:
         # recycle: bodies are received into pooled memory, reused once the handler returned (a handler that
         # keeps a frame's payload past its return must not ask for this; the connector's importer copies)
         self.pool = BufferPool(max_buffered_bytes) if recycle else None
+        # place: a float data frame's payload may be received straight into its destination (the cache)
+        # instead of a buffer the handler then copies from (Placement in channel.py)
+        self.place = place
+        self._meta: dict[Channel, Buffer] = {}  # a body's first bytes, read to ask `place`, not placed
         self.unauthenticated = 0  # connections still in the handshake
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
@@ -161,10 +169,12 @@ class KVServer:
                     except EOFError:
                         return  # clean close at a frame boundary
                     async with asyncio.timeout(self.frame_timeout):
-                        await self.budget.acquire(hdr.body_len)
-                        held = hdr.body_len
-                        body = self.pool.take(hdr.body_len) if self.pool is not None else None
-                        frame = await chan.read_body(hdr, seq, body)
+                        body, frame = None, await self._placed(chan, hdr, seq)
+                        if frame is None:
+                            await self.budget.acquire(hdr.body_len)
+                            held = hdr.body_len
+                            body = self.pool.take(hdr.body_len) if self.pool is not None else None
+                            frame = await chan.read_body(hdr, seq, body, self._meta.pop(chan, None))
                 except (FrameError, TimeoutError) as e:
                     if held:
                         self.budget.release(held)
@@ -191,7 +201,24 @@ class KVServer:
             if inflight:  # let verified frames get their ACKs before the connection goes
                 with contextlib.suppress(BaseException):
                     await asyncio.gather(*inflight, return_exceptions=True)
+            self._meta.pop(chan, None)
             chan.close()
+
+    async def _placed(self, chan: Channel, hdr: Header, seq: int) -> Frame | None:
+        """A float LAYER frame whose request `place` has a destination for: its request id is read first (the
+        header is authenticated already; the id is checked with the body's tags), then the payload straight
+        into the destination. None: read the body into a buffer (the id already read is kept in `_meta`)."""
+        if self.place is None or hdr.kind != Kind.LAYER or hdr.scales_len:
+            return None
+        meta = await read_exact(chan.conn.recv_into, hdr.request_id_len)
+        try:
+            where = self.place(hdr, bytes(meta).decode("utf-8"))
+        except UnicodeDecodeError:
+            where = None  # the body's tag check rejects it
+        if where is None:
+            self._meta[chan] = meta
+            return None
+        return await read_placed(chan.conn, hdr, chan.keys.recv, seq, meta, where)
 
     async def _reject(self, chan: Channel, peer: object, e: Exception) -> None:
         code = e.code if isinstance(e, FrameError) else ErrorCode.TRUNCATED
