@@ -9,9 +9,11 @@ export PATH := $(HOME)/.local/bin:$(PATH)
 
 setup:
 	@scripts/setup.sh python
+	@$(PY) -m pdcluster.kernels.cpu   # the C++ CPU kernels, built once into the cache (torch paths without them)
 
 setup-test:
 	@scripts/setup.sh test
+	@$(PY) -m pdcluster.kernels.cpu
 	@e2e/build.sh helm   # the chart tests drive a real helm binary (cached in ~/.cache/pdcluster)
 
 # Deploy artefacts with a source elsewhere (CRD from the models, the chart's copies of the alert rules,
