@@ -64,6 +64,15 @@ def test_threading_policy() -> None:
     assert L.grain(16, 512, 500, min_task_macs=1 << 22) == 8  # 8 panels x 512K = 4M per task
     assert L.grain(1, 512, 500, min_task_macs=0) == 1
     assert L.grain(64, 4096, 2, min_task_macs=1) == 1
+    assert L.grain(0, 512, 500) == 0  # no rows: no division by zero
+
+
+@needs_kernel
+def test_zero_rows() -> None:
+    """A step can carry an empty chunk: zero rows in, zero rows out (this divided by zero once)."""
+    wp = L.pack(torch.randn(100, 32))
+    assert L.linear(torch.randn(0, 32), wp, 100).shape == (0, 100)
+    assert L.linear(torch.randn(0, 32), wp, 100, torch.randn(100)).shape == (0, 100)
 
 
 @needs_kernel
