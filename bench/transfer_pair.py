@@ -224,6 +224,10 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
                   cases: tuple[tuple[str, str, bool], ...]) -> dict[str, list[float]]:
     from pdcluster.kernels.kv_quant import quantize_kv
 
+    # one torch thread, as in the receiver: idle OpenMP workers spin after each copy, and on this 2-core box
+    # that spinning took the cores the sockets need (sender CPU per 1 MiB x 32 request: 91 ms with the
+    # default threads, 27 ms with one; raw TCP 9-10 ms)
+    torch.set_num_threads(1)
     layers, tokens = request_layers(nbytes), tokens_of(nbytes)
     fp32 = layers * 2 * tokens * HEADS * DIM * 4
     src = torch.randn(layers, 2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(0))

@@ -146,6 +146,8 @@ class Channel:
         self.sent = 0  # frames written / read so far: the next frame's position, part of its tag's nonce
         self.received = 0
         self._lock = asyncio.Lock()
+        self._queued: list[Frame] = []  # small frames (ACKs) written together by the next flush
+        self._flush: asyncio.Task[None] | None = None
 
     async def send(self, frame: Frame) -> int:
         """Seal and write one frame (several tasks may send on one channel: positions stay in wire order)."""
@@ -153,6 +155,28 @@ class Channel:
             parts = seal_frame(frame, self.keys.send, self.sent, self.limits)
             self.sent += 1
             return await self.conn.send(parts)
+
+    def queue(self, frame: Frame) -> None:
+        """Send a small frame soon, with the others queued in this turn of the loop: one `sendmsg` (one packet)
+        for a burst of ACKs instead of one each (on loopback each small send also runs the peer's receive
+        path in this thread). Each frame keeps its own position and tag; errors are dropped as a lost ACK."""
+        self._queued.append(frame)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """Write every queued frame now (in order, sealed at their positions)."""
+        async with self._lock:
+            self._flush = None
+            frames, self._queued = self._queued, []
+            parts = []
+            for f in frames:
+                parts += seal_frame(f, self.keys.send, self.sent, self.limits)
+                self.sent += 1
+            try:
+                await self.conn.send(parts)
+            except OSError:
+                pass  # the connection is gone: the sender resends what it has no ACK for
 
     async def read_preamble(self) -> tuple[Header, int]:
         """Raises EOFError when the peer closed cleanly at a frame boundary, FrameError otherwise."""

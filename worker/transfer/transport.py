@@ -201,6 +201,8 @@ class KVServer:
             if inflight:  # let verified frames get their ACKs before the connection goes
                 with contextlib.suppress(BaseException):
                     await asyncio.gather(*inflight, return_exceptions=True)
+            with contextlib.suppress(BaseException):
+                await chan.drain()  # their ACKs
             self._meta.pop(chan, None)
             chan.close()
 
@@ -236,7 +238,5 @@ class KVServer:
             log.exception("kv transfer: handler failed for %s layer %d", frame.request_id, frame.layer)
             status = ErrorCode.INTERNAL
         if frame.kind in (Kind.LAYER, Kind.STAGED):  # data frames are acknowledged; ABORT is not
-            reply = Frame(kind=Kind.ACK, request_id=frame.request_id, layer=frame.layer,
-                          token_start=frame.token_start, token_end=frame.token_end, status=int(status))
-            with contextlib.suppress(OSError):
-                await chan.send(reply)
+            chan.queue(Frame(kind=Kind.ACK, request_id=frame.request_id, layer=frame.layer,
+                             token_start=frame.token_start, token_end=frame.token_end, status=int(status)))
