@@ -24,9 +24,11 @@ from pdcluster.kernels.cpu import native
 
 log = logging.getLogger("pdcluster.engine")
 
-# Rows above which the product goes to MKL (bmm on the panels) instead of the kernel: measured crossover,
-# docs/benchmarks/engine.md "Fifth pass".
-MAX_KERNEL_ROWS = 64
+# Rows above which the product goes to MKL (batched GEMM on the panels) instead of the kernel. No crossover was
+# found: the kernel beat MKL at every row count measured, 1 to 1024 (1.35-2.6x on the 56M model's matrices,
+# docs/benchmarks/engine.md "Fifth pass"), so prefill chunks up to 1024 tokens take it too; past that MKL
+# (unmeasured there, and the kernel's panels stop fitting L2 for K in the thousands).
+MAX_KERNEL_ROWS = 1024
 
 
 class PackedLinear(nn.Module):
