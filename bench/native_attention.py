@@ -10,6 +10,10 @@
    where the engine's torch path is ``paged_decode_attention`` (gather blocks, dequantize, two matmuls).
 2. Whole decode steps of ``LLMEngine`` on engine_vs_hf's 56M Llama (``--prompt-len`` tokens, batch 1 and 16),
    native attention on and off alternating step by step (same requests, lengths within one token).
+3. With ``--served``: two ``pdcluster serve`` processes of that model on 127.0.0.1, one with
+   ``PDCLUSTER_NATIVE_ATTENTION=0`` (every other native kernel as in the first), the same prompts sent to
+   each in turn (batch 1 and 16, streamed, 64 new tokens); decode tok/s as served_vs_hf measures it, tokens
+   checked equal.
 
 Reports medians (and p25) in microseconds/milliseconds and the ratio torch / native of the medians; the
 machine is shared, so only ratios from one run mean anything. Needs a CPU with AVX-512 and a compiler.
@@ -145,15 +149,79 @@ def step_case(batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
         engine.step()
     row = _summary(samples, 1e3)
     row["speedup"] = round(row["torch"]["median"] / row["native"]["median"], 2)
+    # each torch step right after a native one, lengths one token apart: the ratio least moved by the load
+    row["speedup_paired"] = round(statistics.median(
+        t / n for n, t in zip(samples["native"], samples["torch"], strict=False)), 2)
     return row
+
+
+def served_case(batches: list[int], repeats: int, threads: int, prompt_len: int) -> dict[str, Any]:
+    """Decode tok/s of two servers, native attention on / off, interleaved request batch by batch."""
+    import asyncio
+    import socket
+
+    from pdcluster.bench.engine_vs_hf import MODEL
+    from pdcluster.bench.served_vs_hf import served_run, start_server
+    from pdcluster.kernels.cpu.attention import ENV_SWITCH
+    from pdcluster.worker.local.demo_model import build_demo_model
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdc-bench-") as tmp:
+        folder = build_demo_model(Path(tmp), **MODEL)
+        ports = {"native": free_port(), "torch": free_port()}
+        servers = []
+        try:
+            for name, port in ports.items():
+                before = os.environ.get(ENV_SWITCH)
+                os.environ[ENV_SWITCH] = "1" if name == "native" else "0"  # the child inherits it
+                try:
+                    servers.append(start_server(folder, port, threads, []))
+                finally:
+                    if before is None:
+                        del os.environ[ENV_SWITCH]
+                    else:
+                        os.environ[ENV_SWITCH] = before
+            g = torch.Generator().manual_seed(2)
+            for batch in batches:
+                samples: dict[str, list[float]] = {"native": [], "torch": []}
+                for r in range(repeats + 1):  # the first round warms both up and is not counted
+                    prompts = torch.randint(10, 32000, (batch, prompt_len), generator=g).tolist()
+                    order = list(ports) if r % 2 else list(ports)[::-1]
+                    ids = {}
+                    for name in order:
+                        _, decode, ids[name] = asyncio.run(served_run(ports[name], prompts, 64, True))
+                        if r:
+                            samples[name].append(decode)
+                    assert ids["native"] == ids["torch"], "greedy tokens differ between the two servers"
+                row = _summary(samples, 1.0)
+                row["native/torch paired"] = round(statistics.median(
+                    n / t for n, t in zip(samples["native"], samples["torch"], strict=True)), 2)
+                row["samples"] = {k: [round(x, 1) for x in v] for k, v in samples.items()}
+                out[str(batch)] = row
+                print(f"served, batch {batch}: decode tok/s native {row['native']['median']} | torch "
+                      f"{row['torch']['median']} | native/torch paired {row['native/torch paired']} | "
+                      f"{row['samples']}", flush=True)
+        finally:
+            for proc in servers:
+                proc.terminate()
+                proc.wait(timeout=60)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=300, help="calls per variant, per layer case")
-    ap.add_argument("--steps", type=int, default=60, help="decode steps per batch (half on, half off)")
+    ap.add_argument("--steps", type=int, default=120, help="decode steps per batch (half on, half off)")
     ap.add_argument("--prompt-len", type=int, default=190)
+    ap.add_argument("--served", action="store_true", help="also two servers, native attention on / off")
+    ap.add_argument("--served-repeats", type=int, default=5)
+    ap.add_argument("--only-served", action="store_true", help="skip the layer and step parts")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -164,6 +232,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spin = os.environ.get("GOMP_SPINCOUNT")
     print(f"threads {a.threads}, GOMP_SPINCOUNT={spin} (serve sets 2000 before torch loads; so does `make bench`)")
     out: dict[str, Any] = {"threads": a.threads, "gomp_spincount": spin, "layer_us": {}, "step_ms": {}}
+    if a.served or a.only_served:
+        out["served_decode_tok_s"] = served_case([1, 16], a.served_repeats, a.threads, 128)
+    if a.only_served:
+        return out
     ragged = [160 + 4 * i for i in range(16)]
     cases = {"batch 1 @190": ([190], "auto"), "batch 16 @160..220": (ragged, "auto"),
              "int8 cache, batch 16 @160..220": (ragged, "int8")}
@@ -174,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for batch in (1, 16):
         out["step_ms"][batch] = row = step_case(batch, a.prompt_len, a.steps)
         print(f"step, batch {batch}: torch {row['torch']['median']} ms (p25 {row['torch']['p25']}) | native "
-              f"{row['native']['median']} ms (p25 {row['native']['p25']}) | torch/native {row['speedup']}")
+              f"{row['native']['median']} ms (p25 {row['native']['p25']}) | torch/native {row['speedup']}, "
+              f"paired {row['speedup_paired']}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return out

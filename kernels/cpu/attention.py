@@ -7,10 +7,13 @@ their float32 per-(token, head) scales, the layouts of ``pdcluster.kernels``. Ma
 
 :func:`available` says whether the kernel can serve a cache layer here; callers keep their torch path for
 every other case (no AVX-512 or compiler, ``PDCLUSTER_NATIVE_KERNELS=0``, a CUDA cache).
+``PDCLUSTER_NATIVE_ATTENTION=0`` turns off this kernel alone (e.g. to compare it served beside the other
+native kernels); the loader's switch turns off all of them.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -18,10 +21,13 @@ import torch
 from pdcluster.kernels.cpu import native
 
 NAME = "pdc_attention"
+ENV_SWITCH = "PDCLUSTER_NATIVE_ATTENTION"  # "0": the torch path for decode attention, other kernels as they are
 SOURCES = ["attention.cpp"]
-# Work (positions x KV heads) below which the kernel stays on the calling thread: waking the second thread
-# costs more than it saves on tiny calls (measured: docs/benchmarks/engine.md, native decode attention).
-PARALLEL_MIN = 256
+# Work (positions x KV heads) below which the kernel stays on the calling thread. On the shared 2-core box
+# (load 5-6, GOMP_SPINCOUNT=2000) a parallel region never paid: serial / parallel medians 0.11 at batch 1 @190
+# (760), 0.43 at batch 16 @190 (12k), 0.95 at batch 16 @1024 (65k), 0.96 at batch 64 @512 (131k); a barrier
+# waits for a core someone else holds. Only calls big enough to amortise that (ms each) take both threads.
+PARALLEL_MIN = 65536
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,6 +49,8 @@ def supports(cache: torch.Tensor, head_dim: int) -> bool:
 
 
 def available(cache: torch.Tensor, head_dim: int) -> bool:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
     return supports(cache, head_dim) and module() is not None
 
 

@@ -136,3 +136,10 @@ def test_supports_only_what_the_kernel_reads():
     assert not cpu_attn.supports(torch.zeros(2, 16, 2, 24, dtype=torch.uint8), 48)  # int4 needs d % 32
     assert not cpu_attn.supports(torch.zeros(2, 16, 2, 64, dtype=torch.float64), 64)
     assert not cpu_attn.supports(torch.zeros(2, 2, 16, 64).transpose(1, 2), 64)  # not contiguous
+
+
+def test_its_own_switch_turns_only_it_off(monkeypatch):
+    cache = torch.zeros(2, 16, 2, 64)
+    assert cpu_attn.available(cache, 64)
+    monkeypatch.setenv(cpu_attn.ENV_SWITCH, "0")
+    assert not cpu_attn.available(cache, 64)
