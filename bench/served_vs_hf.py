@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--server-arg", action="append", default=[], help="extra `pdcluster serve` argument")
     ap.add_argument("--native-off-too", action="store_true",
                     help="also serve with PDCLUSTER_NATIVE_KERNELS=0 (a second server) and compare, interleaved")
+    ap.add_argument("--off-env", default="PDCLUSTER_NATIVE_KERNELS=0",
+                    help="NAME=VALUE the second server runs with (e.g. PDCLUSTER_NATIVE_LINEAR=0: only the linear off)")
     ap.add_argument("--py-spy", metavar="PATH", help="sample the served process with this py-spy binary")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
@@ -220,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         port = _free_port()
         server = start_server(folder, port, a.threads, a.server_arg)
         port_off = _free_port() if a.native_off_too else None
-        server_off = (start_server(folder, port_off, a.threads, a.server_arg, {"PDCLUSTER_NATIVE_KERNELS": "0"})
-                      if port_off else None)
+        name, _, value = a.off_env.partition("=")
+        server_off = start_server(folder, port_off, a.threads, a.server_arg, {name: value}) if port_off else None
         results: dict[str, Any] = {}
         try:
             results.update(_measure(a, hf, engine, port, stream, port_off))

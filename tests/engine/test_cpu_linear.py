@@ -62,8 +62,9 @@ def test_tied_head_and_embedding_share_one_packed_tensor(tmp_path: Path) -> None
         model.embed_tokens(torch.tensor([model.cfg.vocab_size]))
 
 
-def test_off_switch_keeps_the_torch_path(tiny_model_dir: Path, monkeypatch) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
+@pytest.mark.parametrize("switch", [native.ENV_SWITCH, "PDCLUSTER_NATIVE_LINEAR"])
+def test_off_switch_keeps_the_torch_path(tiny_model_dir: Path, monkeypatch, switch: str) -> None:
+    monkeypatch.setenv(switch, "0")
     model = load_model(ModelConfig.from_folder(tiny_model_dir))
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert pack_linears(model) == 0

@@ -9,12 +9,14 @@ What changes: every ``nn.Linear`` of the decoder (fused QKV, O, fused gate/up, d
 reads its rows out of the LM head's panels, so the tied matrix stays one tensor in memory. Values are the
 loaded ones: outputs equal ``F.linear``'s up to fp32 summation order (one accumulator per output, ascending
 k). MoE experts and routers, half dtypes, CUDA and tensor-parallel ranks keep the torch path, and so does
-every model when ``PDCLUSTER_NATIVE_KERNELS=0`` or the kernel cannot be built.
+every model when ``PDCLUSTER_NATIVE_KERNELS=0`` (all native kernels) or ``PDCLUSTER_NATIVE_LINEAR=0`` (this
+one) is set, or the kernel cannot be built.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -23,6 +25,8 @@ from pdcluster.kernels.cpu import linear as native_linear
 from pdcluster.kernels.cpu import native
 
 log = logging.getLogger("pdcluster.engine")
+# This kernel alone off ("0"), the other native kernels untouched: PDCLUSTER_NATIVE_KERNELS=0 turns all off.
+LINEAR_SWITCH = "PDCLUSTER_NATIVE_LINEAR"
 
 # Rows above which the product goes to MKL (batched GEMM on the panels) instead of the kernel. No crossover was
 # found: the kernel beat MKL at every row count measured, 1 to 1024 (1.35-2.6x on the 56M model's matrices,
@@ -78,6 +82,8 @@ class PackedEmbedding(nn.Module):
 
 def native_linear_ready() -> bool:
     """The kernel can run here now (re-reads the off switch each time, so a test can flip it)."""
+    if os.environ.get(LINEAR_SWITCH, "1") == "0":
+        return False
     return native.unavailable_reason() is None and native_linear.module() is not None
 
 
