@@ -19,7 +19,7 @@ from pdcluster.kernels.cpu import native
 NR = 64  # output columns per panel (linear.cpp)
 # Multiply-adds a thread must get before a product is split across threads (at::parallel_for over panels):
 # below it the fork/join costs more than the second core gives. Measured: docs/benchmarks/engine.md, fifth pass.
-MIN_TASK_MACS = 1 << 22
+MIN_TASK_MACS = 1 << 24
 
 
 def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
