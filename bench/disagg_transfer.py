@@ -3,9 +3,11 @@
     python -m pdcluster.bench.disagg_transfer [--layers 32 --tokens 2048 --kv-heads 8 --head-dim 128]
         [--overlap-model-layers 8] [--json OUT]
 
-1. Paths side by side, per message size (default 1, 16, 64, 256 MiB; `bench/transfer_paths.py`): raw
-   loopback TCP (blocking sockets, recv_into), the TCP backend (the real connector: handshake, GMAC per
-   frame part, ACKs) with fp32 and int8 on the wire, and a NIXL/UCX agent WRITE into another process.
+1. Paths side by side, per layer size (default 1, 16, 64, 256 MiB; `bench/transfer_pair.py`): one request
+   of L such layers (32 down to 2) streamed into another process's cache, timed until the sender holds the
+   final acknowledgement — raw loopback TCP (sendall / recv_into straight into the cache, one reply), the TCP
+   backend and the NIXL backend (the real connectors: handshake, GMAC, ACKs) with fp32, int8 compression and
+   an int8 cache's codes; plus a NIXL/UCX agent WRITE into another process (`bench/transfer_paths.py`).
    Goals (issue 12): TCP backend >= 70 % of raw TCP, NIXL >= raw TCP.
 2. KV transfer: a synthetic model's whole KV (`layers` x [tokens, kv_heads, head_dim] for K and V) through
    the real connector, in fp32, fp16 and int8 on the wire.
@@ -163,15 +165,14 @@ def _overlaps(prompt: int) -> list[dict[str, Any]]:
 
 
 def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
-    """One message size through every path. Raw TCP and the TCP backend: sender here, receiver in a child
-    process, repeats interleaved, medians (transfer_pair.py); NIXL: both ends in this process, best of reps."""
-    pair = transfer_pair.side_by_side(nbytes, reps)
-    row: dict[str, Any] = {"mib": nbytes >> 20, "raw": pair["raw"], "runs": pair["runs"]}
+    """One layer size through every path, a request of L layers each (transfer_pair.py): sender here, each
+    backend's receiver in a child process, repeats interleaved, medians; NIXL WRITE: best of reps."""
+    nixl = transfer_pair.NIXL if _nixl_ok() else None
+    pair = transfer_pair.side_by_side(nbytes, reps, [transfer_pair.MODULE] + ([nixl] if nixl else []))
+    row: dict[str, Any] = {"mib": nbytes >> 20, "layers": pair["layers"], "raw": pair["raw"], "runs": pair["runs"]}
     for name in ("fp32", "int8", "codes"):
         row[f"tcp_{name}"] = pair[name]
-    for name, compression, codes in (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True)):
-        row[f"nixl_{name}"] = asyncio.run(transfer_paths.tcp_backend(nbytes, reps, compression, backend="nixl",
-                                                                     codes=codes))
+        row[f"nixl_{name}"] = pair.get(f"{name}@{nixl}")
     row["nixl"] = transfer_paths.nixl_write(nbytes, reps)
     return row
 
@@ -203,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         out["overlap"] = _overlaps(a.overlap_prompt)
     cols = [("tcp_fp32", "TCP fp32"), ("tcp_int8", "TCP int8"), ("tcp_codes", "TCP codes"),
             ("nixl_fp32", "NIXL fp32"), ("nixl_int8", "NIXL int8"), ("nixl_codes", "NIXL codes")]
-    print(f"GB/s of fp32 KV (int8: the fp32 bytes it stands for); raw TCP and TCP: median of {a.reps} interleaved, "
-          f"receiver in another process; NIXL: best of {a.reps}; backends as % of raw TCP;"
+    print(f"GB/s of fp32 KV (int8: the fp32 bytes it stands for), a request of L layers of each size streamed; "
+          f"median of {a.reps} interleaved, receivers in other processes; backends as % of raw TCP;"
           " codes = an int8 cache's codes + scales as they are")
-    print("message   raw TCP  " + "".join(f"{h:>15}" for _, h in cols) + "   NIXL WRITE")
+    print("layer     raw TCP  " + "".join(f"{h:>15}" for _, h in cols) + "   NIXL WRITE")
 
     def cell(x: float | None, raw: float) -> str:
         return f"{x:>7.2f} ({x / raw:>4.0%})" if x is not None else f"{'n/a':>15}"

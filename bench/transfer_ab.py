@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-mib", default="1,16,64,256")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="fp32,int8,codes")
+    p.add_argument("--nixl", action="store_true", help="also the NIXL backend (this tree), its own raw cell")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     cases = tuple(c for c in transfer_pair.CASES if c[0] in a.cases.split(","))
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
         for mib in (int(m) for m in a.sizes_mib.split(",") if m):
             load = os.getloadavg()[0]
-            r = transfer_pair.side_by_side(mib << 20, a.reps, [transfer_pair.MODULE, old], cases)
+            mods = [transfer_pair.MODULE, old] + ([transfer_pair.NIXL] if a.nixl else [])
+            r = transfer_pair.side_by_side(mib << 20, a.reps, mods, cases)
             r["load"] = (load, os.getloadavg()[0])
             out.append(r)
             raw = statistics.median(r["runs"]["raw"] + r["runs"][f"raw@{old}"])
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                 paired = statistics.median(x / y for x, y in zip(r["runs"][name], r["runs"][f"{name}@{old}"],
                                                                  strict=True))
                 cells.append(f"{name} {new:.2f} ({new / raw:.0%}) / {before:.2f} ({before / raw:.0%}) x{paired:.2f}")
+            if a.nixl:
+                nx = transfer_pair.NIXL
+                cells += [f"NIXL {name} {r[f'{name}@{nx}']:.2f} ({r[f'{name}@{nx}'] / raw:.0%})" for name, _, _ in cases]
             print(f"{mib:>4} MiB x {r['layers']:>2} layers, load {r['load'][0]:.1f}->{r['load'][1]:.1f}: "
                   f"raw {r['raw']:.2f} / {r[f'raw@{old}']:.2f} | " + " | ".join(cells), flush=True)
     if a.json:

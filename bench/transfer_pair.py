@@ -49,6 +49,7 @@ import torch
 SECRET = b"bench-secret-0123456789abcdef"
 HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
+NIXL = "pdcluster.worker.transfer.nixl_connector:NixlConnector"  # the NIXL backend, as a further "module"
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
 _HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
@@ -67,6 +68,16 @@ def load_module(name: str) -> Any:
         sys.modules[top] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[top])
     return importlib.import_module(name)
+
+
+def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
+    """(an instance of the connector `module` names — "pkg.mod" for its TCPConnector, "pkg.mod:Class" for
+    another — and the module that defines LoadSpec/TransferTarget). NIXL gets staging for a whole request."""
+    name, _, cls = module.partition(":")
+    if cls == "NixlConnector":
+        kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
+    conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
+    return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 
 
 def request_layers(nbytes: int) -> int:
@@ -143,13 +154,12 @@ async def _receiver_main(pipe: Any, module: str, nbytes: int) -> None:
         if kind[rid] or dtype != torch.float32:
             return None
         kv = caches[False].kv[layer, :, token_start:token_start + n]
-        return [memoryview(kv[i].numpy()).cast("B") for i in range(2)], lambda: None
+        return [memoryview(kv[i].numpy()).cast("B") for i in range(2)], lambda: None  # type: ignore[arg-type]
 
-    mod = load_module(module)
     try:
-        recv = mod.TCPConnector(SECRET, importer=importer, destination=destination)
+        recv, mod = connector(module, nbytes, importer=importer, destination=destination)
     except TypeError:  # a transport from before placing.py
-        recv = mod.TCPConnector(SECRET, importer=importer)
+        recv, mod = connector(module, nbytes, importer=importer)
     port = await recv.listen()
     pipe.send((srv.getsockname()[1], port))
     pending: set[asyncio.Task[None]] = set()
@@ -232,11 +242,13 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
     fp32 = layers * 2 * tokens * HEADS * DIM * 4
     src = torch.randn(layers, 2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(0))
     q, s = quantize_kv(src, bits=8) if any(c for _, _, c in cases) else (None, None)
-    raw_layers = [memoryview(src[i].numpy()).cast("B") for i in range(layers)]
+    raw_layers = [memoryview(src[i].numpy()).cast("B") for i in range(layers)]  # type: ignore[arg-type]
     raws = [socket.create_connection(("127.0.0.1", p[0])) for p in ports]
-    mods = [load_module(m) for m in modules]
-    senders = {(i, name): mods[i].TCPConnector(SECRET, compression=comp)
-               for i in range(len(modules)) for name, comp, _ in cases}
+    senders, mods = {}, []
+    for i, m in enumerate(modules):
+        for name, comp, _ in cases:
+            senders[(i, name)], mod = connector(m, nbytes, compression=comp)
+        mods.append(mod)
     times: dict[str, list[float]] = {}
     for rnd in range(reps + 1):  # round 0 warms up (connections, first-touch of every buffer)
         for i, m in enumerate(modules):
@@ -245,8 +257,9 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
             if rnd:
                 times.setdefault("raw" + tag, []).append(fp32 / dt)
             for name, _, codes in cases:
-                dt = await _backend_once(senders[(i, name)], pipes[i], ports[i][1], mods[i], f"{name}-{rnd}",
-                                         q if codes else src, s if codes else None)
+                kv, sc = (q, s) if codes else (src, None)
+                assert kv is not None
+                dt = await _backend_once(senders[(i, name)], pipes[i], ports[i][1], mods[i], f"{name}-{rnd}", kv, sc)
                 if rnd:
                     times.setdefault(name + tag, []).append(fp32 / dt)
     for c in senders.values():

@@ -256,7 +256,7 @@ class Gathered:
     written scatter-gather and tagged part by part: the wire (and the tag) are those of the joined bytes,
     with no join on the sender."""
 
-    def __init__(self, parts: list[Buffer]) -> None:
+    def __init__(self, parts: list[Buffer] | list[memoryview]) -> None:
         self.parts = tuple(memoryview(p).cast("B") for p in parts)
 
     def __len__(self) -> int:
