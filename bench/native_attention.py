@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=190)
     ap.add_argument("--served", action="store_true", help="also two servers, native attention on / off")
     ap.add_argument("--served-repeats", type=int, default=5)
+    ap.add_argument("--served-batches", default="1,16")
     ap.add_argument("--only-served", action="store_true", help="skip the layer and step parts")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"threads {a.threads}, GOMP_SPINCOUNT={spin} (serve sets 2000 before torch loads; so does `make bench`)")
     out: dict[str, Any] = {"threads": a.threads, "gomp_spincount": spin, "layer_us": {}, "step_ms": {}}
     if a.served or a.only_served:
-        out["served_decode_tok_s"] = served_case([1, 16], a.served_repeats, a.threads, 128)
+        batches = [int(b) for b in a.served_batches.split(",")]
+        out["served_decode_tok_s"] = served_case(batches, a.served_repeats, a.threads, 128)
     if a.only_served:
         return out
     ragged = [160 + 4 * i for i in range(16)]
