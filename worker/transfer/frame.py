@@ -327,17 +327,7 @@ def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
     if not (key.check(_MET, seq, view[:scales_end], view[signed_end:signed_end + TAG_SIZE])
             and key.check(_PAY, seq, view[scales_end:signed_end], view[signed_end + TAG_SIZE:])):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "body tag mismatch (tampered, replayed or wrong secret)")
-    try:
-        request_id = bytes(view[:rid_end]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise FrameError(ErrorCode.BAD_HEADER, "request id is not utf-8") from None
-    return Frame(
-        kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
-        token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
-        head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
-        head_start=hdr.head_start,
-        scales=view[rid_end:scales_end], payload=view[scales_end:signed_end],
-    )
+    return _checked_frame(hdr, view[:rid_end], view[rid_end:scales_end], view[scales_end:signed_end])
 
 
 def parse_placed(hdr: Header, meta: Buffer, parts: list[memoryview], tags: Buffer, key: FrameKey, seq: int) -> Frame:
@@ -352,15 +342,21 @@ def parse_placed(hdr: Header, meta: Buffer, parts: list[memoryview], tags: Buffe
     if not (key.check(_MET, seq, meta, tag_view[:TAG_SIZE]) and key.check(_PAY, seq, payload, tag_view[TAG_SIZE:])):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "body tag mismatch (tampered, replayed or wrong secret)")
     view = memoryview(meta)
+    return _checked_frame(hdr, view[:hdr.request_id_len], view[hdr.request_id_len:], payload, placed=True)
+
+
+def _checked_frame(hdr: Header, request_id: memoryview, scales: memoryview, payload: memoryview | Gathered,
+                   placed: bool = False) -> Frame:
+    """The frame of an authenticated body (its tags already checked): the header's fields and its parts."""
     try:
-        request_id = bytes(view[:hdr.request_id_len]).decode("utf-8")
+        rid = bytes(request_id).decode("utf-8")
     except UnicodeDecodeError:
         raise FrameError(ErrorCode.BAD_HEADER, "request id is not utf-8") from None
     return Frame(
-        kind=hdr.kind, request_id=request_id, layer=hdr.layer, num_layers=hdr.num_layers,
+        kind=hdr.kind, request_id=rid, layer=hdr.layer, num_layers=hdr.num_layers,
         token_start=hdr.token_start, token_end=hdr.token_end, kv_heads=hdr.kv_heads,
         head_dim=hdr.head_dim, dtype=hdr.dtype, flags=hdr.flags, status=hdr.status,
-        head_start=hdr.head_start, scales=view[hdr.request_id_len:], payload=payload, placed=True,
+        head_start=hdr.head_start, scales=scales, payload=payload, placed=placed,
     )
 
 
