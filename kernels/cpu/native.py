@@ -94,6 +94,7 @@ def _build(name: str, sources: list[Path]) -> ModuleType | None:
         key = build_key(name, sources)
         folder = cache_root() / f"{name}-{key}"
         folder.mkdir(parents=True, exist_ok=True)
+        sources = [_stable_copy(src, folder) for src in sources]
         # copies: cpp_extension appends its own flags to the lists it is given
         mod = cpp_load(name=f"{name}_{key}", sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
                        extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
@@ -103,3 +104,18 @@ def _build(name: str, sources: list[Path]) -> ModuleType | None:
         return None
     log.info("native CPU kernel %s loaded from %s", name, folder)
     return mod
+
+
+def _stable_copy(src: Path, folder: Path) -> Path:
+    """The source as a file inside the build folder: ninja keys its build on the source's path and mtime, so
+    building from each checkout's own path (a CI clone, a worktree) would recompile the same key every time
+    another checkout had built it. The copy is rewritten only when its bytes differ."""
+    dst = folder / "src" / src.name
+    data = src.read_bytes()
+    if not dst.exists() or dst.read_bytes() != data:
+        dst.parent.mkdir(exist_ok=True)
+        tmp = dst.with_suffix(dst.suffix + f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    return dst
+

@@ -65,3 +65,19 @@ def test_compile_error_is_logged_not_raised(fresh: Path, caplog):
     with caplog.at_level(logging.WARNING, logger="pdcluster.kernels.cpu"):
         assert native.load("pdc_test_broken", [str(src)]) is None
     assert "could not be built" in caplog.text and "torch path" in caplog.text
+
+
+def test_sources_are_built_from_a_stable_copy(tmp_path: Path):
+    """Two checkouts with the same source bytes build from one path inside the cache folder, so ninja does not
+    recompile because the path changed; the copy is rewritten only when the bytes differ."""
+    folder = tmp_path / "build"
+    folder.mkdir()
+    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text("int f() { return 1; }\n")
+    first = native._stable_copy(a, folder)
+    stamp = first.stat().st_mtime_ns
+    assert native._stable_copy(b, folder) == first and first.stat().st_mtime_ns == stamp
+    b.write_text("int f() { return 2; }\n")
+    assert native._stable_copy(b, folder).read_text() == "int f() { return 2; }\n"
