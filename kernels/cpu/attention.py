@@ -13,7 +13,6 @@ native kernels); the loader's switch turns off all of them.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -49,7 +48,7 @@ def supports(cache: torch.Tensor, head_dim: int) -> bool:
 
 
 def available(cache: torch.Tensor, head_dim: int) -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if native.switched_off(ENV_SWITCH):
         return False
     return supports(cache, head_dim) and module() is not None
 

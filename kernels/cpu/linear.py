@@ -2,8 +2,8 @@
 
 ``pack(w)`` turns a ``[N, K]`` weight into ``[ceil(N/64), K, 64]`` panels (zero-padded past N) once at load;
 ``linear(x, wp, n, bias)`` is ``x @ W.T + bias`` on them for ``x [M, K]``. The packed tensor is the only
-copy a swapped model keeps, so ``row(wp, ids)`` reads rows of W back out of it (a tied embedding lookup)
-and ``unpack_t(wp, n)`` gives ``W.T`` for the MKL path (large M) without a second resident copy.
+copy a swapped model keeps, so ``rows(wp, ids)`` reads rows of W back out of it (a tied embedding lookup)
+and ``mkl_packed(x, wp, n)`` runs MKL on the panels for large M without a second resident copy.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ and the caller runs its torch path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +32,13 @@ _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
 
 
+def switched_off(variable: str = ENV_SWITCH) -> bool:
+    """An off switch set to "0": this module's for every kernel, or a kernel's own (read at each call, so a
+    test or a benchmark can flip it)."""
+    return os.environ.get(variable, "1") == "0"
+
+
+@functools.cache
 def cpu_flags() -> set[str]:
     """The `flags` line of /proc/cpuinfo (empty where there is none)."""
     try:
@@ -44,7 +52,7 @@ def cpu_flags() -> set[str]:
 
 def unavailable_reason() -> str | None:
     """Why no native kernel can be built or run here, or None when they can."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if switched_off():
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 Linux ({sys.platform}/{platform.machine()})"

@@ -81,13 +81,19 @@ async def send_tampered_layer(send: Any, recv: Any, target: TransferTarget) -> N
         return frames
 
     send._frames = tamper
-    recv.start_load_kv(LoadSpec("t", LAYERS, TOKENS, HEADS, DIM))
-    send.start_save("t", target, LAYERS)
-    send.save_kv_layer("t", 0, *kv(0))
-    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
-        await send.wait_for_save("t")
-    with pytest.raises(TransferError, match="MAC"):
-        await recv.wait_for_load("t", timeout=5)
+    await send_one_refused_layer(send, recv, target, "t", saving="UNAUTHENTICATED", loading="MAC")
+
+
+async def send_one_refused_layer(send: Any, recv: Any, target: TransferTarget, rid: str, *, saving: str,
+                                 loading: str) -> None:
+    """Layer 0 of `rid` sent to a receiver expecting it: both sides fail, with these words in their errors."""
+    recv.start_load_kv(LoadSpec(rid, LAYERS, TOKENS, HEADS, DIM))
+    send.start_save(rid, target, LAYERS)
+    send.save_kv_layer(rid, 0, *kv(0))
+    with pytest.raises(TransferError, match=saving):
+        await send.wait_for_save(rid)
+    with pytest.raises(TransferError, match=loading):
+        await recv.wait_for_load(rid, timeout=5)
 
 
 @pytest.mark.parametrize("compression", ["none", "int8"])
@@ -132,13 +138,7 @@ async def test_full_staging_falls_back_to_tcp_frames() -> None:
 async def test_tcp_receiver_refuses_staged_frames_clearly() -> None:
     tcp = TCPConnector(SECRET)
     send, recv, _, target = await pair(recv=tcp)
-    tcp.start_load_kv(LoadSpec("m", LAYERS, TOKENS, HEADS, DIM))
-    send.start_save("m", target, LAYERS)
-    send.save_kv_layer("m", 0, *kv(0))
-    with pytest.raises(TransferError, match="UNSUPPORTED"):
-        await send.wait_for_save("m")
-    with pytest.raises(TransferError, match="same --kv-transfer-backend"):
-        await tcp.wait_for_load("m", timeout=5)
+    await send_one_refused_layer(send, tcp, target, "m", saving="UNSUPPORTED", loading="same --kv-transfer-backend")
     assert_released(send)
     await close(send, tcp)
 

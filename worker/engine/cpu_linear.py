@@ -16,7 +16,6 @@ one) is set, or the kernel cannot be built.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -82,7 +81,7 @@ class PackedEmbedding(nn.Module):
 
 def native_linear_ready() -> bool:
     """The kernel can run here now (re-reads the off switch each time, so a test can flip it)."""
-    if os.environ.get(LINEAR_SWITCH, "1") == "0":
+    if native.switched_off(LINEAR_SWITCH):
         return False
     return native.unavailable_reason() is None and native_linear.module() is not None
 

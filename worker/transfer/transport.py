@@ -85,7 +85,6 @@ class KVServer:
         # place: a float data frame's payload may be received straight into its destination (the cache)
         # instead of a buffer the handler then copies from (Placement in channel.py)
         self.place = place
-        self._meta: dict[Channel, Buffer] = {}  # a body's first bytes, read to ask `place`, not placed
         self.unauthenticated = 0  # connections still in the handshake
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
@@ -169,12 +168,12 @@ class KVServer:
                     except EOFError:
                         return  # clean close at a frame boundary
                     async with asyncio.timeout(self.frame_timeout):
-                        body, frame = None, await self._placed(chan, hdr, seq)
+                        body, (frame, meta) = None, await self._placed(chan, hdr, seq)
                         if frame is None:
                             await self.budget.acquire(hdr.body_len)
                             held = hdr.body_len
                             body = self.pool.take(hdr.body_len) if self.pool is not None else None
-                            frame = await chan.read_body(hdr, seq, body, self._meta.pop(chan, None))
+                            frame = await chan.read_body(hdr, seq, body, meta)
                 except (FrameError, TimeoutError) as e:
                     if held:
                         self.budget.release(held)
@@ -203,24 +202,22 @@ class KVServer:
                     await asyncio.gather(*inflight, return_exceptions=True)
             with contextlib.suppress(BaseException):
                 await chan.drain()  # their ACKs
-            self._meta.pop(chan, None)
             chan.close()
 
-    async def _placed(self, chan: Channel, hdr: Header, seq: int) -> Frame | None:
+    async def _placed(self, chan: Channel, hdr: Header, seq: int) -> tuple[Frame | None, Buffer | None]:
         """A float LAYER frame whose request `place` has a destination for: its request id is read first (the
         header is authenticated already; the id is checked with the body's tags), then the payload straight
-        into the destination. None: read the body into a buffer (the id already read is kept in `_meta`)."""
+        into the destination. (None, the bytes already read): read the rest of the body into a buffer."""
         if self.place is None or hdr.kind != Kind.LAYER or hdr.scales_len:
-            return None
+            return None, None
         meta = await read_exact(chan.conn.recv_into, hdr.request_id_len)
         try:
             where = self.place(hdr, bytes(meta).decode("utf-8"))
         except UnicodeDecodeError:
             where = None  # the body's tag check rejects it
         if where is None:
-            self._meta[chan] = meta
-            return None
-        return await read_placed(chan.conn, hdr, chan.keys.recv, seq, meta, where)
+            return None, meta
+        return await read_placed(chan.conn, hdr, chan.keys.recv, seq, meta, where), None
 
     async def _reject(self, chan: Channel, peer: object, e: Exception) -> None:
         code = e.code if isinstance(e, FrameError) else ErrorCode.TRUNCATED
