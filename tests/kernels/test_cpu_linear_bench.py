@@ -9,7 +9,8 @@ import pytest
 from pdcluster.kernels.cpu import native
 
 
-@pytest.mark.skipif(native.unavailable_reason() is not None, reason="native kernels unavailable here")
+@pytest.mark.skipif(native.unavailable_reason() is not None,
+                    reason=f"native kernels unavailable here: {native.unavailable_reason()}")
 def test_native_linear_bench_runs(tmp_path: Path) -> None:
     from pdcluster.bench import native_linear
 
