@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pdcluster.kernels.cpu import attention, linear, native, quant
+from pdcluster.kernels.cpu import native, quant, step
 
 
 def main() -> int:
@@ -18,7 +18,7 @@ def main() -> int:
     if reason is not None:
         print(f"native CPU kernels: off ({reason}); the torch paths run")
         return 0
-    for name, build in (("decode attention", attention.module), ("linear", linear.module),
+    for name, build in (("decode step (linear + attention)", step.module),
                         ("int8 KV quantization", quant.module)):
         t0 = time.monotonic()
         mod = build()

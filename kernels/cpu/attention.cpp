@@ -2,8 +2,8 @@
 //
 // K/V are read straight from the cache through the block table (no gathered copy), softmax is online over
 // chunks of positions, and the query heads of one KV head share every K/V row read (GQA). Work items are
-// (sequence, KV head) pairs spread with at::parallel_for (torch's own pool: a probe of a bare `omp parallel`
-// in an extension measured it 2-10x slower on the loaded 2-core box). Math is float32 whatever the cache holds: fp32, fp16, bf16, int8 codes with a
+// (sequence, KV head) pairs shared through pool.h (the caller and spinning helpers claim them one by one).
+// Math is float32 whatever the cache holds: fp32, fp16, bf16, int8 codes with a
 // float32 scale per (token, head), or packed int4 (low nibble = even index) with the same scales.
 //
 // int4 trick: the dot product does not care about element order, so q is permuted once into the order the
@@ -14,7 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -247,11 +248,12 @@ void attend_one(const Args& a, int64_t s, int h) {
 template <Kind K>
 void run(const Args& a, int64_t seqs, bool parallel) {
   const int64_t items = seqs * a.kv_heads;
-  auto body = [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) attend_one<K>(a, i / a.kv_heads, static_cast<int>(i % a.kv_heads));
-  };
-  if (parallel) at::parallel_for(0, items, 1, body);
-  else body(0, items);
+  auto item = [&](int64_t i) { attend_one<K>(a, i / a.kv_heads, static_cast<int>(i % a.kv_heads)); };
+  if (parallel) {
+    pdc::share(items, item);
+  } else {
+    for (int64_t i = 0; i < items; ++i) item(i);
+  }
 }
 
 Kind kind_of(const at::Tensor& cache, bool has_scales) {
@@ -331,6 +333,6 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_attention(pybind11::module_& m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over a paged KV cache (AVX-512)");
 }

@@ -17,23 +17,21 @@ from types import ModuleType
 
 import torch
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels.cpu import native, step
 
-NAME = "pdc_attention"
 ENV_SWITCH = "PDCLUSTER_NATIVE_ATTENTION"  # "0": the torch path for decode attention, other kernels as they are
-SOURCES = ["attention.cpp"]
-# Work (positions x KV heads) below which the kernel stays on the calling thread. On the shared 2-core box
-# (load 5-6, GOMP_SPINCOUNT=2000) a parallel region never paid: serial / parallel medians 0.11 at batch 1 @190
-# (760), 0.43 at batch 16 @190 (12k), 0.95 at batch 16 @1024 (65k), 0.96 at batch 64 @512 (131k); a barrier
-# waits for a core someone else holds. Only calls big enough to amortise that (ms each) take both threads.
-PARALLEL_MIN = 65536
+# Work (positions x KV heads) below which the kernel stays on the calling thread. Shared through the step's
+# pool (pool.h), whose helpers are awake during a step, one layer at batch 16 @190 took 310 us vs 442 us alone
+# and batch 1 @1024 58 vs 85 us (2026-12-02, load 0.8); at batch 1 @190 (760) the two are equal (15-16 us).
+# (With at::parallel_for's fork/join it never paid below 65,536: docs/benchmarks/engine.md.)
+PARALLEL_MIN = 1024
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def module() -> ModuleType | None:
     """The compiled kernel module, or None where it cannot be built (logged once by the loader)."""
-    return native.load(NAME, SOURCES)
+    return step.module()
 
 
 def supports(cache: torch.Tensor, head_dim: int) -> bool:
@@ -75,7 +73,7 @@ def paged_decode_attention_cpu(
     """
     mod = module()
     if mod is None:
-        raise RuntimeError(f"native CPU kernel {NAME} is not available here")
+        raise RuntimeError(f"native CPU kernel {step.NAME} is not available here")
     qf = q.to(torch.float32).contiguous()
     out = mod.paged_decode(
         qf, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens.contiguous(), float(scale),

@@ -11,15 +11,16 @@
 // Every output is one accumulator summed in ascending k, then + bias: a fixed order, independent of the
 // thread count and of which rows share a call.
 //
-// Threads: at::parallel_for over panels, at least `grain` panels per task, or none (grain 0) (torch's own OpenMP pool; the wheel ships libgomp.so.1, the same
-// soname this module links, so there is one runtime and one set of threads, not two pools spinning).
+// Threads: items of `grain` consecutive panels shared through pool.h (the caller plus spinning helpers claim
+// them one by one), or all on the calling thread (grain 0). Which thread runs a panel never changes its bits.
 
 // Narrow ATen headers, not <torch/extension.h>: the first-use build takes seconds, not minutes.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "pool.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -110,14 +111,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
       }
     }
   };
-  if (grain > 0 && grain < NB)  // at least `grain` panels per task: small products stay on the calling thread
-    at::parallel_for(0, NB, grain, run);
-  else
+  if (grain > 0 && grain < NB) {  // items of `grain` panels; a product of one item stays on the calling thread
+    auto item = [&](int64_t i) { run(i * grain, std::min(NB, (i + 1) * grain)); };
+    pdc::share((NB + grain - 1) / grain, item);
+  } else {
     run(0, NB);
+  }
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "y = x @ W.T (+ bias) on 64-column packed weights",
-        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("prefetch") = true, py::arg("grain") = 1);
+void bind_linear(pybind11::module_& m) {
+  m.def("packed_linear", &packed_linear, "y = x @ W.T (+ bias) on 64-column packed weights", pybind11::arg("x"),
+        pybind11::arg("wp"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("prefetch") = true, pybind11::arg("grain") = 1);
 }

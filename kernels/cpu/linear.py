@@ -14,12 +14,12 @@ from types import ModuleType
 
 import torch
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels.cpu import step
 
 NR = 64  # output columns per panel (linear.cpp)
 # Multiply-adds a thread must get before a product is split across threads (at::parallel_for over panels):
 # below it the fork/join costs more than the second core gives. Measured: docs/benchmarks/engine.md, fifth pass.
-MIN_TASK_MACS = 1 << 24
+MIN_TASK_MACS = 1 << 17
 
 
 def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
@@ -33,7 +33,7 @@ def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> in
 
 def module() -> ModuleType | None:
     """The compiled kernel, or None (logged once) where native kernels are off or cannot be built."""
-    return native.load("pdc_linear", ["linear.cpp"])
+    return step.module()
 
 
 HUGE_PAGE = 2 << 20

@@ -71,27 +71,28 @@ def cache_root() -> Path:
     return Path(base) / "native-kernels"
 
 
-def build_key(name: str, sources: list[Path]) -> str:
+def build_key(name: str, sources: list[Path], headers: tuple[Path, ...] = ()) -> str:
     import torch
 
     h = hashlib.sha256()
     for part in (name, torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS)):
         h.update(part.encode() + b"\0")
-    for src in sources:
+    for src in [*sources, *headers]:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
-def load(name: str, sources: list[str]) -> ModuleType | None:
-    """The compiled module `name` built from `sources` (file names in this folder), or None (logged once)."""
+def load(name: str, sources: list[str], headers: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled module `name` built from `sources` (file names in this folder) and the `headers` they
+    include, or None (logged once)."""
     with _lock:
         if name in _modules:
             return _modules[name]
-        _modules[name] = mod = _build(name, [HERE / s for s in sources])
+        _modules[name] = mod = _build(name, [HERE / s for s in sources], tuple(HERE / h for h in headers))
         return mod
 
 
-def _build(name: str, sources: list[Path]) -> ModuleType | None:
+def _build(name: str, sources: list[Path], headers: tuple[Path, ...]) -> ModuleType | None:
     reason = unavailable_reason()
     if reason is not None:
         log.info("native CPU kernel %s off: %s; using the torch path", name, reason)
@@ -99,9 +100,11 @@ def _build(name: str, sources: list[Path]) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
-        key = build_key(name, sources)
+        key = build_key(name, sources, headers)
         folder = cache_root() / f"{name}-{key}"
         folder.mkdir(parents=True, exist_ok=True)
+        for header in headers:  # beside the copied sources, where their #include "..." looks
+            _stable_copy(header, folder)
         sources = [_stable_copy(src, folder) for src in sources]
         # copies: cpp_extension appends its own flags to the lists it is given
         mod = cpp_load(name=f"{name}_{key}", sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),

@@ -1,0 +1,43 @@
+"""The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``norm.cpp``) built as one module with the
+work-sharing pool they both use (``pool.h``): one set of helper threads, not one per kernel.
+
+The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
+so the dozens of back-to-back products of a step find them awake, then sleep; ``0`` makes them sleep at once
+(every call then pays a wake-up, which the caller does not wait for: it takes the items itself).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from pdcluster.kernels.cpu import native
+
+NAME = "pdc_step"
+SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "norm.cpp", "step.cpp"]
+HEADERS = ("pool.h",)
+SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
+DEFAULT_SPIN_US = 300
+
+
+def spin_us() -> int:
+    raw = os.environ.get(SPIN_ENV, "")
+    try:
+        return max(0, int(raw)) if raw else DEFAULT_SPIN_US
+    except ValueError:
+        raise ValueError(f"{SPIN_ENV}={raw!r}: expected a whole number of microseconds") from None
+
+
+def module() -> ModuleType | None:
+    """The compiled module, or None where native kernels are off or cannot be built (logged once)."""
+    mod = native.load(NAME, SOURCES, HEADERS)
+    if mod is not None and not getattr(mod, "_pdc_spin_set", False):
+        mod.set_spin_us(spin_us())
+        mod._pdc_spin_set = True
+    return mod
+
+
+def pool_stats() -> dict[str, int]:
+    """Counters of the shared pool (calls, shared_calls, items, helper_items, helpers); empty without it."""
+    mod = module()
+    return dict(mod.pool_stats()) if mod is not None else {}
