@@ -27,6 +27,18 @@
 namespace {
 
 constexpr int CHUNK = 128;  // positions per online-softmax step (scores stay in L1)
+constexpr int SCS = CHUNK + 4;  // a query head's row of scores: the chunk, then zeros up to a multiple of 4
+// Positions ahead whose K rows (to L1) and V rows (to L2, for pass 3) are prefetched during the score pass.
+// Why: rows are scattered over blocks and, for one KV head, 1 in kv_heads of a block's lines, which the
+// hardware prefetchers do not follow; without it a batch-16 step's attention read its (cold) cache at ~4 GB/s.
+constexpr int PF = 16;
+
+inline void prefetch_row(const uint8_t* row, int64_t bytes, bool to_l1) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
+    else _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T1);
+  }
+}
 
 enum class Kind { F32, F16, BF16, I8, I4 };
 
@@ -114,11 +126,11 @@ void attend_one(const Args& a, int64_t s, int h) {
   }
   const int start = a.window > 0 ? std::max(0, len - a.window) : 0;
   // q (scaled, in kernel order), accumulators, running max and sum: per query head of this group
-  std::vector<float> buf(static_cast<size_t>(G) * (3 * NV * 16 + CHUNK) + 2 * G);
+  std::vector<float> buf(static_cast<size_t>(G) * (2 * NV * 16 + SCS) + 2 * G);
   float* qs = buf.data();
   float* acc = qs + G * NV * 16;
-  float* sc = acc + G * NV * 16;            // scores then probabilities [G][CHUNK]
-  float* mx = sc + G * CHUNK;
+  float* sc = acc + G * NV * 16;            // scores then probabilities [G][SCS]
+  float* mx = sc + G * SCS;
   float* sum = mx + G;
   const float* qrow = a.q + (s * a.heads + static_cast<int64_t>(h) * G) * D;
   for (int g = 0; g < G; ++g) {
@@ -132,23 +144,29 @@ void attend_one(const Args& a, int64_t s, int h) {
   }
   const int32_t* table = a.bt + s * a.bt_stride;
   const bool quant = (K == Kind::I8 || K == Kind::I4);
-  int64_t idx[CHUNK + 3];  // (slot * kv_heads + h) of each position of the chunk; 3 pads repeat the last
+  int64_t idx[CHUNK + PF];  // (slot * kv_heads + h) of each position of the chunk, then of the lookahead
   for (int c0 = start; c0 < len; c0 += CHUNK) {
     const int n = std::min(CHUNK, len - c0);
+    const int ne = std::min(CHUNK + PF, len - c0);
     // Walk the block table once per chunk (no division per position; shared by the K and V passes)
     int blk = c0 / a.block_size, off = c0 % a.block_size;
-    for (int t = 0; t < n; ++t) {
+    for (int t = 0; t < ne; ++t) {
       idx[t] = (static_cast<int64_t>(table[blk]) * a.block_size + off) * a.kv_heads + h;
       if (++off == a.block_size) off = 0, ++blk;
     }
-    for (int t = n; t < n + 3; ++t) idx[t] = idx[n - 1];
-    // 1. scores, four positions at a time; query heads in pairs so each K row load serves two of them
+    // 1. scores, four positions at a time; query heads in pairs so each K row load serves two of them.
+    // Positions past n (the last group of four) read row n - 1 again; their scores are dropped.
     for (int t = 0; t < n; t += 4) {
+      for (int i = 0; i < 4 && t + PF + i < ne; ++i) {
+        prefetch_row(a.k + idx[t + PF + i] * a.row_bytes, a.row_bytes, true);
+        prefetch_row(a.v + idx[t + PF + i] * a.row_bytes, a.row_bytes, false);
+      }
       const void* rows[4];
       float kscale[4] = {1.f, 1.f, 1.f, 1.f};
       for (int i = 0; i < 4; ++i) {
-        rows[i] = a.k + idx[t + i] * a.row_bytes;
-        if (quant) kscale[i] = a.ks[idx[t + i]];
+        const int64_t r = idx[std::min(t + i, n - 1)];
+        rows[i] = a.k + r * a.row_bytes;
+        if (quant) kscale[i] = a.ks[r];
       }
       const __m128 vks = _mm_loadu_ps(kscale);
       for (int g = 0; g < G; g += 2) {
@@ -172,14 +190,14 @@ void attend_one(const Args& a, int64_t s, int h) {
         _mm_storeu_ps(tmp, _mm_mul_ps(hsum4(s0, s1, s2, s3), vks));
         _mm_storeu_ps(tmp + 4, _mm_mul_ps(hsum4(u0, u1, u2, u3), vks));
         for (int i = 0; i < 4 && t + i < n; ++i) {
-          sc[g * CHUNK + t + i] = tmp[i];
-          if (pair) sc[(g + 1) * CHUNK + t + i] = tmp[4 + i];
+          sc[g * SCS + t + i] = tmp[i];
+          if (pair) sc[(g + 1) * SCS + t + i] = tmp[4 + i];
         }
       }
     }
     // 2. online softmax: rescale what was accumulated to the new max, exponentiate this chunk
     for (int g = 0; g < G; ++g) {
-      float* sg = sc + g * CHUNK;
+      float* sg = sc + g * SCS;
       if (a.softcap > 0.0f)
         for (int t = 0; t < n; ++t) sg[t] = std::tanh(sg[t] / a.softcap) * a.softcap;
       float m = mx[g];
@@ -200,38 +218,47 @@ void attend_one(const Args& a, int64_t s, int h) {
         for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ag + 16 * j, _mm512_mul_ps(va, _mm512_loadu_ps(ag + 16 * j)));
       }
     }
-    // 3. acc += p * V, four positions per accumulator load/store, query heads in pairs
-    for (int t = 0; t < n; t += 4) {
-      const void* rows[4];
-      float vscale[4];
-      for (int i = 0; i < 4; ++i) {
-        rows[i] = a.v + idx[t + i] * a.row_bytes;
-        // padding positions repeat the last row with weight 0
-        vscale[i] = t + i >= n ? 0.0f : quant ? a.vs[idx[t + i]] : 1.0f;
-      }
-      for (int g = 0; g < G; g += 2) {
-        const bool pair = g + 1 < G;
-        __m512 p[4], w[4];
-        for (int i = 0; i < 4; ++i) {
-          p[i] = _mm512_set1_ps(t + i < n ? sc[g * CHUNK + t + i] * vscale[i] : 0.0f);
-          w[i] = _mm512_set1_ps(pair && t + i < n ? sc[(g + 1) * CHUNK + t + i] * vscale[i] : 0.0f);
-        }
-        float* a0 = acc + g * NV * 16;
-        float* a1 = a0 + NV * 16;
-        for (int j = 0; j < NV; ++j) {
-          __mmask16 m = (K == Kind::I4 || j < NV - 1) ? 0xFFFF : tail;
-          const __m512 r0 = load_row<K>(rows[0], j, m), r1 = load_row<K>(rows[1], j, m);
-          const __m512 r2 = load_row<K>(rows[2], j, m), r3 = load_row<K>(rows[3], j, m);
-          __m512 x = _mm512_loadu_ps(a0 + 16 * j);
-          x = _mm512_fmadd_ps(p[0], r0, x), x = _mm512_fmadd_ps(p[1], r1, x);
-          x = _mm512_fmadd_ps(p[2], r2, x), x = _mm512_fmadd_ps(p[3], r3, x);
-          _mm512_storeu_ps(a0 + 16 * j, x);
+    // 3. acc += p * V. The V scales (and zeros past n) are folded into p first; then, per 16-float column
+    // block of a row, four accumulators per query head stay in registers over the whole chunk: independent
+    // FMA chains, not a load-FMA-FMA-FMA-FMA-store chain per four positions through memory.
+    const int n4 = (n + 3) & ~3;
+    for (int g = 0; g < G; ++g) {
+      float* sg = sc + g * SCS;
+      if (quant)
+        for (int t = 0; t < n; ++t) sg[t] *= a.vs[idx[t]];
+      for (int t = n; t < n4; ++t) sg[t] = 0.0f;  // padding positions re-read row n - 1 with weight 0
+    }
+    for (int g = 0; g < G; g += 2) {
+      const bool pair = g + 1 < G;
+      const float* p0 = sc + g * SCS;
+      const float* p1 = pair ? p0 + SCS : p0;
+      float* a0 = acc + g * NV * 16;
+      for (int j = 0; j < NV; ++j) {
+        const __mmask16 m = (K == Kind::I4 || j < NV - 1) ? 0xFFFF : tail;
+        __m512 x0 = _mm512_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+        for (int t = 0; t < n4; t += 4) {
+          const __m512 r0 = load_row<K>(a.v + idx[t] * a.row_bytes, j, m);
+          const __m512 r1 = load_row<K>(a.v + idx[std::min(t + 1, n - 1)] * a.row_bytes, j, m);
+          const __m512 r2 = load_row<K>(a.v + idx[std::min(t + 2, n - 1)] * a.row_bytes, j, m);
+          const __m512 r3 = load_row<K>(a.v + idx[std::min(t + 3, n - 1)] * a.row_bytes, j, m);
+          x0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t]), r0, x0);
+          x1 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t + 1]), r1, x1);
+          x2 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t + 2]), r2, x2);
+          x3 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t + 3]), r3, x3);
           if (pair) {
-            __m512 y = _mm512_loadu_ps(a1 + 16 * j);
-            y = _mm512_fmadd_ps(w[0], r0, y), y = _mm512_fmadd_ps(w[1], r1, y);
-            y = _mm512_fmadd_ps(w[2], r2, y), y = _mm512_fmadd_ps(w[3], r3, y);
-            _mm512_storeu_ps(a1 + 16 * j, y);
+            y0 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t]), r0, y0);
+            y1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t + 1]), r1, y1);
+            y2 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t + 2]), r2, y2);
+            y3 = _mm512_fmadd_ps(_mm512_set1_ps(p1[t + 3]), r3, y3);
           }
+        }
+        float* dst = a0 + 16 * j;
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst),
+                                            _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(x2, x3))));
+        if (pair) {
+          dst += NV * 16;
+          _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst),
+                                              _mm512_add_ps(_mm512_add_ps(y0, y1), _mm512_add_ps(y2, y3))));
         }
       }
     }
