@@ -200,9 +200,16 @@ def _raw_once(sock: socket.socket, layers: list[memoryview]) -> float:
 
 def _export_all(send: Any, rid: str, src: torch.Tensor, src_scales: torch.Tensor | None) -> None:
     """The engine's side of a request, on its own thread: per layer, gather K and V into what the connector
-    lends (else a fresh buffer, as the engine allocates) and hand it to `save_kv_layer`."""
+    lends (else a fresh buffer, as the engine allocates) and hand it to `save_kv_layer`; or, as the engine does
+    for a float layer of its last prefill chunk when the connector takes them (`save_kv_views`, views.py), hand
+    it the cache's own bytes (K's, then V's), no gather."""
+    views = getattr(send, "save_kv_views", None) if src_scales is None else None
     for layer in range(src.shape[0]):
         kv_src = src[layer]
+        if views is not None and views(rid, layer, [memoryview(kv_src[i].numpy()).cast("B") for i in range(2)],
+                                       token_start=0, num_tokens=kv_src.shape[1], kv_heads=kv_src.shape[2],
+                                       head_dim=kv_src.shape[3], dtype=kv_src.dtype):
+            continue
         size = kv_src.numel() * kv_src.element_size()
         scale_size = src_scales[layer].numel() * 4 if src_scales is not None else 0
         buf = send.export_buffer(rid, layer, 0, size + scale_size, quantized=src_scales is not None)

@@ -110,10 +110,30 @@ class KVTransferMixin:
         range to the connector (which must not block), as the cache stores it (codes stay codes)."""
         assert self.kv_connector is not None
         for seq, start, end in exports:
-            if end > start:
+            if end > start and not self._send_views(seq, layer, start, end):
                 k, v, scales = self.export_kv_range(seq.request_id, layer, start, end)
                 codes = {"scales": scales} if scales is not None else {}  # float layers: the original call
                 self.kv_connector.save_kv_layer(seq.request_id, layer, k, v, token_start=start, **codes)
+
+    def _send_views(self: LLMEngine, seq: Sequence, layer: int, start: int, end: int) -> bool:
+        """Hand the connector the cache's own bytes of tokens ``[start, end)`` instead of a gathered copy
+        (``save_kv_views``, transfer/views.py), when it takes them: a host float layer of one rank, and the
+        request's last prefill chunk (from the end of this step it holds its blocks, written by no one, until
+        the worker releases them after the transfer; one that finishes on its first token frees them at
+        once, which ``held`` tells the sender). True when the connector took them."""
+        send = getattr(self.kv_connector, "save_kv_views", None)
+        cache = self.runner.cache
+        if send is None or end != seq.num_prompt_tokens or self.config.tensor_parallel_size > 1 \
+                or getattr(self.runner, "relay", None) is not None or cache.device.type != "cpu" \
+                or cache.layer_bits[layer] is not None:
+            return False
+        try:
+            views = slot_views(cache, layer, self.runner.slots(seq, start, end))
+        except ValueError:  # a pool that is not one flat array: gather as before
+            return False
+        return bool(send(seq.request_id, layer, views, token_start=start, num_tokens=end - start,
+                         kv_heads=cache.kv_heads, head_dim=cache.head_dim, dtype=cache.dtype,
+                         held=lambda: seq.status != SequenceStatus.FINISHED))
 
     def export_kv_range(self: LLMEngine, request_id: str, layer: int, start: int, end: int
                         ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

@@ -21,17 +21,17 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.worker.transfer import chunking, codec, handoff, placing
+from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.channel import Placement
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Header, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
+from pdcluster.worker.transfer.specs import LoadSpec, Received, SaveResult, TransferTarget, _Load
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
@@ -44,61 +44,11 @@ INLINE_MAX = 4 * 1024 * 1024  # bytes of K+V up to which a layer is framed on th
 Importer = Callable[..., None | Awaitable[None]]
 
 
-@dataclass(frozen=True)
-class TransferTarget:
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    seconds: float  # first frame queued -> last ACK received
-    bytes: int  # on the wire, frames included (resends not counted twice)
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """What the consumer expects for one request; frames that disagree are refused (SHAPE_MISMATCH)."""
-
-    request_id: str
-    num_layers: int
-    num_tokens: int
-    kv_heads: int  # of this receiver's cache
-    head_dim: int
-    # TP re-sharding (head_slice.py): the global index of this cache's first head, and the (first global
-    # head, count) ranges each layer arrives in; () = one range of all kv_heads from head_offset (today)
-    head_offset: int = 0
-    pieces: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass
-class Received:
-    """One data frame's KV as received (views of receive memory) and how to give that memory back."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    scales: codec.Scales | None
-    nbytes: int
-    release: Callable[[], None] = lambda: None
-
-
-@dataclass
-class _Load:
-    spec: LoadSpec
-    started: float = field(default_factory=time.monotonic)
-    # layer -> (token_start, head_start) -> token-heads imported (0 while that range is being imported):
-    # each range is written into the cache as it arrives, never held back to be joined with the others
-    ranges: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
-    loaded: set[int] = field(default_factory=set)
-    error: str | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    bytes: int = 0
-
-
 class TCPConnector(KVConnector):
     """KV over the framed TCP transport, with optional int8 compression on the wire."""
 
     _streams = True  # int8 compression: frames leave one by one as the encoder quantizes (chunking.py)
+    _sends_views = True  # float layers sent from the engine's cache blocks (save_kv_views, views.py)
 
     def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
@@ -219,6 +169,29 @@ class TCPConnector(KVConnector):
                                    uses_buffer=uses_buffer)
         fut.add_done_callback(enqueue)
         self._encoding.setdefault(request_id, []).append(fut)
+
+    def save_kv_views(self, request_id: str, layer: int, parts: list[memoryview], *, token_start: int,
+                      num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      held: Callable[[], bool] | None = None) -> bool:
+        """Engine thread: a float layer's token range sent from where it lies (`parts`: K's bytes, then V's;
+        views.py says why that is safe; `held()` False: that memory was taken back), no export copy. False:
+        not sent this way (int8 compression, head ranges, NIXL), gather it for save_kv_layer instead."""
+        entry = self._outboxes.get(request_id)
+        if entry is None or self._loop is None:
+            return True  # aborted meanwhile: nothing to send, the abort already told the receiver
+        box, num_layers = entry
+        if not self._sends_views or self.compression != "none" or isinstance(box, Fanout):
+            return False
+        frames, loop = views.view_frames(request_id, layer, num_layers, parts, token_start=token_start,
+                                         num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                         chunk_bytes=self.chunk_bytes, held=held), self._loop
+
+        def put() -> None:  # on the loop, as save_kv_layer's frames; dropped once the save has ended
+            for f in frames if request_id in self._outboxes else ():
+                box.put(f)
+
+        put() if handoff.on_loop(loop) else loop.call_soon_threadsafe(put)
+        return True
 
     def _inline(self, box: Outbox | Fanout, k: torch.Tensor, uses_buffer: bool) -> bool:
         """Encode on the caller's thread: small layers whose frames are views of what the caller gave (no

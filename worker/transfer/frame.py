@@ -54,6 +54,7 @@ has not cross-checked, and a peer that is not authenticated never gets a body bu
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -156,6 +157,7 @@ class Frame:
     scales: bytes | memoryview = b""  # parsed frames hold zero-copy views into the received buffer
     payload: bytes | memoryview | Gathered = b""  # Gathered: sent scatter-gather, or received in place
     placed: bool = False  # receiver: the payload was received straight into its destination (parse_placed)
+    held: Callable[[], bool] | None = None  # sender: False once the memory the payload views is taken back
 
     @property
     def num_tokens(self) -> int:

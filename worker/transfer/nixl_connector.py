@@ -60,6 +60,7 @@ class NixlConnector(TCPConnector):
     """KV over NIXL, described and authenticated over the TCP backend's channel (LAYER frames still work)."""
 
     _streams = False  # a layer is staged whole (one region, one descriptor)
+    _sends_views = False  # layers go through the registered staging buffer, never straight from the cache
 
     def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
                  **kw: Any) -> None:

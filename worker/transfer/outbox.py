@@ -127,6 +127,9 @@ class Outbox:
                 while sent < len(self._order):
                     frame = self._frames.get(self._order[sent])
                     sent += 1
+                    if frame is not None and frame.held is not None and not frame.held():
+                        raise TransferError(f"kv transfer {self.request_id}: the sender's cache blocks were "
+                                            f"released before layer {frame.layer} was sent")  # views.py
                     if frame is not None:  # None: already ACKed on a previous connection
                         self.stats.bytes_sent += await chan.send(frame)
                 if self._closed:
