@@ -1,6 +1,6 @@
-"""The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``norm.cpp``, ``argmax.cpp``) built as
-one module with the work-sharing pool the first two share (``pool.h``): one set of helper threads, not one
-per kernel.
+"""The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``argmax.cpp``) built as one module,
+so the linear and the attention kernels share one work-sharing pool (``pool.h``): one set of helper threads,
+not one per kernel.
 
 The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
 so the dozens of back-to-back products of a step find them awake, then sleep; ``0`` makes them sleep at once
@@ -15,7 +15,7 @@ from types import ModuleType
 from pdcluster.kernels.cpu import native
 
 NAME = "pdc_step"
-SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "norm.cpp", "argmax.cpp", "step.cpp"]
+SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "step.cpp"]
 HEADERS = ("pool.h",)
 SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
 DEFAULT_SPIN_US = 300

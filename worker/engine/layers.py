@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.kernels.cpu import norm as native_norm
 from pdcluster.worker.engine.families import MoeSpec
 
 
@@ -27,20 +26,8 @@ class RMSNorm(nn.Module):
         # One fused op; bit-identical to transformers' pow/mean/rsqrt/mul sequence in fp32, and, like it,
         # normalizes half inputs in fp32 before the weight multiply in the model dtype.
         if x.dtype == torch.float32:
-            if x.dim() == 2 and (done := native_norm.rms_norm(x, self.weight, self.eps)) is not None:
-                return done[0]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: one pass of the native kernel on fp32 CPU rows (the add
-        rounds exactly as torch's), the two torch ops otherwise."""
-        if not self.gemma and x.dim() == 2:
-            done = native_norm.rms_norm(x, self.weight, self.eps, residual)
-            if done is not None and done[1] is not None:
-                return done[0], done[1]
-        s = residual + x
-        return self(s), s
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

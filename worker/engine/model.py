@@ -45,20 +45,15 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        md: AttnMetadata, cache: PagedKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns ``(out, residual)``: the hidden state is ``out + residual`` (``out`` alone when residual is
-        None). The add is left to the next norm, which does it in the same pass (``RMSNorm.add_norm``)."""
-        h = self.input_layernorm(x) if residual is None else None
-        if h is None:
-            assert residual is not None
-            h, x = self.input_layernorm.add_norm(x, residual)
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttnMetadata, cache: PagedKVCache
+    ) -> torch.Tensor:
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, md, cache))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
-        h, x = self.post_attention_layernorm.add_norm(self.self_attn(h, cos, sin, md, cache), x)
-        return self.mlp(h), x
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
+            )
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -109,11 +104,10 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        residual: torch.Tensor | None = None
         for layer, use_local in zip(self.layers, self.local_rope, strict=True):
             c = local if use_local else cs
-            x, residual = layer(x, residual, c[0], c[1], md, cache)
-        return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[0]
+            x = layer(x, c[0], c[1], md, cache)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
