@@ -175,16 +175,22 @@ class TCPConnector(KVConnector):
                       held: Callable[[], bool] | None = None) -> bool:
         """Engine thread: a float layer's token range sent from where it lies (`parts`: K's bytes, then V's;
         views.py says why that is safe; `held()` False: that memory was taken back), no export copy. False:
-        not sent this way (int8 compression, head ranges, NIXL), gather it for save_kv_layer instead."""
+        not sent this way (int8 compression of a big layer, head ranges, NIXL): gather it for save_kv_layer."""
         entry = self._outboxes.get(request_id)
         if entry is None or self._loop is None:
             return True  # aborted meanwhile: nothing to send, the abort already told the receiver
         box, num_layers = entry
-        if not self._sends_views or self.compression != "none" or isinstance(box, Fanout):
+        if not self._sends_views or isinstance(box, Fanout):
             return False
-        frames, loop = views.view_frames(request_id, layer, num_layers, parts, token_start=token_start,
-                                         num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                         chunk_bytes=self.chunk_bytes, held=held), self._loop
+        shape = dict(token_start=token_start, num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim)
+        if self.compression == "int8":  # a small fp32 layer quantized here, from the views; a big one pipelines
+            if dtype != torch.float32 or 2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX:
+                return False
+            frames = [views.quantized_frame(request_id, layer, num_layers, parts, **shape)]
+        else:
+            frames = views.view_frames(request_id, layer, num_layers, parts, **shape, dtype=dtype,
+                                       chunk_bytes=self.chunk_bytes, held=held)
+        loop = self._loop
 
         def put() -> None:  # on the loop, as save_kv_layer's frames; dropped once the save has ended
             for f in frames if request_id in self._outboxes else ():

@@ -13,8 +13,12 @@ Why this is safe (what the engine's side guarantees, `kv_transfer.KVTransferMixi
   which happens after `wait_for_save` returned (every frame ACKed) or after `abort_save` cancelled the
   outbox (no `sendmsg` runs after that);
 - a resend after a reconnect reseals the same views, still held;
-- only host memory in the wire's dtype qualifies (a device cache, a quantized layer, int8 compression or a
-  head-sliced transfer keep the gather).
+- only host memory in the wire's dtype qualifies (a device cache, a quantized layer or a head-sliced
+  transfer keep the gather).
+
+int8 compression of a small float layer (`quantized_frame`) quantizes straight from the views, on the caller's
+thread, into memory the frame owns: no gather before the quantizer and no hop to an encoder thread (with the
+native quantizer a 1 MiB layer takes ~0.07 ms, less than the gather it replaces).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.codec import WIRE_OF
-from pdcluster.worker.transfer.frame import Frame, Gathered, Kind
+from pdcluster.worker.transfer.frame import FLAG_QUANT, DType, Frame, Gathered, Kind
 
 
 def cut(views: list[memoryview], lo: int, hi: int) -> list[memoryview]:
@@ -49,9 +54,7 @@ def view_frames(request_id: str, layer: int, num_layers: int, views: list[memory
     if dtype not in WIRE_OF or dtype in (torch.int8, torch.uint8):
         raise ValueError(f"views carry float values, not {dtype}")
     row = kv_heads * head_dim * dtype.itemsize  # one token's bytes of K (or of V)
-    views = [memoryview(v).cast("B") for v in views]
-    if num_tokens <= 0 or row <= 0 or sum(len(v) for v in views) != 2 * num_tokens * row:
-        raise ValueError(f"views hold {sum(len(v) for v in views)} bytes, not K and V of {num_tokens} tokens")
+    views = _sizes(views, num_tokens, row)
     step = max(1, chunk_bytes // (2 * row))
     half = num_tokens * row
     frames = []
@@ -62,3 +65,28 @@ def view_frames(request_id: str, layer: int, num_layers: int, views: list[memory
                             token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads,
                             head_dim=head_dim, dtype=WIRE_OF[dtype], payload=Gathered(parts), held=held))
     return frames
+
+
+def _sizes(views: list[memoryview], num_tokens: int, row: int) -> list[memoryview]:
+    views = [memoryview(v).cast("B") for v in views]
+    if num_tokens <= 0 or row <= 0 or sum(len(v) for v in views) != 2 * num_tokens * row:
+        raise ValueError(f"views hold {sum(len(v) for v in views)} bytes, not K and V of {num_tokens} tokens")
+    return views
+
+
+def quantized_frame(request_id: str, layer: int, num_layers: int, views: list[memoryview], *, token_start: int,
+                    num_tokens: int, kv_heads: int, head_dim: int) -> Frame:
+    """One LAYER frame of int8 codes and scales (`codec.quantize8`, the codes a gathered export would get) of
+    tokens `[token_start, +num_tokens)` of an fp32 layer lying in `views` (K's bytes, then V's): each run is
+    quantized where it lies; the frame holds the codes, nothing of `views`."""
+    views = _sizes(views, num_tokens, kv_heads * head_dim * 4)
+    if any(len(v) % (head_dim * 4) for v in views):
+        raise ValueError("views must hold whole vectors")
+    codes, scales = [], []
+    for v in views:
+        q, s = codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim))
+        codes.append(codec._view(q))
+        scales.append(codec._view(s))
+    return Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
+                 token_start=token_start, token_end=token_start + num_tokens, kv_heads=kv_heads, head_dim=head_dim,
+                 dtype=DType.I8, flags=FLAG_QUANT, scales=b"".join(scales), payload=Gathered(codes))
