@@ -87,7 +87,7 @@ def test_engine_sends_only_the_last_chunk_from_its_blocks(tiny_model_dir: Path) 
     kinds = [(kind, start) for kind, _, start, _ in rec.calls]
     assert kinds == [("gathered", 0)] * layers + [("gathered", 16)] * layers + [("views", 32)] * layers
     seq = engine.seqs["a"]
-    for kind, layer, start, got in rec.calls:
+    for kind, layer, _start, got in rec.calls:
         if kind == "views":
             data, held = got
             slots = engine.runner.slots(seq, 32, 40)
@@ -140,25 +140,40 @@ def test_int8_frame_from_views_is_the_frame_of_a_gathered_export() -> None:
     for pool in (*cache.k, *cache.v):
         pool.copy_(torch.randn(pool.shape))
     slots = torch.tensor([22, 23, 8, 9, 10, 11, 12, 2, 3])
-    got = views.quantized_frame("r", 1, 2, slot_views(cache, 1, slots), token_start=3, num_tokens=len(slots),
-                                kv_heads=2, head_dim=8)
     out = torch.empty(cache.export_bytes(1, len(slots)), dtype=torch.uint8)
     k, v, _ = cache.export_into(1, slots, out)
-    want = encode_layer("r", 1, 2, k, v, token_start=3, compression="int8")
     key = FrameKey(b"k" * 32)
-    assert encode_frame(got, key, 7) == encode_frame(want, key, 7)
+    for frame_bytes, step in ((1 << 20, 9), (2 * 2 * (8 + 4) * 4, 4)):  # one frame; frames of 4 tokens
+        got = views.quantized_frames("r", 1, 2, slot_views(cache, 1, slots), token_start=3, num_tokens=len(slots),
+                                     kv_heads=2, head_dim=8, frame_bytes=frame_bytes)
+        assert len(got) == -(-len(slots) // step)
+        for i, f in enumerate(got):
+            s = i * step
+            want = encode_layer("r", 1, 2, k[s:s + step], v[s:s + step], token_start=3 + s, compression="int8")
+            assert encode_frame(f, key, i) == encode_frame(want, key, i)
 
 
-async def test_int8_compression_of_a_big_layer_keeps_the_gather() -> None:
-    """Over INLINE_MAX the quantizer pipelines with the send on an encoder thread (chunking.py): not here."""
-    send = TCPConnector(SECRET, compression="int8")
-    send.start_save("r", TransferTarget("127.0.0.1", 9), 1)
+async def test_int8_compression_of_a_big_layer_without_the_native_kernel_keeps_the_gather(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over INLINE_MAX the torch quantizer would hold the engine's thread: the gather and the encoder thread's
+    pipeline (chunking.py) take it. With the native kernel the views are quantized in frames of PIPE_BYTES."""
+    from pdcluster.kernels.cpu import quant as cpu_quant
+
     tokens = 4096  # 2 x 4096 x 2 x 128 x 4 B = 8 MiB of fp32
     mv = memoryview(bytearray(2 * tokens * 2 * 128 * 4))
-    assert not send.save_kv_views("r", 0, [mv], token_start=0, num_tokens=tokens, kv_heads=2, head_dim=128,
+    for native in (False, True):
+        if not native:
+            monkeypatch.setattr(cpu_quant, "module", lambda: None)
+        elif cpu_quant.module() is None:
+            continue
+        send = TCPConnector(SECRET, compression="int8")
+        send.start_save("r", TransferTarget("127.0.0.1", 9), 1)
+        sent = send.save_kv_views("r", 0, [mv], token_start=0, num_tokens=tokens, kv_heads=2, head_dim=128,
                                   dtype=torch.float32)
-    await send.abort_save("r")
-    await send.close()
+        assert sent == native
+        await send.abort_save("r")
+        await send.close()
+        monkeypatch.undo()
 
 
 async def test_int8_layers_from_views_arrive_as_the_receiver_expects() -> None:

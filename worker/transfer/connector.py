@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
+from pdcluster.kernels.cpu import quant as cpu_quant
 from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.channel import Placement
@@ -175,7 +176,7 @@ class TCPConnector(KVConnector):
                       held: Callable[[], bool] | None = None) -> bool:
         """Engine thread: a float layer's token range sent from where it lies (`parts`: K's bytes, then V's;
         views.py says why that is safe; `held()` False: that memory was taken back), no export copy. False:
-        not sent this way (int8 compression of a big layer, head ranges, NIXL): gather it for save_kv_layer."""
+        not sent this way (head ranges, NIXL, int8 without the native quantizer): gather it for save_kv_layer."""
         entry = self._outboxes.get(request_id)
         if entry is None or self._loop is None:
             return True  # aborted meanwhile: nothing to send, the abort already told the receiver
@@ -183,10 +184,12 @@ class TCPConnector(KVConnector):
         if not self._sends_views or isinstance(box, Fanout):
             return False
         shape = dict(token_start=token_start, num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim)
-        if self.compression == "int8":  # a small fp32 layer quantized here, from the views; a big one pipelines
-            if dtype != torch.float32 or 2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX:
-                return False
-            frames = [views.quantized_frame(request_id, layer, num_layers, parts, **shape)]
+        if self.compression == "int8":  # quantized here, from the views: with the native kernel, any size
+            if dtype != torch.float32 or (2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX
+                                          and cpu_quant.module() is None):
+                return False  # the torch quantizer is ~14x slower: a big layer pipelines on an encoder thread
+            frames = views.quantized_frames(request_id, layer, num_layers, parts, **shape,
+                                            frame_bytes=min(chunking.PIPE_BYTES, self.chunk_bytes))
         else:
             frames = views.view_frames(request_id, layer, num_layers, parts, **shape, dtype=dtype,
                                        chunk_bytes=self.chunk_bytes, held=held)
