@@ -9,10 +9,10 @@ set, variants interleaved repeat by repeat:
 
 - ``mkl``: ``F.linear`` on column-major weights (the engine's torch path, cpu_layout.py),
 - ``mkl_packed``: MKL's batched GEMM straight from the panels (the engine's path above the kernel's rows),
-- ``kernel``: the packed kernel as the engine runs it (split over threads only when each thread gets at least
+- ``kernel``: the packed kernel as the engine runs it (shared over the step's pool in items of at least
   ``linear.MIN_TASK_MACS`` multiply-adds),
 - ``kernel_1t``: the packed kernel in the calling thread only,
-- ``kernel_nt``: the packed kernel always split over panels on ``--threads`` threads (``at::parallel_for``).
+- ``kernel_nt``: the packed kernel shared panel by panel over ``--threads`` threads (``kernels/cpu/pool.h``).
 
 Reported per row count M: median ms, GB/s of weights streamed and % of the read bandwidth measured in the
 same run (``served_vs_hf.read_bandwidth``, same threads), GFLOP/s, and mkl / kernel ratios; plus per-matrix

@@ -17,8 +17,10 @@ import torch
 from pdcluster.kernels.cpu import step
 
 NR = 64  # output columns per panel (linear.cpp)
-# Multiply-adds a thread must get before a product is split across threads (at::parallel_for over panels):
-# below it the fork/join costs more than the second core gives. Measured: docs/benchmarks/engine.md, fifth pass.
+# Multiply-adds an item of a shared product must hold (items are runs of panels claimed through pool.h). With
+# the pool's helpers awake during a step a split pays even at batch 1 (the 33 products of a step: 9.1 ms alone,
+# 6.3 ms shared, 2026-12-02); 1 to 32 items per product measured the same, so this only keeps an item long
+# enough for the next-panel prefetch. (With at::parallel_for it had to be 16M: docs/benchmarks/engine.md.)
 MIN_TASK_MACS = 1 << 17
 
 

@@ -28,10 +28,10 @@ log = logging.getLogger("pdcluster.engine")
 LINEAR_SWITCH = "PDCLUSTER_NATIVE_LINEAR"
 
 # Rows above which the product goes to MKL (batched GEMM on the panels) instead of the kernel. No crossover was
-# found: the kernel beat MKL at every row count measured, 1 to 1024 (1.35-2.6x on the 56M model's matrices,
-# docs/benchmarks/engine.md "Fifth pass"), so prefill chunks up to 1024 tokens take it too; past that MKL
-# (unmeasured there, and the kernel's panels stop fitting L2 for K in the thousands).
-MAX_KERNEL_ROWS = 1024
+# found up to here: the kernel beat MKL at every row count measured, 1 to 1024 ("Fifth pass"), and shared over
+# the step's pool 1.36x MKL on the panels at 2048 rows and 1.58x at 4096 (2026-12-02, "Sixth pass" in
+# docs/benchmarks/engine.md), so prefill chunks up to 4096 tokens take it; past that MKL (unmeasured).
+MAX_KERNEL_ROWS = 4096
 
 
 class PackedLinear(nn.Module):
