@@ -41,14 +41,27 @@ struct Pool {
   std::atomic<int> sleepers{0};
   std::mutex caller, sleep_mu, start_mu;
   std::condition_variable wake;
-  std::atomic<int64_t> calls{0}, shared_calls{0}, items{0}, helper_items{0};
+  std::atomic<int64_t> calls{0}, shared_calls{0}, items{0}, helper_items{0}, stalls{0};
+  // Stall back-off, touched only by the caller holding `caller`: calls left to run alone, and the length of
+  // the last back-off (doubled on each stall in a row, cleared by a clean shared call).
+  int64_t alone_left = 0, alone_len = 0;
 };
+
+// A shared call stalled when the caller, done with its own items, waited longer than it worked and at least
+// this long: a helper holding an item lost its core (another process, the event loop). On a loaded 2-core box
+// that costs a scheduler time slice per call, more than sharing gains, so the next calls run on the caller
+// alone (128, then 256, ... up to 16384 calls, about 400 batch-1 steps) before sharing is tried again.
+constexpr int64_t STALL_NS = 200000;
+constexpr int64_t FIRST_ALONE = 128, MAX_ALONE = 16384;
+
+thread_local bool t_helper = false;
 
 // Never freed: helpers are detached and outlive static destruction at exit. A forked child gets a fresh one
 // (its helpers did not survive the fork).
 std::atomic<Pool*> g_pool{new Pool};
 
 void helper(Pool* p, int index) {
+  t_helper = true;
   uint64_t seen = p->state.load(std::memory_order_acquire) / GEN;
   for (;;) {
     // Wait for the next call: spin (yielding, so an OpenMP worker or the event loop sharing this core runs
@@ -112,8 +125,14 @@ void share(int64_t n, ItemFn fn, void* ctx, int threads) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
+  if (p->alone_left > 0) {
+    --p->alone_left;
+    for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+    return;
+  }
   p->shared_calls.fetch_add(1, std::memory_order_relaxed);
   ensure_helpers(p, helpers);
+  const int64_t t0 = now_ns();
   // Close the slot: wait out a helper that joined the previous call after it ended, then make gen odd.
   for (uint64_t s = p->state.load(std::memory_order_acquire);;) {
     if (s & INSIDE) {
@@ -134,16 +153,28 @@ void share(int64_t n, ItemFn fn, void* ctx, int threads) {
     p->wake.notify_all();
   }
   for (int64_t i; (i = p->next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(ctx, i);
+  const int64_t t1 = now_ns();
   // Every item is claimed; wait for the helpers holding one (or joining late) to leave.
   for (int spins = 0; p->state.load(std::memory_order_acquire) & INSIDE; ++spins) {
     _mm_pause();
     if (spins % 64 == 63) sched_yield();
   }
+  const int64_t waited = now_ns() - t1;
+  if (waited > STALL_NS && waited > t1 - t0) {
+    p->stalls.fetch_add(1, std::memory_order_relaxed);
+    p->alone_len = p->alone_len ? std::min(2 * p->alone_len, MAX_ALONE) : FIRST_ALONE;
+    p->alone_left = p->alone_len;
+  } else {
+    p->alone_len = 0;
+  }
 }
+
+bool on_helper_thread() { return t_helper; }
 
 PoolStats stats() {
   Pool* p = g_pool.load();
-  return {p->calls.load(), p->shared_calls.load(), p->items.load(), p->helper_items.load(), p->started.load()};
+  return {p->calls.load(), p->shared_calls.load(), p->items.load(), p->helper_items.load(), p->stalls.load(),
+          p->started.load()};
 }
 
 void set_spin_us(int64_t us) { g_pool.load()->spin_ns.store(std::max<int64_t>(0, us) * 1000); }

@@ -17,7 +17,8 @@ using ItemFn = void (*)(void* ctx, int64_t item);
 
 // Runs fn(ctx, i) for every i in [0, n) on the caller and up to `threads - 1` helpers (threads = torch's
 // intra-op thread count when 0). Returns when all n have run. A concurrent second caller, or n < 2, runs
-// everything on its own thread.
+// everything on its own thread, and so do the calls after a stall (a helper that lost its core mid-item: see
+// pool.cpp) until the back-off runs out.
 void share(int64_t n, ItemFn fn, void* ctx, int threads = 0);
 
 template <class F>
@@ -26,9 +27,10 @@ void share(int64_t n, F& body, int threads = 0) {
 }
 
 struct PoolStats {
-  int64_t calls, shared_calls, items, helper_items;
+  int64_t calls, shared_calls, items, helper_items, stalls;
   int helpers;
 };
+bool on_helper_thread();  // whether the calling thread is one of the pool's helpers
 PoolStats stats();
 void set_spin_us(int64_t us);  // how long a helper spins after a call before it sleeps
 
