@@ -16,8 +16,9 @@ every cell alike.
   with `recv_into` straight into the destination cache's layer, one 1-byte reply once the last layer is in
   (the ceiling for any TCP transport on this machine: no framing, no authentication, no copy);
 - backend: the real connector (handshake once, GMAC tags, ACK per frame). A thread standing in for the
-  engine exports each layer as the engine does — gathers K and V into the buffer the connector lends
-  (`export_buffer`, else a fresh one) and calls `save_kv_layer` — while the event loop sends; the clock stops
+  engine exports each layer as the engine does — hands the connector the cache's own bytes when it takes them
+  (`save_kv_views`: float layers of a last prefill chunk, views.py), else gathers K and V into the buffer the
+  connector lends (`export_buffer`, else a fresh one) and calls `save_kv_layer` — while the event loop sends; the clock stops
   when `wait_for_save` returns, i.e. when the receiver's importer has written the last layer into its cache
   and that ACK is back (a transport with `destination`, placing.py, receives float layers straight into the
   cache instead). Receiver caches: fp32 for the fp32 case, fp32 for int8 compression (the importer
@@ -206,9 +207,9 @@ def _export_all(send: Any, rid: str, src: torch.Tensor, src_scales: torch.Tensor
     views = getattr(send, "save_kv_views", None) if src_scales is None else None
     for layer in range(src.shape[0]):
         kv_src = src[layer]
-        if views is not None and views(rid, layer, [memoryview(kv_src[i].numpy()).cast("B") for i in range(2)],
-                                       token_start=0, num_tokens=kv_src.shape[1], kv_heads=kv_src.shape[2],
-                                       head_dim=kv_src.shape[3], dtype=kv_src.dtype):
+        parts = [memoryview(kv_src[i].numpy()).cast("B") for i in range(2)]  # type: ignore[arg-type]
+        if views is not None and views(rid, layer, parts, token_start=0, num_tokens=kv_src.shape[1],
+                                       kv_heads=kv_src.shape[2], head_dim=kv_src.shape[3], dtype=kv_src.dtype):
             continue
         size = kv_src.numel() * kv_src.element_size()
         scale_size = src_scales[layer].numel() * 4 if src_scales is not None else 0
