@@ -228,6 +228,8 @@ void attend_one(const Args& a, int64_t s, int h) {
         for (int t = 0; t < n; ++t) sg[t] *= a.vs[idx[t]];
       for (int t = n; t < n4; ++t) sg[t] = 0.0f;  // padding positions re-read row n - 1 with weight 0
     }
+    const uint8_t* vrow[CHUNK + 3];  // the V row of each position, the padding re-reading row n - 1
+    for (int t = 0; t < n4; ++t) vrow[t] = a.v + idx[std::min(t, n - 1)] * a.row_bytes;
     for (int g = 0; g < G; g += 2) {
       const bool pair = g + 1 < G;
       const float* p0 = sc + g * SCS;
@@ -237,10 +239,8 @@ void attend_one(const Args& a, int64_t s, int h) {
         const __mmask16 m = (K == Kind::I4 || j < NV - 1) ? 0xFFFF : tail;
         __m512 x0 = _mm512_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
         for (int t = 0; t < n4; t += 4) {
-          const __m512 r0 = load_row<K>(a.v + idx[t] * a.row_bytes, j, m);
-          const __m512 r1 = load_row<K>(a.v + idx[std::min(t + 1, n - 1)] * a.row_bytes, j, m);
-          const __m512 r2 = load_row<K>(a.v + idx[std::min(t + 2, n - 1)] * a.row_bytes, j, m);
-          const __m512 r3 = load_row<K>(a.v + idx[std::min(t + 3, n - 1)] * a.row_bytes, j, m);
+          const __m512 r0 = load_row<K>(vrow[t], j, m), r1 = load_row<K>(vrow[t + 1], j, m);
+          const __m512 r2 = load_row<K>(vrow[t + 2], j, m), r3 = load_row<K>(vrow[t + 3], j, m);
           x0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t]), r0, x0);
           x1 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t + 1]), r1, x1);
           x2 = _mm512_fmadd_ps(_mm512_set1_ps(p0[t + 2]), r2, x2);

@@ -25,7 +25,8 @@ MIN_TASK_MACS = 1 << 17
 
 
 def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
-    """Panels per thread for an ``m``-row product over ``panels`` panels of depth ``k``; 0 = one thread."""
+    """Panels per shared item of an ``m``-row product over ``panels`` panels of depth ``k``; 0 = the calling
+    thread only (a product of one item)."""
     per_panel = m * k * NR
     if per_panel == 0:  # no rows (a step can carry an empty chunk) or K = 0: nothing to split
         return 0

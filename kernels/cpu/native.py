@@ -129,4 +129,3 @@ def _stable_copy(src: Path, folder: Path) -> Path:
         tmp.write_bytes(data)
         os.replace(tmp, dst)
     return dst
-

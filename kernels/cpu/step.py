@@ -29,16 +29,21 @@ def spin_us() -> int:
         raise ValueError(f"{SPIN_ENV}={raw!r}: expected a whole number of microseconds") from None
 
 
+_loaded: list[ModuleType | None] = []  # the module once asked for: kernels call module() on every product
+
+
 def module() -> ModuleType | None:
     """The compiled module, or None where native kernels are off or cannot be built (logged once)."""
-    mod = native.load(NAME, SOURCES, HEADERS)
-    if mod is not None and not getattr(mod, "_pdc_spin_set", False):
-        mod.set_spin_us(spin_us())
-        mod._pdc_spin_set = True
-    return mod
+    if not _loaded:
+        mod = native.load(NAME, SOURCES, HEADERS)
+        if mod is not None:
+            mod.set_spin_us(spin_us())
+        _loaded.append(mod)
+    return _loaded[0]
 
 
 def pool_stats() -> dict[str, int]:
-    """Counters of the shared pool (calls, shared_calls, items, helper_items, helpers); empty without it."""
+    """Counters of the shared pool (calls, shared_calls, items, helper_items, stalls, helpers); empty without
+    it."""
     mod = module()
     return dict(mod.pool_stats()) if mod is not None else {}

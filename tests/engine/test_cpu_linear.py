@@ -12,11 +12,11 @@ from pdcluster.kernels.cpu import native
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_linear import PackedEmbedding, PackedLinear, pack_linears
 from pdcluster.worker.engine.loader import load_model
+from tests.native_marks import needs_native
 
 from .families_util import build_family_model
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 def _pairs(on: nn.Module, off: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:

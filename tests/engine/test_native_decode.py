@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from pdcluster.kernels.cpu import native
 from pdcluster.worker.engine import attention
+from tests.native_marks import needs_native
 
 from .conftest import hf_greedy, prompt_of, run_with_logits
 from .families_util import build_family_model
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 @pytest.fixture

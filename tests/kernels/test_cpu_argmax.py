@@ -6,20 +6,18 @@ import pytest
 import torch
 
 from pdcluster.kernels.cpu import argmax as A
-from pdcluster.kernels.cpu import native, step
-
-needs_kernel = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                  reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+from pdcluster.kernels.cpu import step
+from tests.native_marks import needs_native
 
 
-@needs_kernel
+@needs_native
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 32000, 151936])
 def test_matches_torch_on_random_rows(n: int) -> None:
     x = torch.randn(5, n, generator=torch.Generator().manual_seed(n))
     assert torch.equal(A.argmax(x), x.argmax(-1))
 
 
-@needs_kernel
+@needs_native
 def test_ties_nan_and_infinities() -> None:
     x = torch.zeros(7, 40)
     x[0, [3, 20, 39]] = 5.0  # ties: the first index
@@ -36,7 +34,7 @@ def test_ties_nan_and_infinities() -> None:
     assert torch.equal(A.argmax(strided), strided.argmax(-1))
 
 
-@needs_kernel
+@needs_native
 def test_bad_input_is_a_clear_error() -> None:
     mod = step.module()
     assert mod is not None

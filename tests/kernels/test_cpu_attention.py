@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 from pdcluster.kernels import paged_decode_attention
 from pdcluster.kernels.cpu import attention as cpu_attn
-from pdcluster.kernels.cpu import native
 from pdcluster.worker.engine.attention import eager_attention, window_slots
+from tests.native_marks import needs_native
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 TOL = {None: dict(atol=2e-5, rtol=1e-4), 8: dict(atol=1e-4, rtol=1e-4), 4: dict(atol=1e-4, rtol=1e-4)}
 

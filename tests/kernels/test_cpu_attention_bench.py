@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pdcluster.bench import native_attention
-from pdcluster.kernels.cpu import native
+from tests.native_marks import needs_native
 
 
-@pytest.mark.skipif(native.unavailable_reason() is not None,
-                    reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+@needs_native
 def test_layer_case_times_every_variant_and_checks_they_agree():
     row = native_attention.layer_case([5, 40, 17], repeats=3)
     assert native_attention.layer_case([5, 40], repeats=2, kv="int8")["native"]["median"] > 0

@@ -7,10 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.kernels.cpu import linear as L
-from pdcluster.kernels.cpu import native
-
-needs_kernel = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                  reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+from tests.native_marks import needs_native
 
 
 def _tol(k: int) -> float:
@@ -29,7 +26,7 @@ def test_pack_roundtrip_and_rows() -> None:
     assert torch.equal(L.pack(w.t().contiguous().t()), wp)  # column-major input packs the same
 
 
-@needs_kernel
+@needs_native
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 16, 17, 64])
 @pytest.mark.parametrize("n,k", [(1, 1), (64, 512), (70, 33), (130, 1376), (2752, 512), (513, 77)])
 def test_kernel_matches_torch(m: int, n: int, k: int) -> None:
@@ -42,7 +39,7 @@ def test_kernel_matches_torch(m: int, n: int, k: int) -> None:
         torch.testing.assert_close(got, F.linear(x, w, bias), atol=_tol(k), rtol=1e-5)
 
 
-@needs_kernel
+@needs_native
 def test_kernel_is_row_order_independent_and_takes_strided_rows() -> None:
     """Each output is one ascending-k sum: a row gives the same bits alone or inside any batch."""
     torch.manual_seed(0)
@@ -67,7 +64,7 @@ def test_threading_policy() -> None:
     assert L.grain(0, 512, 500) == 0  # no rows: no division by zero
 
 
-@needs_kernel
+@needs_native
 def test_zero_rows() -> None:
     """A step can carry an empty chunk: zero rows in, zero rows out (this divided by zero once)."""
     wp = L.pack(torch.randn(100, 32))
@@ -75,7 +72,7 @@ def test_zero_rows() -> None:
     assert L.linear(torch.randn(0, 32), wp, 100, torch.randn(100)).shape == (0, 100)
 
 
-@needs_kernel
+@needs_native
 def test_bad_shapes_are_clear_errors() -> None:
     wp = L.pack(torch.randn(100, 32))
     with pytest.raises(RuntimeError, match="K=31"):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from pdcluster.kernels.cpu import native
+from tests.native_marks import needs_native
 
 
-@pytest.mark.skipif(native.unavailable_reason() is not None,
-                    reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+@needs_native
 def test_native_linear_bench_runs(tmp_path: Path) -> None:
     from pdcluster.bench import native_linear
 

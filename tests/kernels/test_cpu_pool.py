@@ -10,10 +10,10 @@ import torch
 
 from pdcluster.kernels.cpu import attention as cpu_attn
 from pdcluster.kernels.cpu import linear as L
-from pdcluster.kernels.cpu import native, step
+from pdcluster.kernels.cpu import step
+from tests.native_marks import needs_native
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 @pytest.fixture

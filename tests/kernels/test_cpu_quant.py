@@ -7,9 +7,9 @@ import torch
 
 from pdcluster.kernels.cpu import native, quant
 from pdcluster.kernels.kv_quant import dequantize_kv, quantize_kv
+from tests.native_marks import needs_native
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 5), (7, 3, 128), (33, 8, 64), (2, 4, 17), (3, 2, 48),

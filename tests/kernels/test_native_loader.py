@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdcluster.kernels.cpu import native
+from tests.native_marks import needs_native
 
 # narrow headers, as the real kernels use: <torch/extension.h> costs minutes of compile on this box
 SRC = """
@@ -26,11 +27,9 @@ def fresh(monkeypatch, tmp_path):
     return tmp_path
 
 
-needs_build = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                 reason=f"native kernels unavailable here: {native.unavailable_reason()}")
 
 
-@needs_build
+@needs_native
 def test_builds_once_into_the_cache_keyed_by_source(fresh: Path):
     src = fresh / "twice.cpp"
     src.write_text(SRC)
@@ -58,7 +57,7 @@ def test_no_avx512_means_torch_path(fresh: Path, monkeypatch):
     assert native.load("pdc_test_noavx", ["x.cpp"]) is None
 
 
-@needs_build
+@needs_native
 def test_compile_error_is_logged_not_raised(fresh: Path, caplog):
     src = fresh / "broken.cpp"
     src.write_text("this is not C++\n")

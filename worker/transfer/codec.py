@@ -41,7 +41,7 @@ def code_bits(t: torch.Tensor) -> int | None:
     return BITS_OF.get(t.dtype)
 
 
-def _view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
     """Flat byte view of a CPU tensor without copying (bf16 has no numpy dtype: reinterpret as int16)."""
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
@@ -73,10 +73,10 @@ def _raw(*ts: torch.Tensor, gather: bool = False) -> memoryview | bytes | Gather
     ts = tuple(t.detach().cpu() for t in ts)
     span = adjacent(list(ts))
     if span is not None:
-        return _view(span)
+        return byte_view(span)
     if gather and sum(t.numel() * t.element_size() for t in ts) >= GATHER_MIN:
-        return Gathered([_view(t) for t in ts])  # e.g. K and V of one token range of a bigger export
-    return b"".join(_view(t) for t in ts)
+        return Gathered([byte_view(t) for t in ts])  # e.g. K and V of one token range of a bigger export
+    return b"".join(byte_view(t) for t in ts)
 
 
 def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

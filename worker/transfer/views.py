@@ -91,8 +91,8 @@ def quantized_frames(request_id: str, layer: int, num_layers: int, views: list[m
         codes, scales = [], []
         for v in cut(views, s * row, e * row) + cut(views, half + s * row, half + e * row):
             q, sc = codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim))
-            codes.append(codec._view(q))
-            scales.append(codec._view(sc))
+            codes.append(codec.byte_view(q))
+            scales.append(codec.byte_view(sc))
         frames.append(Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
                             token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads,
                             head_dim=head_dim, dtype=DType.I8, flags=FLAG_QUANT, scales=b"".join(scales),
