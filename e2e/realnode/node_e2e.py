@@ -148,6 +148,14 @@ def dump(kube: Kube, *namespaces: str) -> str:
                      ["describe", "pods"]):
             cp = kube.run(*args, "-n", ns, check=False)
             parts.append(f"==== {' '.join(args)} ({ns}) ====\n{cp.stdout[-6000:]}{cp.stderr[-2000:]}")
+        # each pod's own account (the operator's reconcile and peering decisions, a worker's start-up)
+        pods = kube.run("get", "pods", "-n", ns, "-o", "name", check=False).stdout.split()
+        for pod in pods[:8]:
+            cp = kube.run("logs", "-n", ns, pod, "--all-containers", "--tail=60", check=False)
+            parts.append(f"==== logs {pod} ({ns}) ====\n{cp.stdout[-5000:]}{cp.stderr[-1000:]}")
+    # which operator replica is active: kopf peering keep-alives (priority, lastseen) per replica
+    cp = kube.run("get", "clusterkopfpeerings,kopfpeerings", "-A", "-o", "yaml", check=False)
+    parts.append(f"==== kopf peerings ====\n{cp.stdout[-4000:]}{cp.stderr[-1000:]}")
     return "\n".join(parts)
 
 
