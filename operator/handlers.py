@@ -36,6 +36,9 @@ from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_toke
 GROUP, VERSION, PLURAL = models.API_GROUP, models.API_VERSION, models.PLURAL
 KICK_DEBOUNCE_SECONDS = 0.5
 LEGACY_FINALIZER = "pdcluster.dev/finalizer"
+WATCH_SERVER_TIMEOUT = 120  # s, an int (sent as ?timeoutSeconds=): kopf watches PDClusters, children, peering
+CONNECT_TIMEOUT = 15.0
+REQUEST_TIMEOUT = 60.0
 
 
 class _Runtime:
@@ -116,6 +119,15 @@ async def configure(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> N
     settings.posting.level = logging.WARNING  # our own Events are explicit; no "handler succeeded" noise
     settings.scanning.disabled = True  # no CRD watching: less RBAC, resources are fixed
     settings.execution.max_workers = 4
+    # A watch with no client-side timeout waits forever on a connection that died without a FIN or RST
+    # (a NAT or conntrack entry dropped, a proxy restarted): the operator would look healthy and never see
+    # a PDCluster again. The server ends each watch after WATCH_SERVER_TIMEOUT (kopf resumes it from the
+    # last resourceVersion, no relist); the client gives up a silent one a little later and reconnects.
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
+    settings.watching.client_timeout = WATCH_SERVER_TIMEOUT + 30
+    settings.watching.connect_timeout = CONNECT_TIMEOUT
+    settings.networking.connect_timeout = CONNECT_TIMEOUT
+    settings.networking.request_timeout = REQUEST_TIMEOUT  # kopf's own PATCHes and Events (default 300 s)
     global RUNTIME
     resync = RUNTIME.resync_seconds
     RUNTIME = _Runtime()
