@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import re
+import socket
 import sys
 import time
 from urllib.parse import urlsplit
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from pdcluster.operator import handlers, opmetrics
+    from pdcluster.operator import handlers, opmetrics, peering
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
         priority = args.peering_priority
         if priority is None:
             priority = auto_priority(int(time.time() * 1000), random.randrange(1000))
-        logging.getLogger(__name__).info("kopf peering %r with priority %d", args.peering, priority)
+        identity = os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}/{random.randrange(10**6)}"
+        handlers.RUNTIME.peering = peering.Peering(name=args.peering, identity=identity, priority=priority,
+                                                   clusterwide=not namespaces)
+        logging.getLogger(__name__).info("kopf peering %r as %r with priority %d", args.peering, identity, priority)
     try:
         asyncio.run(kopf.operator(
             clusterwide=not namespaces,
@@ -138,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             standalone=args.peering is None,
             peering_name=args.peering,
             priority=priority,
+            identity=handlers.RUNTIME.peering.identity if handlers.RUNTIME.peering else None,
             liveness_endpoint=args.liveness or None,
         ))
     except KeyboardInterrupt:

@@ -29,7 +29,7 @@ from typing import Any, cast
 import httpx
 import kopf
 
-from pdcluster.operator import models, naming, opmetrics
+from pdcluster.operator import models, naming, opmetrics, peering
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube, bearer_token, load_configuration
 
@@ -51,6 +51,7 @@ class _Runtime:
         self.kicks: dict[tuple[str, str], asyncio.Event] = {}
         self.resync_seconds: float = rec.RESYNC_SECONDS
         self.tasks: dict[tuple[str, str], tuple[asyncio.Task[None], asyncio.Event]] = {}
+        self.peering: peering.Peering | None = None  # set by `pdcluster operator --peering`
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -129,9 +130,9 @@ async def configure(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> N
     settings.networking.connect_timeout = CONNECT_TIMEOUT
     settings.networking.request_timeout = REQUEST_TIMEOUT  # kopf's own PATCHes and Events (default 300 s)
     global RUNTIME
-    resync = RUNTIME.resync_seconds
+    resync, peer = RUNTIME.resync_seconds, RUNTIME.peering
     RUNTIME = _Runtime()
-    RUNTIME.resync_seconds = resync
+    RUNTIME.resync_seconds, RUNTIME.peering = resync, peer
     RUNTIME.kube = await Kube.from_environment()
     RUNTIME.http = httpx.AsyncClient(trust_env=False)  # pod IPs: never through an HTTP proxy
     logger.info("pdcluster operator: API server %s, resync every %ss", RUNTIME.kube.host, resync)
@@ -231,6 +232,7 @@ async def _resync_loop(name: str, namespace: str, stopped: asyncio.Event, logger
                        kick: asyncio.Event, delay: float) -> None:
     """Reconcile every `delay` seconds or when kicked, until stopped or the PDCluster is gone or deleting."""
     failures = 0
+    standby = False
     while not stopped.is_set():
         waiters = {asyncio.ensure_future(kick.wait()), asyncio.ensure_future(stopped.wait())}
         try:
@@ -250,6 +252,13 @@ async def _resync_loop(name: str, namespace: str, stopped: asyncio.Event, logger
         if stopped.is_set() or RUNTIME.kube is None:
             break
         try:
+            if RUNTIME.peering is not None and not await peering.active(RUNTIME.kube, RUNTIME.peering, namespace):
+                if not standby:
+                    logger.info("standby: another operator replica is active; resync of %s/%s paused",
+                                namespace, name)
+                standby, delay = True, RUNTIME.resync_seconds
+                continue
+            standby = False
             out = await _reconcile_locked({"metadata": {"name": name, "namespace": namespace}},
                                           trigger=trigger, retry=failures)
             if out is None:
