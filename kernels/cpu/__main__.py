@@ -14,7 +14,7 @@ from pdcluster.kernels.cpu import native, quant, step
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    reason = native.unavailable_reason()
+    reason = native.unrunnable_reason()
     if reason is not None:
         print(f"native CPU kernels: off ({reason}); the torch paths run")
         return 0

@@ -3,7 +3,8 @@
 Why JIT and not a wheel-time build: the project installs as plain Python (uv, editable) and the kernels use
 AVX-512, which only the machine that runs them can vouch for. A module is compiled the first time a process
 asks for it, into a cache folder keyed by everything that changes the binary (sources, flags, torch and
-Python versions), so the next process loads it in milliseconds. Nothing here is required: every failure
+Python versions), so the next process loads it in milliseconds — without ninja or a compiler once a build
+has finished there (a cache folder filled elsewhere serves too). Nothing here is required: every failure
 (no compiler, no ninja, a CPU without AVX-512, a compile error) logs one line saying why and returns None,
 and the caller runs its torch path.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -27,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 ENV_SWITCH = "PDCLUSTER_NATIVE_KERNELS"  # "0" turns every native kernel off
 CFLAGS = ["-O3", "-march=x86-64-v4", "-mtune=native", "-fopenmp", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
+BUILT_MARKER = "built"  # written after a build loaded; see _built
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
@@ -50,8 +53,8 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def unavailable_reason() -> str | None:
-    """Why no native kernel can be built or run here, or None when they can."""
+def unrunnable_reason() -> str | None:
+    """Why no native kernel can run here (switched off, another platform, no AVX-512), or None."""
     if switched_off():
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -59,6 +62,14 @@ def unavailable_reason() -> str | None:
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - cpu_flags()
     if missing:
         return "the CPU lacks " + ", ".join(sorted(missing))
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why no native kernel can be built or run here, or None when they can."""
+    reason = unrunnable_reason()
+    if reason is not None:
+        return reason
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return "no C++ compiler on PATH"
     if not shutil.which("ninja"):
@@ -92,7 +103,41 @@ def load(name: str, sources: list[str], headers: tuple[str, ...] = ()) -> Module
         return mod
 
 
+def _built(name: str, key: str, folder: Path) -> ModuleType | None:
+    """The module a finished build left in `folder` (its marker written after a successful load), imported
+    without ninja or a compiler: a cache another process filled (a shared volume, an image) serves a machine
+    that cannot build. The key already covers sources, flags, torch and Python."""
+    marker = folder / BUILT_MARKER
+    if not marker.is_file():
+        return None
+    lib = folder / Path(marker.read_text().strip()).name  # torch names a rebuild in one process name_v1.so
+    if lib.suffix != ".so" or not lib.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(lib.name.split(".")[0], lib)
+    if spec is None or spec.loader is None:
+        return None
+    import torch  # noqa: F401  (the module links against libtorch: load it first)
+
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _build(name: str, sources: list[Path], headers: tuple[Path, ...]) -> ModuleType | None:
+    reason = unrunnable_reason()
+    if reason is not None:
+        log.info("native CPU kernel %s off: %s; using the torch path", name, reason)
+        return None
+    key = build_key(name, sources, headers)
+    folder = cache_root() / f"{name}-{key}"
+    try:
+        mod = _built(name, key, folder)
+    except Exception as exc:  # a damaged cache entry: rebuild it below if this machine can
+        log.warning("native CPU kernel %s: cached build in %s did not load (%s); rebuilding", name, folder, exc)
+        mod = None
+    if mod is not None:
+        log.info("native CPU kernel %s loaded from %s (cached build)", name, folder)
+        return mod
     reason = unavailable_reason()
     if reason is not None:
         log.info("native CPU kernel %s off: %s; using the torch path", name, reason)
@@ -100,8 +145,6 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...]) -> ModuleT
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
-        key = build_key(name, sources, headers)
-        folder = cache_root() / f"{name}-{key}"
         folder.mkdir(parents=True, exist_ok=True)
         for header in headers:  # beside the copied sources, where their #include "..." looks
             _stable_copy(header, folder)
@@ -109,6 +152,9 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...]) -> ModuleT
         # copies: cpp_extension appends its own flags to the lists it is given
         mod = cpp_load(name=f"{name}_{key}", sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
                        extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
+        marker = folder / f"{BUILT_MARKER}.{os.getpid()}.tmp"
+        marker.write_text(Path(str(mod.__file__)).name + "\n")
+        os.replace(marker, folder / BUILT_MARKER)  # only now may another process import the .so as it is
     except Exception as exc:  # a failed build must never take the worker down: it has a torch path
         log.warning("native CPU kernel %s could not be built (%s: %s); using the torch path",
                     name, type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")

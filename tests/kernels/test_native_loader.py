@@ -44,6 +44,31 @@ def test_builds_once_into_the_cache_keyed_by_source(fresh: Path):
     assert native.build_key("pdc_test_twice", [src]) not in folders[0].name
 
 
+@needs_native
+def test_a_finished_build_loads_without_a_compiler(fresh: Path, monkeypatch, caplog):
+    """A cache filled elsewhere (a shared volume, an image) serves a machine with no compiler or ninja; a
+    folder without the marker a finished build writes (a build that died mid-link) is never imported."""
+    src = fresh / "twice.cpp"
+    src.write_text(SRC)
+    assert native.load("pdc_test_twice", [str(src)]) is not None
+    (folder,) = (fresh / "cache" / "native-kernels").iterdir()
+    assert (folder / native.BUILT_MARKER).is_file(), sorted(p.name for p in folder.iterdir())
+    assert (folder / (folder / native.BUILT_MARKER).read_text().strip()).is_file()
+    monkeypatch.setattr(native.shutil, "which", lambda *_: None)  # no c++, no g++, no ninja
+    assert "compiler" in (native.unavailable_reason() or "")
+    monkeypatch.setattr(native, "_modules", {})
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        mod = native.load("pdc_test_twice", [str(src)])
+    assert mod is not None and "cached build" in caplog.text
+    assert torch.equal(mod.twice(torch.arange(3.0)), torch.tensor([0.0, 2.0, 4.0]))
+    (folder / native.BUILT_MARKER).unlink()
+    monkeypatch.setattr(native, "_modules", {})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        assert native.load("pdc_test_twice", [str(src)]) is None
+    assert "no C++ compiler" in caplog.text
+
+
 def test_switched_off_by_env(fresh: Path, monkeypatch, caplog):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):

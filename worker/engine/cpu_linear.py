@@ -83,7 +83,7 @@ def native_linear_ready() -> bool:
     """The kernel can run here now (re-reads the off switch each time, so a test can flip it)."""
     if native.switched_off(LINEAR_SWITCH):
         return False
-    return native.unavailable_reason() is None and native_linear.module() is not None
+    return native.unrunnable_reason() is None and native_linear.module() is not None
 
 
 def _pack(weight: torch.Tensor) -> nn.Parameter:
