@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     namespaces = list(args.namespace)
     priority = None
+    handlers.RUNTIME.peering = None
     if args.peering is not None:
         import random
 
