@@ -89,7 +89,9 @@ def test_forked_child_has_a_working_pool(two_threads):
     pid = os.fork()
     if pid == 0:  # the child: exit status says whether the shared product was right
         ok = all(torch.equal(L.linear(x, wp, 8192, panels_per_task=1), want) for _ in range(20))
-        os._exit(0 if ok and step.pool_stats()["shared_calls"] == 20 else 1)
+        # shared (not bypassed) from the first call on; on a loaded box a stall may send later calls to the
+        # caller alone, which is the back-off working, not a broken pool
+        os._exit(0 if ok and step.pool_stats()["shared_calls"] >= 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -107,11 +109,14 @@ def test_a_stalled_helper_makes_the_next_calls_run_alone(two_threads):
 
     assert any(shares_next_call() for _ in range(20000))  # out of any back-off an earlier call caused
     stalled = False
-    for _ in range(5):  # the helper must join: 64 items of 20 us give it 1.3 ms to wake
+    for _ in range(20):
         before = step.pool_stats()
-        if mod.pool_probe(64, 20, 20000) > 0:
-            stalled = step.pool_stats()["stalls"] > before["stalls"]
+        # the helper must join (64 items of 20 us give it ~1.3 ms to wake), then its 50 ms item is a stall
+        # unless the caller itself lost its core for longer than that (a loaded box): try again then
+        if mod.pool_probe(64, 20, 50000) > 0 and step.pool_stats()["stalls"] > before["stalls"]:
+            stalled = True
             break
+        assert any(shares_next_call() for _ in range(20000))  # out of any back-off, for the next try
     assert stalled
     assert not any(shares_next_call() for _ in range(100))  # alone, without waiting for a helper
     assert any(shares_next_call() for _ in range(20000))  # and sharing again after the back-off
