@@ -106,7 +106,8 @@ def load(name: str, sources: list[str], headers: tuple[str, ...] = ()) -> Module
 def _built(name: str, key: str, folder: Path) -> ModuleType | None:
     """The module a finished build left in `folder` (its marker written after a successful load), imported
     without ninja or a compiler: a cache another process filled (a shared volume, an image) serves a machine
-    that cannot build. The key already covers sources, flags, torch and Python."""
+    that cannot build. The key already covers sources, flags, torch and Python (computing it imported torch,
+    whose libraries the module links against)."""
     marker = folder / BUILT_MARKER
     if not marker.is_file():
         return None
@@ -116,8 +117,6 @@ def _built(name: str, key: str, folder: Path) -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(lib.name.split(".")[0], lib)
     if spec is None or spec.loader is None:
         return None
-    import torch  # noqa: F401  (the module links against libtorch: load it first)
-
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -9,6 +9,7 @@ so the dozens of back-to-back products of a step find them awake, then sleep; ``
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -29,17 +30,13 @@ def spin_us() -> int:
         raise ValueError(f"{SPIN_ENV}={raw!r}: expected a whole number of microseconds") from None
 
 
-_loaded: list[ModuleType | None] = []  # the module once asked for: kernels call module() on every product
-
-
+@functools.cache  # kernels call module() on every product: no trip through the loader's lock
 def module() -> ModuleType | None:
     """The compiled module, or None where native kernels are off or cannot be built (logged once)."""
-    if not _loaded:
-        mod = native.load(NAME, SOURCES, HEADERS)
-        if mod is not None:
-            mod.set_spin_us(spin_us())
-        _loaded.append(mod)
-    return _loaded[0]
+    mod = native.load(NAME, SOURCES, HEADERS)
+    if mod is not None:
+        mod.set_spin_us(spin_us())
+    return mod
 
 
 def pool_stats() -> dict[str, int]:

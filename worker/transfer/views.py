@@ -24,7 +24,7 @@ layers still overlap (layer n is on the wire while layer n+1 is computed and qua
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -55,24 +55,23 @@ def view_frames(request_id: str, layer: int, num_layers: int, views: list[memory
     if dtype not in WIRE_OF or dtype in (torch.int8, torch.uint8):
         raise ValueError(f"views carry float values, not {dtype}")
     row = kv_heads * head_dim * dtype.itemsize  # one token's bytes of K (or of V)
-    views = _sizes(views, num_tokens, row)
-    step = max(1, chunk_bytes // (2 * row))
-    half = num_tokens * row
-    frames = []
-    for s in range(0, num_tokens, step):
-        e = min(num_tokens, s + step)
-        parts = cut(views, s * row, e * row) + cut(views, half + s * row, half + e * row)
-        frames.append(Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
-                            token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads,
-                            head_dim=head_dim, dtype=WIRE_OF[dtype], payload=Gathered(parts), held=held))
-    return frames
+    return [Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
+                  token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads, head_dim=head_dim,
+                  dtype=WIRE_OF[dtype], payload=Gathered(parts), held=held)
+            for s, e, parts in _runs(views, num_tokens, row, max(1, chunk_bytes // (2 * row)))]
 
 
-def _sizes(views: list[memoryview], num_tokens: int, row: int) -> list[memoryview]:
+def _runs(views: list[memoryview], num_tokens: int, row: int, step: int
+          ) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """Runs of `step` tokens: (start, end, K's bytes of the run then V's) of K and V of `num_tokens` tokens of
+    `row` bytes each, lying in `views` (K's bytes, then V's). Raises ValueError when the sizes disagree."""
     views = [memoryview(v).cast("B") for v in views]
     if num_tokens <= 0 or row <= 0 or sum(len(v) for v in views) != 2 * num_tokens * row:
         raise ValueError(f"views hold {sum(len(v) for v in views)} bytes, not K and V of {num_tokens} tokens")
-    return views
+    half = num_tokens * row
+    for s in range(0, num_tokens, step):
+        e = min(num_tokens, s + step)
+        yield s, e, cut(views, s * row, e * row) + cut(views, half + s * row, half + e * row)
 
 
 def quantized_frames(request_id: str, layer: int, num_layers: int, views: list[memoryview], *, token_start: int,
@@ -81,15 +80,13 @@ def quantized_frames(request_id: str, layer: int, num_layers: int, views: list[m
     tokens `[token_start, +num_tokens)` of an fp32 layer lying in `views` (K's bytes, then V's), at most
     `frame_bytes` on the wire each (the receiver dequantizes one while the next arrives). Each run is
     quantized where it lies; the frames hold the codes, nothing of `views`."""
-    row = kv_heads * head_dim * 4
-    views = _sizes(views, num_tokens, row)
-    if any(len(v) % (head_dim * 4) for v in views):
+    if any(len(memoryview(v).cast("B")) % (head_dim * 4) for v in views):
         raise ValueError("views must hold whole vectors")
-    step, half, frames = max(1, frame_bytes // (2 * kv_heads * (head_dim + 4))), num_tokens * row, []
-    for s in range(0, num_tokens, step):
-        e = min(num_tokens, s + step)
+    frames = []
+    step = max(1, frame_bytes // (2 * kv_heads * (head_dim + 4)))  # a token's codes and scales of K and V
+    for s, e, parts in _runs(views, num_tokens, kv_heads * head_dim * 4, step):
         codes, scales = [], []
-        for v in cut(views, s * row, e * row) + cut(views, half + s * row, half + e * row):
+        for v in parts:
             q, sc = codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim))
             codes.append(codec.byte_view(q))
             scales.append(codec.byte_view(sc))
