@@ -195,10 +195,14 @@ class Attention(nn.Module):
             return eager_attention(q, k, v, mask, self.scale, self.softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
-    def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
+    def uses_native_decode(self, cache: PagedKVCache) -> bool:
+        """Decode goes through the native CPU kernel (decided at the first ask: it needs the cache's format)."""
         if self.native_decode is None:
             self.native_decode = cpu_attention.available(cache.k[self.layer], self.head_dim)
-        if self.native_decode and md.block_tables is not None and md.seq_lens is not None:
+        return self.native_decode
+
+    def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
+        if self.uses_native_decode(cache) and md.block_tables is not None and md.seq_lens is not None:
             return cpu_attention.paged_decode_attention_cpu(
                 q, cache.k[self.layer], cache.v[self.layer], md.block_tables, md.seq_lens, scale=self.scale,
                 k_scale=cache.k_scale[self.layer], v_scale=cache.v_scale[self.layer], window=self.window,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.kernels.cpu import norm as cpu_norm
 from pdcluster.worker.engine.families import MoeSpec
 
 
@@ -19,6 +20,19 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gemma and cpu_norm.usable(x, self.weight, self.eps):
+            return cpu_norm.add_rms_norm(x, None, self.weight.data, self.eps)[1]
+        return self._torch(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))``: the residual add and the next norm in one native call where the
+        kernel serves (fp32 CPU, not Gemma), the same bits as the two torch ops otherwise."""
+        if not self.gemma and delta.is_contiguous() and cpu_norm.usable(x, self.weight, self.eps):
+            return cpu_norm.add_rms_norm(x, delta, self.weight.data, self.eps)
+        x = x + delta
+        return x, self._torch(x)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemma:
             # transformers' Gemma norm: everything in fp32, (1 + w) applied before the cast back
             out = F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())

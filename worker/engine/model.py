@@ -45,15 +45,29 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttnMetadata, cache: PagedKVCache
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        md: AttnMetadata,
+        cache: PagedKVCache,
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(residual, delta)``: the layer's output is ``residual + delta``. The last add is left to the next
+        norm, which fuses it with its own (RMSNorm.add_forward); ``delta`` is the previous layer's."""
         if self.sandwich:
+            if delta is not None:
+                x = x + delta
             x = x + self.post_attention_layernorm(
                 self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
             )
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, md, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, md, cache))
+        return x, self.mlp(h)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -82,6 +96,11 @@ class DecoderForCausalLM(nn.Module):
         # ModuleList is typed as holding any Module; __init__ fills it with DecoderLayers only
         return any(cast(DecoderLayer, layer).self_attn.gathers_whole_sequence for layer in self.layers)
 
+    def decode_gathers(self, cache: PagedKVCache) -> bool:
+        """Some layer decodes without the native kernel, so a decode step needs the gather (and window) slots;
+        with the kernel everywhere the per-step metadata is only the block tables and lengths."""
+        return not all(cast(DecoderLayer, layer).self_attn.uses_native_decode(cache) for layer in self.layers)
+
     def init_rope(self, max_len: int) -> None:
         self.cos_sin = self._rope_table(self.cfg.rope, max_len)
         if self.cfg.local_rope is not None:
@@ -104,10 +123,11 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        delta: torch.Tensor | None = None
         for layer, use_local in zip(self.layers, self.local_rope, strict=True):
             c = local if use_local else cs
-            x = layer(x, c[0], c[1], md, cache)
-        return self.norm(x)
+            x, delta = layer(x, c[0], c[1], md, cache, delta)
+        return self.norm(x) if delta is None else self.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

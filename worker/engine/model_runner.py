@@ -195,7 +195,8 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
         )
-        if self.gather_decode:
+        gathers = self.model.decode_gathers(self.cache)
+        if self.gather_decode and gathers:
             assert md.block_tables is not None and md.seq_lens is not None
             pos = torch.arange(max(lens), device=dev)
             md.gather_slots = md.block_tables.long()[:, pos // bs] * bs + pos % bs  # padding -> block 0
@@ -203,8 +204,8 @@ class ModelRunner:
             if min(lens) < max(lens):  # else every position is real: SDPA needs no mask
                 bias = torch.zeros(md.gather_mask.shape, dtype=self.dtype, device=dev)
                 md.gather_bias = bias.masked_fill_(~md.gather_mask, float("-inf"))
-        if self.cfg.sliding_window is not None:
-            # the kernel has no window argument: sliding-window layers gather their last `window` slots
+        if self.cfg.sliding_window is not None and gathers:
+            # the paged (Triton / torch) kernel has no window argument: sliding-window layers gather their last `window` slots
             assert md.block_tables is not None and md.seq_lens is not None
             md.window_slots, md.window_mask = window_slots(
                 md.block_tables, md.seq_lens, self.cfg.sliding_window, bs
