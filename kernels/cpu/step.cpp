@@ -12,12 +12,14 @@ void bind_linear(pybind11::module_& m);
 void bind_attention(pybind11::module_& m);
 void bind_argmax(pybind11::module_& m);
 void bind_norm(pybind11::module_& m);
+void bind_rope(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
   bind_attention(m);
   bind_argmax(m);
   bind_norm(m);
+  bind_rope(m);
   m.def("pool_stats", [] {
     const pdc::PoolStats s = pdc::stats();
     return pybind11::dict(pybind11::arg("calls") = s.calls, pybind11::arg("shared_calls") = s.shared_calls,

@@ -1,5 +1,5 @@
-"""The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``argmax.cpp``, ``norm.cpp``) built as
-one module, so the linear and the attention kernels share one work-sharing pool (``pool.h``): one set of helper threads,
+"""The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``argmax.cpp``, ``norm.cpp``,
+``rope.cpp``) built as one module, so they share one work-sharing pool (``pool.h``): one set of helper threads,
 not one per kernel.
 
 The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
@@ -16,7 +16,7 @@ from types import ModuleType
 from pdcluster.kernels.cpu import native
 
 NAME = "pdc_step"
-SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", "step.cpp"]
+SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", "rope.cpp", "step.cpp"]
 HEADERS = ("pool.h",)
 SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
 DEFAULT_SPIN_US = 300

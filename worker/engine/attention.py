@@ -22,6 +22,7 @@ from torch import nn
 
 from pdcluster.kernels import dequantize_kv, paged_decode_attention
 from pdcluster.kernels.cpu import attention as cpu_attention
+from pdcluster.kernels.cpu import rope as cpu_rope
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import RMSNorm
@@ -141,14 +142,20 @@ class Attention(nn.Module):
         n, nh = x.shape[0], self.num_heads
         h = nh + self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + self.num_kv_heads, self.head_dim)
-        qk = qkv[:, :h]
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), 1)
-        # RoPE on q and k together. transformers computes x*cos + cat(-x2, x1)*sin; rolling by half a head
-        # and folding the sign into sin (sin_signed = cat(-sin, sin)) gives the same bits in fewer ops.
-        qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, h:]
-        cache.write(self.layer, k, v, md.slot_mapping)
+        kc, vc = cache.k[self.layer], cache.v[self.layer]
+        if self.q_norm is None and not cache.is_quantized(self.layer) and cpu_rope.usable(qkv, cos, kc):
+            # the rotation and the cache write below in one native pass (same bits)
+            qk = cpu_rope.rope_write(qkv, cos, sin, nh, self.num_kv_heads, kc, vc, md.slot_mapping)
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, h:]
+        else:
+            qk = qkv[:, :h]
+            if self.q_norm is not None and self.k_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), 1)
+            # RoPE on q and k together. transformers computes x*cos + cat(-x2, x1)*sin; rolling by half a head
+            # and folding the sign into sin (sin_signed = cat(-sin, sin)) gives the same bits in fewer ops.
+            qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, h:]
+            cache.write(self.layer, k, v, md.slot_mapping)
         if md.is_prefill:
             if md.layer_hook is not None:
                 md.layer_hook(self.layer)
