@@ -101,7 +101,7 @@ inline int logical(Kind k, int e) {
 }
 
 struct Args {
-  const float* q;          // [seqs, heads, d] float32
+  const float* q;          // [seqs, heads, d] float32, rows `q_stride` apart (heads contiguous within a row)
   const uint8_t* k;        // cache rows, `row_bytes` apart: [blocks, block_size, kv_heads, row]
   const uint8_t* v;
   const float* ks;         // [blocks, block_size, kv_heads] float32, or null (float caches)
@@ -109,7 +109,7 @@ struct Args {
   const int32_t* bt;       // [seqs, max_blocks]
   const int32_t* lens;     // [seqs]
   float* out;              // [seqs, heads, d] float32
-  int64_t row_bytes, bt_stride;
+  int64_t row_bytes, bt_stride, q_stride;
   int heads, kv_heads, d, block_size, window;
   float scale, softcap;
 };
@@ -132,7 +132,7 @@ void attend_one(const Args& a, int64_t s, int h) {
   float* sc = acc + G * NV * 16;            // scores then probabilities [G][SCS]
   float* mx = sc + G * SCS;
   float* sum = mx + G;
-  const float* qrow = a.q + (s * a.heads + static_cast<int64_t>(h) * G) * D;
+  const float* qrow = a.q + s * a.q_stride + static_cast<int64_t>(h) * G * D;
   for (int g = 0; g < G; ++g) {
     for (int e = 0; e < NV * 16; ++e) {
       int l = logical(K, e);
@@ -304,7 +304,10 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                            at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
                            double softcap, int64_t parallel_min) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: float32 [seqs, heads, d]");
+  // q may be a slice of the fused QKV output (rows further apart than heads * d): no copy needed
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              q.stride(0) >= q.size(1) * q.size(2),
+              "q: float32 [seqs, heads, d], each row's heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache/v_cache: contiguous [blocks, block_size, kv_heads, row] of one dtype");
@@ -346,7 +349,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   Args a{q.data_ptr<float>(), static_cast<const uint8_t*>(k_cache.data_ptr()),
          static_cast<const uint8_t*>(v_cache.data_ptr()), has_scales ? k_scale->data_ptr<float>() : nullptr,
          has_scales ? v_scale->data_ptr<float>() : nullptr, bt, lens, out.data_ptr<float>(),
-         k_cache.size(3) * static_cast<int64_t>(k_cache.element_size()), block_tables.stride(0),
+         k_cache.size(3) * static_cast<int64_t>(k_cache.element_size()), block_tables.stride(0), q.stride(0),
          static_cast<int>(heads), static_cast<int>(kvh), static_cast<int>(d), static_cast<int>(bs),
          static_cast<int>(std::max<int64_t>(window, 0)), static_cast<float>(scale), static_cast<float>(softcap)};
   const bool parallel = work >= parallel_min;

@@ -74,7 +74,10 @@ def paged_decode_attention_cpu(
     mod = module()
     if mod is None:
         raise RuntimeError(f"native CPU kernel {step.NAME} is not available here")
-    qf = q.to(torch.float32).contiguous()
+    # a slice of the fused QKV output is read in place: only each row's heads must be contiguous
+    rows_ok = (q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+               and q.stride(0) >= q.shape[1] * q.shape[2])
+    qf = q if q.dtype is torch.float32 and rows_ok else q.float().contiguous()
     out = mod.paged_decode(
         qf, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens.contiguous(), float(scale),
         int(window or 0), float(softcap or 0.0), int(parallel_min),

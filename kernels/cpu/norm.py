@@ -1,16 +1,17 @@
 """RMSNorm, optionally fused with the residual add before it, through the native kernel (``norm.cpp``).
 
-``add_rms_norm(x, delta, weight, eps)`` returns ``(x + delta, F.rms_norm(x + delta, ..., weight, eps))`` with
-exactly torch's fp32 bits, so greedy tokens stay identical to transformers'. The kernel repeats the summation
-order of torch's CPU sum, which depends on the torch build and CPU capability: :func:`trusted` compares it with
-``F.rms_norm`` on random rows once per hidden size and eps, and callers use torch wherever it says no.
-``PDCLUSTER_NATIVE_NORM=0`` turns this kernel off alone.
+The kernel's ``add_rms_norm(x, delta, weight, eps)`` returns ``(x + delta, F.rms_norm(x + delta, ..., weight,
+eps))`` (``(x, ...)`` without delta) with exactly torch's fp32 bits, so greedy tokens stay identical to
+transformers'. It repeats the summation order of torch's CPU sum, which depends on the torch build and CPU
+capability: :func:`trusted` compares it with ``F.rms_norm`` on random rows once per hidden size and eps, and
+:func:`kernel_for` hands it out only where that check passed. ``PDCLUSTER_NATIVE_NORM=0`` turns it off alone.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,22 +42,18 @@ def trusted(hidden: int, eps: float) -> bool:
     return True
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
-    """Whether ``x`` (``[..., H]``) and this norm can take the kernel now."""
-    return (
-        x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-        and x.dim() >= 1 and x.shape[-1] == weight.numel() and x.is_contiguous()
-        and not native.switched_off(ENV_SWITCH) and trusted(int(weight.numel()), float(eps))
-    )
-
-
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, rms_norm(x + delta) * weight)`` by the kernel (the caller checked :func:`usable`; ``delta``
-    must be contiguous and of ``x``'s shape); without ``delta``, ``(x, rms_norm(x) * weight)``."""
+def kernel_for(weight: torch.Tensor, eps: float) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The kernel's ``add_rms_norm(x, delta, weight, eps)`` for a norm with this weight and eps, or None where
+    torch must run it (an fp16/bf16 or CUDA weight, a width whose bits the check refused, no build). Decided
+    once per norm; each call still needs a contiguous fp32 CPU ``x`` of shape ``[rows, H]`` (and ``delta``
+    alike, or None) and the off switch unset (:func:`switched_off`)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 1:
+        return None
+    if not trusted(int(weight.numel()), float(eps)):
+        return None
     mod = step.module()
-    assert mod is not None, "native norm kernel not available"
-    h = x.shape[-1]
-    s, y = mod.add_rms_norm(x.view(-1, h), None if delta is None else delta.reshape(-1, h), weight, eps)
-    return s.view(x.shape), y.view(x.shape)
+    return None if mod is None else mod.add_rms_norm
+
+
+def switched_off() -> bool:
+    return native.switched_off(ENV_SWITCH)

@@ -84,7 +84,10 @@ def test_module_matches_torch_ops(native_on: str, monkeypatch: pytest.MonkeyPatc
         gemma = RMSNorm(896, 1e-6, gemma=True)
         ref = (F.rms_norm(x, (896,), None, 1e-6) * (1.0 + gemma.weight)).type_as(x)
         assert torch.equal(gemma(x), ref)
-    assert N.usable(x, norm.weight, 1e-6) is (native_on == "1")
+    with torch.inference_mode():
+        assert (norm._kernel(x) is not None) is (native_on == "1")
+    assert N.kernel_for(norm.weight, 1e-6) is not None
+    assert N.kernel_for(norm.weight.half(), 1e-6) is None
 
 
 def test_narrow_rows_are_not_trusted_and_take_torch() -> None:

@@ -32,35 +32,38 @@ def test_bits_and_cache_equal_torch(n: int, nh: int, nkv: int, d: int) -> None:
     slots = torch.randperm(kc.shape[0] * 16, generator=g)[:n]
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = _torch(qkv, cos, sin, nh, nkv, kc_ref, vc_ref, slots)
-    assert R.usable(qkv, cos, kc)
-    out = R.rope_write(qkv, cos, sin, nh, nkv, kc, vc, slots)
+    kernel = R.kernel_for(kc, quantized=False)
+    assert kernel is not None
+    out = kernel(qkv, cos, sin, nh, nkv, kc, vc, slots)
     assert torch.equal(out, ref)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
 @needs_native
 def test_bad_input_writes_nothing() -> None:
+    rope_write = R.kernel_for(torch.zeros(1, 16, 4, 64), quantized=False)
+    assert rope_write is not None
     qkv, cos, sin = torch.randn(2, 16, 64), torch.randn(2, 1, 64), torch.randn(2, 1, 64)
     kc, vc = torch.zeros(4, 16, 4, 64), torch.zeros(4, 16, 4, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        R.rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([3, 64]))
+        rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([3, 64]))
     with pytest.raises(RuntimeError, match="outside the cache"):
-        R.rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([0, -1]))
+        rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([0, -1]))
     assert not kc.any() and not vc.any()
     with pytest.raises(RuntimeError, match="heads"):
-        R.rope_write(qkv, cos, sin, 8, 3, kc, vc, torch.tensor([0, 1]))
+        rope_write(qkv, cos, sin, 8, 3, kc, vc, torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="cos/sin"):
-        R.rope_write(qkv, cos[:1], sin, 8, 4, kc, vc, torch.tensor([0, 1]))
+        rope_write(qkv, cos[:1], sin, 8, 4, kc, vc, torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="slots"):
-        R.rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([0, 1], dtype=torch.int32))
+        rope_write(qkv, cos, sin, 8, 4, kc, vc, torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="k_cache"):
-        R.rope_write(qkv, cos, sin, 8, 4, kc.half(), vc.half(), torch.tensor([0, 1]))
+        rope_write(qkv, cos, sin, 8, 4, kc.half(), vc.half(), torch.tensor([0, 1]))
 
 
-def test_not_usable_off_the_fp32_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    qkv, cos = torch.randn(2, 16, 64), torch.randn(2, 1, 64)
-    assert not R.usable(qkv.half(), cos, torch.zeros(4, 16, 4, 64))
-    assert not R.usable(qkv, cos, torch.zeros(4, 16, 4, 64, dtype=torch.int8))
-    assert not R.usable(qkv.transpose(0, 1), cos, torch.zeros(4, 16, 4, 64))
+def test_no_kernel_off_the_fp32_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert R.kernel_for(torch.zeros(4, 16, 4, 64, dtype=torch.int8), quantized=True) is None
+    assert R.kernel_for(torch.zeros(4, 16, 4, 64, dtype=torch.float16), quantized=False) is None
+    assert R.kernel_for(torch.zeros(4, 16, 4, 64)[:, :, :2], quantized=False) is None  # not contiguous
+    assert R.kernel_for(torch.zeros(4, 16, 4, 64), quantized=True) is None
     monkeypatch.setenv(R.ENV_SWITCH, "0")
-    assert not R.usable(qkv, cos, torch.zeros(4, 16, 4, 64))
+    assert R.switched_off()

@@ -130,6 +130,8 @@ class Attention(nn.Module):
         # Decode through the native CPU kernel: None = decide at the first decode (it needs the cache's
         # format); benchmarks set False to measure the torch path in the same process
         self.native_decode: bool | None = None
+        # RoPE + cache write through the native kernel (kernels/cpu/rope.py): decided at the first forward
+        self._rope: Callable[..., torch.Tensor] | bool | None = None
 
     @property
     def gathers_whole_sequence(self) -> bool:
@@ -142,10 +144,10 @@ class Attention(nn.Module):
         n, nh = x.shape[0], self.num_heads
         h = nh + self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + self.num_kv_heads, self.head_dim)
-        kc, vc = cache.k[self.layer], cache.v[self.layer]
-        if self.q_norm is None and not cache.is_quantized(self.layer) and cpu_rope.usable(qkv, cos, kc):
-            # the rotation and the cache write below in one native pass (same bits)
-            qk = cpu_rope.rope_write(qkv, cos, sin, nh, self.num_kv_heads, kc, vc, md.slot_mapping)
+        rope = self._rope_kernel(qkv, cos, cache)
+        if rope is not None:  # the rotation and the cache write below in one native pass (same bits)
+            kc, vc = cache.k[self.layer], cache.v[self.layer]
+            qk = rope(qkv, cos, sin, nh, self.num_kv_heads, kc, vc, md.slot_mapping)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, h:]
         else:
             qk = qkv[:, :h]
@@ -166,6 +168,19 @@ class Attention(nn.Module):
         else:
             out = self._decode(q, md, cache)
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def _rope_kernel(
+        self, qkv: torch.Tensor, cos: torch.Tensor, cache: PagedKVCache
+    ) -> Callable[..., torch.Tensor] | None:
+        k = self._rope
+        if k is None:
+            k = self._rope = (self.q_norm is None and cpu_rope.kernel_for(
+                cache.k[self.layer], cache.is_quantized(self.layer))) or False
+        if (k is False or qkv.dtype is not torch.float32 or cos.dtype is not torch.float32 or not qkv.is_cpu
+                or not qkv.is_contiguous() or not cos.is_contiguous() or cpu_rope.switched_off()):
+            return None
+        assert callable(k)
+        return k
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttnMetadata, cache: PagedKVCache

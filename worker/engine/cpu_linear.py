@@ -42,6 +42,9 @@ class PackedLinear(nn.Module):
         self.wp = wp
         self.bias = bias
         self.in_features, self.out_features = int(wp.shape[1]), out_features
+        # Panels per shared item by row count (linear.grain), kept: a decode step calls each product with the
+        # same few batch sizes, and the Python around a ~10-100 us kernel call is worth trimming
+        self._grains: dict[int, int] = {}
 
     @property
     def weight(self) -> torch.Tensor:
@@ -49,6 +52,16 @@ class PackedLinear(nn.Module):
         return native_linear.unpack(self.wp.data, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.dim() == 2 and x.dtype is torch.float32 and rows <= MAX_KERNEL_ROWS and x.stride(1) == 1:
+            # the decoder's own calls: straight to the kernel (linear.linear, without its per-call checks)
+            grain = self._grains.get(rows)
+            if grain is None:
+                grain = self._grains[rows] = native_linear.grain(rows, self.in_features, int(self.wp.shape[0]))
+            mod = native_linear.module()
+            assert mod is not None  # a PackedLinear exists only where the kernel loaded
+            y: torch.Tensor = mod.packed_linear(x, self.wp, self.out_features, self.bias, True, grain)
+            return y
         x2 = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.data
         if x2.dtype == torch.float32 and x2.shape[0] <= MAX_KERNEL_ROWS:
