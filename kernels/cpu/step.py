@@ -44,3 +44,11 @@ def pool_stats() -> dict[str, int]:
     it."""
     mod = module()
     return dict(mod.pool_stats()) if mod is not None else {}
+
+
+def loaded_pool_stats() -> dict[str, int]:
+    """The pool's counters if this process already loaded the module, else empty: never builds or loads it (a
+    metrics scrape on a process that never ran a kernel)."""
+    if module.cache_info().currsize == 0:
+        return {}
+    return pool_stats()

@@ -31,6 +31,9 @@ ADDED_SERIES = {
     "pdcluster_request_generation_tokens", "pdcluster_request_success_total",
     "pdcluster_prefix_cache_query_tokens_total", "pdcluster_prefix_cache_hit_tokens_total", "pdcluster_build_info",
     "pdcluster_decode_join_seconds",  # issue 13: the decode pool's per-request admission cost (t_join)
+    # issue 12: the native CPU kernels' work-sharing pool (calls, shared, stalls)
+    "pdcluster_native_pool_calls_total", "pdcluster_native_pool_shared_calls_total",
+    "pdcluster_native_pool_stalls_total",
 }
 HISTOGRAMS = {"pdcluster_time_to_first_token_seconds", "pdcluster_time_per_output_token_seconds",
               "pdcluster_kv_transfer_seconds", "pdcluster_request_phase_seconds",

@@ -120,3 +120,11 @@ def test_a_stalled_helper_makes_the_next_calls_run_alone(two_threads):
     assert stalled
     assert not any(shares_next_call() for _ in range(100))  # alone, without waiting for a helper
     assert any(shares_next_call() for _ in range(20000))  # and sharing again after the back-off
+
+
+def test_the_engine_reports_the_pools_counters() -> None:
+    """engine.stats() carries the pool's counters (what /metrics exports) once the module is loaded, and
+    reading them never loads it."""
+    assert step.module() is not None
+    loaded = step.loaded_pool_stats()
+    assert {"calls", "shared_calls", "stalls"} <= set(loaded) and loaded["calls"] >= 0

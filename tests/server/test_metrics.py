@@ -142,3 +142,14 @@ def test_engine_settings_reads_a_dataclass_instance_and_skips_a_dataclass_class(
     assert engine_settings(SimpleNamespace(engine=SimpleNamespace(config=Cfg()))) == {"block_size": 16, "name": "m"}
     assert engine_settings(SimpleNamespace(config=Cfg)) == {}
     assert engine_settings(SimpleNamespace(config={"block_size": 16})) == {}
+
+
+def test_native_pool_counters_come_from_engine_stats() -> None:
+    stats = {"native_pool_calls": 120, "native_pool_shared_calls": 100, "native_pool_stalls": 2}
+    m = WorkerMetrics("decode", CollectorRegistry(), stats_fn=lambda: stats)
+    s = samples(m.render().decode())
+    assert s[("pdcluster_native_pool_calls_total", (("role", "decode"),))] == 120
+    assert s[("pdcluster_native_pool_shared_calls_total", (("role", "decode"),))] == 100
+    assert s[("pdcluster_native_pool_stalls_total", (("role", "decode"),))] == 2
+    idle = samples(WorkerMetrics("decode", CollectorRegistry(), stats_fn=dict).render().decode())
+    assert idle[("pdcluster_native_pool_calls_total", (("role", "decode"),))] == 0  # no kernel ran: zeros

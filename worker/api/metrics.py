@@ -70,6 +70,9 @@ SERIES = (
     "pdcluster_prefix_cache_hit_tokens_total",
     "pdcluster_build_info",
     "pdcluster_decode_join_seconds",
+    "pdcluster_native_pool_calls_total",
+    "pdcluster_native_pool_shared_calls_total",
+    "pdcluster_native_pool_stalls_total",
 )
 
 # One request's journey, in order. The router sees router_queue, kv_transfer, decode_queue and decode; the
@@ -107,6 +110,9 @@ def engine_gauges(s: Mapping[str, Any]) -> dict[str, float]:
         "preemptions": _num(s, "preemptions_total", "preemptions") or 0.0,
         "prefix_query_tokens": _num(s, "prefix_cache_query_tokens") or 0.0,
         "prefix_hit_tokens": _num(s, "prefix_cache_hit_tokens") or 0.0,
+        "pool_calls": _num(s, "native_pool_calls") or 0.0,
+        "pool_shared_calls": _num(s, "native_pool_shared_calls") or 0.0,
+        "pool_stalls": _num(s, "native_pool_stalls") or 0.0,
     }
 
 
@@ -158,6 +164,14 @@ class _EngineStateCollector(Collector):
              g["prefix_query_tokens"]),
             ("pdcluster_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (KV reused).",
              g["prefix_hit_tokens"]),
+            # CPU workers: the native kernels' work-sharing pool. Stalls rising with shared calls falling mean
+            # the node's cores are oversubscribed (kernel calls then run on one thread for a while).
+            ("pdcluster_native_pool_calls", "Native CPU kernel calls through the work-sharing pool.",
+             g["pool_calls"]),
+            ("pdcluster_native_pool_shared_calls", "Native CPU kernel calls a helper thread shared.",
+             g["pool_shared_calls"]),
+            ("pdcluster_native_pool_stalls", "Shared calls that waited on a descheduled helper (each starts a "
+             "stretch of calls on the calling thread alone).", g["pool_stalls"]),
         ):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, value)
