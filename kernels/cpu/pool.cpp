@@ -37,6 +37,7 @@ struct Pool {
   int64_t n = 0;
   int allowed = 0;  // helpers [0, allowed) may take items of this call
   alignas(64) std::atomic<int64_t> spin_ns{300000};
+  std::atomic<int64_t> first_alone{16};  // calls alone after a first stall (set_backoff_calls)
   std::atomic<int> started{0};
   std::atomic<int> sleepers{0};
   std::mutex caller, sleep_mu, start_mu;
@@ -50,9 +51,11 @@ struct Pool {
 // A shared call stalled when the caller, done with its own items, waited longer than it worked and at least
 // this long: a helper holding an item lost its core (another process, the event loop). On a loaded 2-core box
 // that costs a scheduler time slice per call, more than sharing gains, so the next calls run on the caller
-// alone (128, then 256, ... up to 16384 calls, about 400 batch-1 steps) before sharing is tried again.
+// alone (16 by default, then twice as many for each stall in a row, up to 16384 calls, about 400 batch-1
+// steps) before sharing is tried again. A short first stretch: a served step's event loop takes a core for a
+// moment once per step, and 128 calls alone (the first setting) cost a batch-16 server more than the stalls.
 constexpr int64_t STALL_NS = 200000;
-constexpr int64_t FIRST_ALONE = 128, MAX_ALONE = 16384;
+constexpr int64_t MAX_ALONE = 16384;
 
 thread_local bool t_helper = false;
 
@@ -162,7 +165,7 @@ void share(int64_t n, ItemFn fn, void* ctx, int threads) {
   const int64_t waited = now_ns() - t1;
   if (waited > STALL_NS && waited > t1 - t0) {
     p->stalls.fetch_add(1, std::memory_order_relaxed);
-    p->alone_len = p->alone_len ? std::min(2 * p->alone_len, MAX_ALONE) : FIRST_ALONE;
+    p->alone_len = p->alone_len ? std::min(2 * p->alone_len, MAX_ALONE) : p->first_alone.load();
     p->alone_left = p->alone_len;
   } else {
     p->alone_len = 0;
@@ -178,5 +181,7 @@ PoolStats stats() {
 }
 
 void set_spin_us(int64_t us) { g_pool.load()->spin_ns.store(std::max<int64_t>(0, us) * 1000); }
+
+void set_backoff_calls(int64_t calls) { g_pool.load()->first_alone.store(std::clamp<int64_t>(calls, 1, MAX_ALONE)); }
 
 }  // namespace pdc

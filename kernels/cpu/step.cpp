@@ -39,5 +39,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pdc::share(n, item);
     return by_helpers.load();
   });
+  m.def("set_backoff_calls", &pdc::set_backoff_calls, "calls run on the caller alone after a first stall");
   m.def("set_spin_us", &pdc::set_spin_us, "how long a pool helper spins after a call before it sleeps");
 }

@@ -4,7 +4,9 @@ not one per kernel.
 
 The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
 so the dozens of back-to-back products of a step find them awake, then sleep; ``0`` makes them sleep at once
-(every call then pays a wake-up, which the caller does not wait for: it takes the items itself).
+(every call then pays a wake-up, which the caller does not wait for: it takes the items itself). After a
+stall (a helper that lost its core held up a call) the next ``PDCLUSTER_NATIVE_BACKOFF_CALLS`` calls (default
+16, doubled for each stall in a row) run on the calling thread alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", 
 HEADERS = ("pool.h",)
 SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
 DEFAULT_SPIN_US = 300
+# Calls run on the calling thread alone after a first stall (pool.cpp: doubled for each stall in a row)
+BACKOFF_ENV = "PDCLUSTER_NATIVE_BACKOFF_CALLS"
+DEFAULT_BACKOFF_CALLS = 16
 
 
 def spin_us() -> int:
@@ -30,12 +35,24 @@ def spin_us() -> int:
         raise ValueError(f"{SPIN_ENV}={raw!r}: expected a whole number of microseconds") from None
 
 
+def backoff_calls() -> int:
+    raw = os.environ.get(BACKOFF_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_BACKOFF_CALLS
+    except ValueError:
+        raise ValueError(f"{BACKOFF_ENV}={raw!r}: expected a whole number of calls (1..16384)") from None
+    if not 1 <= value <= 16384:
+        raise ValueError(f"{BACKOFF_ENV}={raw!r}: expected a whole number of calls (1..16384)")
+    return value
+
+
 @functools.cache  # kernels call module() on every product: no trip through the loader's lock
 def module() -> ModuleType | None:
     """The compiled module, or None where native kernels are off or cannot be built (logged once)."""
     mod = native.load(NAME, SOURCES, HEADERS)
     if mod is not None:
         mod.set_spin_us(spin_us())
+        mod.set_backoff_calls(backoff_calls())
     return mod
 
 
