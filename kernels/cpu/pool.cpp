@@ -182,6 +182,8 @@ PoolStats stats() {
 
 void set_spin_us(int64_t us) { g_pool.load()->spin_ns.store(std::max<int64_t>(0, us) * 1000); }
 
-void set_backoff_calls(int64_t calls) { g_pool.load()->first_alone.store(std::clamp<int64_t>(calls, 1, MAX_ALONE)); }
+void set_backoff_calls(int64_t calls) {
+  g_pool.load()->first_alone.store(std::clamp<int64_t>(calls, 1, MAX_ALONE));
+}
 
 }  // namespace pdc

@@ -33,6 +33,7 @@ struct PoolStats {
 bool on_helper_thread();  // whether the calling thread is one of the pool's helpers
 PoolStats stats();
 void set_spin_us(int64_t us);  // how long a helper spins after a call before it sleeps
-void set_backoff_calls(int64_t calls);  // calls run alone after a first stall (1..16384; doubled per stall in a row)
+// calls run on the caller alone after a first stall (1..16384; doubled for each stall in a row)
+void set_backoff_calls(int64_t calls);
 
 }  // namespace pdc

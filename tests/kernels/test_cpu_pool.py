@@ -134,7 +134,7 @@ def test_a_stalled_helper_makes_the_next_calls_run_alone(two_threads):
 
 
 def test_the_engine_reports_the_pools_counters() -> None:
-    """engine.stats() carries the pool's counters (what /metrics exports) once the module is loaded, and
+    """The pool's counters that AsyncEngine.stats() (what /metrics exports) carries once the module is loaded;
     reading them never loads it."""
     assert step.module() is not None
     loaded = step.loaded_pool_stats()

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdcluster.kernels.cpu import step as cpu_step
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -204,8 +205,12 @@ class AsyncEngine:
         await self.call(lambda e: e.release(request_id))
 
     def stats(self) -> dict[str, float | int]:
-        """Engine gauges and counters as of the last step (safe to call from any thread)."""
-        return dict(self._stats)
+        """Engine gauges and counters as of the last step, and the native kernels' pool counters as of now
+        (safe from any thread). The pool's are read here, at scrape time, not after every step: calls, how many
+        a helper thread shared, and stalls (a helper lost its core, so the next calls ran alone)."""
+        pool = cpu_step.loaded_pool_stats()
+        keys = ("calls", "shared_calls", "stalls")
+        return {**self._stats, **{f"native_pool_{k}": pool[k] for k in keys if k in pool}}
 
     # -- the engine thread ------------------------------------------------------------------------------
 

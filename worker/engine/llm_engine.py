@@ -13,7 +13,6 @@ from typing import Literal
 
 import torch
 
-from pdcluster.kernels.cpu import step as cpu_step
 from pdcluster.worker.engine.block_manager import BlockManager
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.engine_config import EngineConfig
@@ -355,8 +354,4 @@ class LLMEngine(KVTransferMixin):
             "prompt_tokens_total": self.counters["prompt_tokens"],
             "generation_tokens_total": self.counters["generation_tokens"],
             "requests_total": self.counters["requests"],
-            # the native kernels' work-sharing pool (kernels/cpu/pool.h): calls, how many were shared with a
-            # helper thread, and stalls (a helper lost its core, so the next calls ran alone for a while)
-            **{f"native_pool_{k}": v for k, v in cpu_step.loaded_pool_stats().items()
-               if k in ("calls", "shared_calls", "stalls")},
         }

@@ -205,7 +205,8 @@ class ModelRunner:
                 bias = torch.zeros(md.gather_mask.shape, dtype=self.dtype, device=dev)
                 md.gather_bias = bias.masked_fill_(~md.gather_mask, float("-inf"))
         if self.cfg.sliding_window is not None and gathers:
-            # the paged (Triton / torch) kernel has no window argument: sliding-window layers gather their last `window` slots
+            # the paged (Triton / torch) kernel has no window argument: sliding-window layers gather their last
+            # `window` slots
             assert md.block_tables is not None and md.seq_lens is not None
             md.window_slots, md.window_mask = window_slots(
                 md.block_tables, md.seq_lens, self.cfg.sliding_window, bs
