@@ -24,7 +24,7 @@ COPY pyproject.toml uv.lock /src/
 RUN --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     cd /src && uv export --frozen --no-dev --extra worker --no-emit-project --format requirements-txt -o /requirements.txt
 
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS worker
 LABEL org.opencontainers.image.title="pdcluster-worker" \
       org.opencontainers.image.description="pdcluster worker, router and local launcher (torch, CUDA and CPU)"
 # Triton JIT-compiles a small C launcher at run time (GPU only), hence gcc and the libc headers.
@@ -53,6 +53,24 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     uv pip install --python /opt/pdcluster/bin/python --no-deps . \
  && /opt/pdcluster/bin/pdcluster serve --help >/dev/null
+
+# The native CPU kernels (kernels/cpu/*.cpp, AVX-512), compiled here so that pods (read-only root, no
+# compiler) load them instead of running the 2-3x slower torch path. The compiler stays in this stage.
+# --strict fails the build when this machine could run them but they did not build; a build host without
+# AVX-512 says so and the image ships without them (pods then log why they run the torch path).
+FROM worker AS kernels
+# (Python.h: python:3.11-slim has it; a Debian python3.11, as e2e/images.sh's base, needs libpython3.11-dev)
+RUN apt-get update \
+ && pkgs="g++ ninja-build" \
+ && inc="$(/opt/pdcluster/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+ && { [ -f "$inc/Python.h" ] || pkgs="$pkgs libpython3.11-dev"; } \
+ && apt-get install -y --no-install-recommends $pkgs \
+ && cd /tmp && PDCLUSTER_CACHE=/kernels /opt/pdcluster/bin/python -m pdcluster.kernels.cpu --strict \
+ && mkdir -p /kernels/native-kernels && chmod -R a+rX /kernels
+
+FROM worker
+# only what a pod loads: each build folder's marker and module (native.py's _built)
+COPY --from=kernels /kernels/native-kernels /opt/pdcluster/native-kernels
 # The tiny demo model at /models/demo (random weights, fixed seed): examples/pdcluster-cpu.yaml serves
 # file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.
 # The model is built in a mkdtemp folder (0700, root): chmod, or the pods' uid 65532 cannot read it.)
@@ -65,6 +83,7 @@ shutil.copytree(ensure_demo_model(Path('/tmp/demo-cache')), '/models/demo')" \
 RUN groupadd --gid 65532 pdcluster \
  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    PDCLUSTER_NATIVE_PREBUILT=/opt/pdcluster/native-kernels \
     TOKENIZERS_PARALLELISM=false HOME=/tmp TRITON_CACHE_DIR=/tmp/triton \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp

@@ -27,6 +27,7 @@ log = logging.getLogger("pdcluster.kernels.cpu")
 
 HERE = Path(__file__).resolve().parent
 ENV_SWITCH = "PDCLUSTER_NATIVE_KERNELS"  # "0" turns every native kernel off
+PREBUILT_ENV = "PDCLUSTER_NATIVE_PREBUILT"  # a folder of builds made elsewhere (an image), see prebuilt_root
 CFLAGS = ["-O3", "-march=x86-64-v4", "-mtune=native", "-fopenmp", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
 BUILT_MARKER = "built"  # written after a build loaded; see _built
@@ -82,6 +83,14 @@ def cache_root() -> Path:
     return Path(base) / "native-kernels"
 
 
+def prebuilt_root() -> Path | None:
+    """A read-only folder of finished builds looked in before the cache (`$PDCLUSTER_NATIVE_PREBUILT`): the
+    worker image's, filled when it was built (docker/worker.Dockerfile), so pods with a read-only root and
+    no compiler still run the native kernels."""
+    folder = os.environ.get(PREBUILT_ENV, "")
+    return Path(folder) if folder else None
+
+
 def build_key(name: str, sources: list[Path], headers: tuple[Path, ...] = ()) -> str:
     import torch
 
@@ -129,14 +138,21 @@ def _build(name: str, sources: list[Path], headers: tuple[Path, ...]) -> ModuleT
         return None
     key = build_key(name, sources, headers)
     folder = cache_root() / f"{name}-{key}"
-    try:
-        mod = _built(name, key, folder)
-    except Exception as exc:  # a damaged cache entry: rebuild it below if this machine can
-        log.warning("native CPU kernel %s: cached build in %s did not load (%s); rebuilding", name, folder, exc)
-        mod = None
-    if mod is not None:
-        log.info("native CPU kernel %s loaded from %s (cached build)", name, folder)
-        return mod
+    prebuilt = prebuilt_root()
+    places = [(folder, "cached build")]
+    if prebuilt is not None:
+        places.insert(0, (prebuilt / folder.name, "prebuilt"))
+    for where, kind in places:
+        try:
+            mod = _built(name, key, where)
+        except Exception as exc:  # a damaged entry: the next place, else rebuild below if this machine can
+            log.warning("native CPU kernel %s: the build in %s did not load (%s)", name, where, exc)
+            mod = None
+        if mod is not None:
+            log.info("native CPU kernel %s loaded from %s (%s)", name, where, kind)
+            return mod
+    if prebuilt is not None:  # an image whose kernels were built from other sources or another torch
+        log.info("native CPU kernel %s: no build %s-%s in %s", name, name, key, prebuilt)
     reason = unavailable_reason()
     if reason is not None:
         log.info("native CPU kernel %s off: %s; using the torch path", name, reason)

@@ -69,6 +69,45 @@ def test_a_finished_build_loads_without_a_compiler(fresh: Path, monkeypatch, cap
     assert "no C++ compiler" in caplog.text
 
 
+@needs_native
+def test_a_prebuilt_folder_is_looked_in_first(fresh: Path, monkeypatch, caplog):
+    """The worker image's case: builds made at image build time in a read-only folder
+    ($PDCLUSTER_NATIVE_PREBUILT) load with no compiler and an empty cache; a folder without this key's build
+    (other sources, another torch) is reported and the cache and a build are tried as before."""
+    src = fresh / "twice.cpp"
+    src.write_text(SRC)
+    assert native.load("pdc_test_twice", [str(src)]) is not None
+    (fresh / "cache").rename(fresh / "image")  # the image's folder; the pod's own cache is empty
+    monkeypatch.setenv(native.PREBUILT_ENV, str(fresh / "image" / "native-kernels"))
+    monkeypatch.setattr(native.shutil, "which", lambda *_: None)
+    monkeypatch.setattr(native, "_modules", {})
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        mod = native.load("pdc_test_twice", [str(src)])
+    assert mod is not None and "(prebuilt)" in caplog.text, caplog.text
+    assert torch.equal(mod.twice(torch.arange(2.0)), torch.tensor([0.0, 2.0]))
+    assert not (fresh / "cache").exists()  # nothing written outside the prebuilt folder
+    src.write_text(SRC + "\n// another version\n")
+    monkeypatch.setattr(native, "_modules", {})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        assert native.load("pdc_test_twice", [str(src)]) is None
+    assert "no build pdc_test_twice-" in caplog.text and "no C++ compiler" in caplog.text, caplog.text
+
+
+def test_prebuild_command_strict_fails_only_when_a_runnable_kernel_did_not_build(monkeypatch, capsys):
+    from pdcluster.kernels.cpu import __main__ as prebuild
+
+    monkeypatch.setattr(prebuild.native, "unrunnable_reason", lambda: None)
+    monkeypatch.setattr(prebuild.step, "module", lambda: None)
+    monkeypatch.setattr(prebuild.quant, "module", lambda: object())
+    assert prebuild.main([]) == 0  # make setup: reported, never failed
+    assert prebuild.main(["--strict"]) == 1  # an image build: fails
+    assert "decode step (linear + attention): not built" in capsys.readouterr().out
+    monkeypatch.setattr(prebuild.native, "unrunnable_reason", lambda: "the CPU lacks avx512f")
+    assert prebuild.main(["--strict"]) == 0  # a build host that cannot run them: said, not failed
+    assert "off (the CPU lacks avx512f)" in capsys.readouterr().out
+
+
 def test_switched_off_by_env(fresh: Path, monkeypatch, caplog):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
