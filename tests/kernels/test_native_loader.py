@@ -94,6 +94,27 @@ def test_a_prebuilt_folder_is_looked_in_first(fresh: Path, monkeypatch, caplog):
     assert "no build pdc_test_twice-" in caplog.text and "no C++ compiler" in caplog.text, caplog.text
 
 
+@needs_native
+def test_a_damaged_prebuilt_module_is_reported_and_the_cache_serves(fresh: Path, monkeypatch, caplog):
+    """A prebuilt folder whose module does not load (truncated, another platform's) is a warning, not a
+    crash: the cache (or a build) serves as if the folder were not there."""
+    src = fresh / "twice.cpp"
+    src.write_text(SRC)
+    assert native.load("pdc_test_twice", [str(src)]) is not None
+    (folder,) = (fresh / "cache" / "native-kernels").iterdir()
+    image = fresh / "image" / folder.name
+    image.mkdir(parents=True)
+    lib = (folder / native.BUILT_MARKER).read_text().strip()
+    (image / native.BUILT_MARKER).write_text(lib + "\n")
+    (image / lib).write_bytes(b"\x7fELF truncated")
+    monkeypatch.setenv(native.PREBUILT_ENV, str(fresh / "image"))
+    monkeypatch.setattr(native, "_modules", {})
+    with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
+        mod = native.load("pdc_test_twice", [str(src)])
+    assert mod is not None and torch.equal(mod.twice(torch.ones(2)), torch.full((2,), 2.0))
+    assert f"the build in {image} did not load" in caplog.text and "(cached build)" in caplog.text, caplog.text
+
+
 def test_prebuild_command_strict_fails_only_when_a_runnable_kernel_did_not_build(monkeypatch, capsys):
     from pdcluster.kernels.cpu import __main__ as prebuild
 
