@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native CPU kernel {name}: {state} ({time.monotonic() - t0:.1f} s)")
         if mod is None:
             failed.append(name)
-    print(f"native CPU kernels: built into {native.cache_root()}")
+    print(f"native CPU kernels: cache folder {native.cache_root()}")
     return 1 if a.strict and failed else 0
 
 
