@@ -31,10 +31,14 @@ def test_worker_pods_load_the_images_prebuilt_native_kernels(kube: Kube, app_ns:
         ip = decode["status"]["podIP"]
         assert_route_to(ip)  # the hard network rule, checked before each request to a pod address
         # the pool counts every native kernel call; the series is only non-zero once the module ran
-        calls = metric_sum(http_text(f"http://{ip}:8000/metrics"), "pdcluster_native_pool_calls_total")
+        text = http_text(f"http://{ip}:8000/metrics")
+        calls = metric_sum(text, "pdcluster_native_pool_calls_total")
+        # and the series an SRE alerts on (0 would mean the torch path)
+        loaded = [line for line in text.splitlines() if line.startswith("pdcluster_native_kernel_loaded{")]
+        assert any('kernel="pdc_step"' in line and line.endswith(" 1.0") for line in loaded), loaded
         logs = kube.run("logs", "-n", app_ns, decode["metadata"]["name"], check=False).stdout
-        loaded = [line for line in logs.splitlines() if "native CPU kernel pdc_step" in line]
-        assert loaded and "/opt/pdcluster/native-kernels/" in loaded[0] and "(prebuilt)" in loaded[0], loaded
+        lines = [line for line in logs.splitlines() if "native CPU kernel pdc_step" in line]
+        assert lines and "/opt/pdcluster/native-kernels/" in lines[0] and "(prebuilt)" in lines[0], lines
         assert calls > 0, calls
     except BaseException:
         print(dump(kube, app_ns))

@@ -36,6 +36,13 @@ _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
 
 
+def outcomes() -> dict[str, bool]:
+    """Every module this process asked for -> whether it runs natively (False: its torch path). Read by the
+    worker's /metrics (`pdcluster_native_kernel_loaded`), so a pod silently on the torch path can be alerted on."""
+    with _lock:
+        return {name: mod is not None for name, mod in _modules.items()}
+
+
 def switched_off(variable: str = ENV_SWITCH) -> bool:
     """An off switch set to "0": this module's for every kernel, or a kernel's own (read at each call, so a
     test or a benchmark can flip it)."""

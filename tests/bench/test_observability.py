@@ -34,6 +34,7 @@ ADDED_SERIES = {
     # issue 12: the native CPU kernels' work-sharing pool (calls, shared, stalls)
     "pdcluster_native_pool_calls_total", "pdcluster_native_pool_shared_calls_total",
     "pdcluster_native_pool_stalls_total",
+    "pdcluster_native_kernel_loaded",  # 1 per native module that runs, 0 where its torch path runs
 }
 HISTOGRAMS = {"pdcluster_time_to_first_token_seconds", "pdcluster_time_per_output_token_seconds",
               "pdcluster_kv_transfer_seconds", "pdcluster_request_phase_seconds",

@@ -37,6 +37,11 @@ async def test_concurrent_generate_matches_sync(aengine, make_engine):
     assert all(last.finished and last.finish_reason == "length" for _, last in results)
     stats = aengine.stats()
     assert stats["kv_cache_used_blocks"] == 0 and stats["generation_tokens_total"] >= 30
+    # each native module this process asked for, as /metrics exports it (pdcluster_native_kernel_loaded)
+    from pdcluster.kernels.cpu import native
+
+    assert {k: v for k, v in stats.items() if k.startswith("native_kernel_loaded:")} == {
+        f"native_kernel_loaded:{name}": int(ok) for name, ok in native.outcomes().items()}
 
 
 async def test_abort_and_disconnect_free_blocks(aengine):

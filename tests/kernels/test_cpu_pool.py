@@ -10,7 +10,7 @@ import torch
 
 from pdcluster.kernels.cpu import attention as cpu_attn
 from pdcluster.kernels.cpu import linear as L
-from pdcluster.kernels.cpu import step
+from pdcluster.kernels.cpu import native, step
 from tests.native_marks import needs_native
 
 pytestmark = needs_native
@@ -137,5 +137,6 @@ def test_the_engine_reports_the_pools_counters() -> None:
     """The pool's counters that AsyncEngine.stats() (what /metrics exports) carries once the module is loaded;
     reading them never loads it."""
     assert step.module() is not None
+    assert native.outcomes()["pdc_step"] is True  # pdcluster_native_kernel_loaded{kernel="pdc_step"} 1
     loaded = step.loaded_pool_stats()
     assert {"calls", "shared_calls", "stalls"} <= set(loaded) and loaded["calls"] >= 0

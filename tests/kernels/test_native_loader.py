@@ -140,6 +140,7 @@ def test_no_avx512_means_torch_path(fresh: Path, monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
     assert "avx512" in (native.unavailable_reason() or "")
     assert native.load("pdc_test_noavx", ["x.cpp"]) is None
+    assert native.outcomes() == {"pdc_test_noavx": False}  # what /metrics reports as 0
 
 
 @needs_native

@@ -153,3 +153,15 @@ def test_native_pool_counters_come_from_engine_stats() -> None:
     assert s[("pdcluster_native_pool_stalls_total", (("role", "decode"),))] == 2
     idle = samples(WorkerMetrics("decode", CollectorRegistry(), stats_fn=dict).render().decode())
     assert idle[("pdcluster_native_pool_calls_total", (("role", "decode"),))] == 0  # no kernel ran: zeros
+
+
+def test_native_kernel_loaded_has_one_sample_per_module_asked_for() -> None:
+    """1 where a native module runs, 0 where it could not load (the torch path runs: what an SRE alerts on);
+    no sample on a worker that never asked for one (a GPU worker, the router)."""
+    stats = {"native_kernel_loaded:pdc_step": 1, "native_kernel_loaded:pdc_quant": 0, "native_pool_calls": 3}
+    s = samples(WorkerMetrics("decode", CollectorRegistry(), stats_fn=lambda: stats).render().decode())
+    loaded = {k[1]: v for k, v in s.items() if k[0] == "pdcluster_native_kernel_loaded"}
+    assert loaded == {(("kernel", "pdc_quant"), ("role", "decode")): 0.0,
+                      (("kernel", "pdc_step"), ("role", "decode")): 1.0}, loaded
+    idle = samples(WorkerMetrics("decode", CollectorRegistry(), stats_fn=dict).render().decode())
+    assert not [k for k in idle if k[0] == "pdcluster_native_kernel_loaded"]

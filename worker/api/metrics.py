@@ -73,7 +73,9 @@ SERIES = (
     "pdcluster_native_pool_calls_total",
     "pdcluster_native_pool_shared_calls_total",
     "pdcluster_native_pool_stalls_total",
+    "pdcluster_native_kernel_loaded",
 )
+NATIVE_LOADED = "native_kernel_loaded:"  # engine.stats() keys: this prefix + a native module's name (async_engine)
 
 # One request's journey, in order. The router sees router_queue, kv_transfer, decode_queue and decode; the
 # worker that prefills sees prefill_queue (waiting for the engine) and prefill_compute (its prefill steps).
@@ -176,6 +178,14 @@ class _EngineStateCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, value)
             out.append(c)
+        # one sample per native module the worker asked for; none on a worker that never did (GPU, router)
+        fam = GaugeMetricFamily("pdcluster_native_kernel_loaded", "1: this native CPU kernel module runs; 0: "
+                                "it could not load here and its (2-3x slower) torch path runs.",
+                                labels=[*names, "kernel"])
+        for key, value in sorted(s.items()):
+            if key.startswith(NATIVE_LOADED) and isinstance(value, int | float):
+                fam.add_metric([*values, key[len(NATIVE_LOADED):]], float(value))
+        out.append(fam)
         return out
 
 

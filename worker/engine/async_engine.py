@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdcluster.kernels.cpu import native as cpu_native
 from pdcluster.kernels.cpu import step as cpu_step
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
@@ -25,6 +26,7 @@ from pdcluster.worker.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NATIVE_LOADED = "native_kernel_loaded:"  # + a native module's name, in stats(): 1 native, 0 its torch path
 
 
 class RequestStream:
@@ -207,10 +209,12 @@ class AsyncEngine:
     def stats(self) -> dict[str, float | int]:
         """Engine gauges and counters as of the last step, and the native kernels' pool counters as of now
         (safe from any thread). The pool's are read here, at scrape time, not after every step: calls, how many
-        a helper thread shared, and stalls (a helper lost its core, so the next calls ran alone)."""
+        a helper thread shared, and stalls (a helper lost its core, so the next calls ran alone); and, per
+        native module this process asked for, whether it loaded (NATIVE_LOADED)."""
         pool = cpu_step.loaded_pool_stats()
         keys = ("calls", "shared_calls", "stalls")
-        return {**self._stats, **{f"native_pool_{k}": pool[k] for k in keys if k in pool}}
+        loaded = {f"{NATIVE_LOADED}{name}": int(ok) for name, ok in cpu_native.outcomes().items()}
+        return {**self._stats, **{f"native_pool_{k}": pool[k] for k in keys if k in pool}, **loaded}
 
     # -- the engine thread ------------------------------------------------------------------------------
 
