@@ -25,6 +25,7 @@ DEFAULT_SPIN_US = 300
 # Calls run on the calling thread alone after a first stall (pool.cpp: doubled for each stall in a row)
 BACKOFF_ENV = "PDCLUSTER_NATIVE_BACKOFF_CALLS"
 DEFAULT_BACKOFF_CALLS = 16
+MAX_BACKOFF_CALLS = 16384  # pool.cpp's MAX_ALONE: the longest stretch alone, whatever the setting
 
 
 def spin_us() -> int:
@@ -40,9 +41,9 @@ def backoff_calls() -> int:
     try:
         value = int(raw) if raw else DEFAULT_BACKOFF_CALLS
     except ValueError:
-        raise ValueError(f"{BACKOFF_ENV}={raw!r}: expected a whole number of calls (1..16384)") from None
-    if not 1 <= value <= 16384:
-        raise ValueError(f"{BACKOFF_ENV}={raw!r}: expected a whole number of calls (1..16384)")
+        value = 0  # refused below, with the same message as an out-of-range number
+    if not 1 <= value <= MAX_BACKOFF_CALLS:
+        raise ValueError(f"{BACKOFF_ENV}={raw!r}: expected a whole number of calls (1..{MAX_BACKOFF_CALLS})")
     return value
 
 
