@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pdcluster.kernels import hugepages
+
 KV_DTYPES = ("auto", "int8", "int4")
 
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -34,7 +36,8 @@ def allocate_kv_cache(
     dtype: torch.dtype = torch.float16,
     device: torch.device | str = "cpu",
 ) -> KVCache:
-    """Zeroed (k_cache, v_cache, k_scale, v_scale) for one layer; scales are None for "auto".
+    """Zeroed (k_cache, v_cache, k_scale, v_scale) for one layer; scales are None for "auto". Host caches are
+    madvised onto huge pages (hugepages.py): decode attention reads them in scattered rows every step.
 
     ``dtype`` is the float dtype used when ``kv_dtype == "auto"`` (the model dtype).
     """
@@ -47,8 +50,7 @@ def allocate_kv_cache(
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a float dtype for kv_dtype='auto', got {dtype}")
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                None, None)
+        return (hugepages.zeros(shape, dtype, device), hugepages.zeros(shape, dtype, device), None, None)
     if bits == 4 and head_dim % 2:
         raise ValueError(f"head_dim must be even for int4, got {head_dim}")
     last = head_dim if bits == 8 else head_dim // 2
@@ -56,10 +58,10 @@ def allocate_kv_cache(
     shape = (num_blocks, block_size, kv_heads, last)
     scale_shape = (num_blocks, block_size, kv_heads)
     return (
-        torch.zeros(shape, dtype=cache_dtype, device=device),
-        torch.zeros(shape, dtype=cache_dtype, device=device),
-        torch.zeros(scale_shape, dtype=torch.float32, device=device),
-        torch.zeros(scale_shape, dtype=torch.float32, device=device),
+        hugepages.zeros(shape, cache_dtype, device),
+        hugepages.zeros(shape, cache_dtype, device),
+        hugepages.zeros(scale_shape, torch.float32, device),
+        hugepages.zeros(scale_shape, torch.float32, device),
     )
 
 

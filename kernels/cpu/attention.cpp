@@ -28,16 +28,16 @@ namespace {
 
 constexpr int CHUNK = 128;  // positions per online-softmax step (scores stay in L1)
 constexpr int SCS = CHUNK + 4;  // a query head's row of scores: the chunk, then zeros up to a multiple of 4
-// Positions ahead whose K rows (to L1) and V rows (to L2, for pass 3) are prefetched during the score pass.
+// Positions ahead whose K and V rows are prefetched into L2 during the score pass (V is read in pass 3).
 // Why: rows are scattered over blocks and, for one KV head, 1 in kv_heads of a block's lines, which the
 // hardware prefetchers do not follow; without it a batch-16 step's attention read its (cold) cache at ~4 GB/s.
+// Why L2 and not L1 for K: the L1 has few miss buffers, and 16 positions of K lines in flight to it stalled
+// the loop; into L2, the cold 8-layer batch-16 benchmark went 8.1 -> 6.0 ms (ninth pass, engine.md), and
+// an L2-hot row costs the score loop little. Distances of 8-32 positions measured alike; 64 was slower.
 constexpr int PF = 16;
 
-inline void prefetch_row(const uint8_t* row, int64_t bytes, bool to_l1) {
-  for (int64_t o = 0; o < bytes; o += 64) {
-    if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
-    else _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T1);
-  }
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T1);
 }
 
 enum class Kind { F32, F16, BF16, I8, I4 };
@@ -158,8 +158,8 @@ void attend_one(const Args& a, int64_t s, int h) {
     // Positions past n (the last group of four) read row n - 1 again; their scores are dropped.
     for (int t = 0; t < n; t += 4) {
       for (int i = 0; i < 4 && t + PF + i < ne; ++i) {
-        prefetch_row(a.k + idx[t + PF + i] * a.row_bytes, a.row_bytes, true);
-        prefetch_row(a.v + idx[t + PF + i] * a.row_bytes, a.row_bytes, false);
+        prefetch_row(a.k + idx[t + PF + i] * a.row_bytes, a.row_bytes);
+        prefetch_row(a.v + idx[t + PF + i] * a.row_bytes, a.row_bytes);
       }
       const void* rows[4];
       float kscale[4] = {1.f, 1.f, 1.f, 1.f};

@@ -8,12 +8,11 @@ and ``mkl_packed(x, wp, n)`` runs MKL on the panels for large M without a second
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from types import ModuleType
 
 import torch
 
+from pdcluster.kernels import hugepages
 from pdcluster.kernels.cpu import step
 
 NR = 64  # output columns per panel (linear.cpp)
@@ -39,29 +38,11 @@ def module() -> ModuleType | None:
     return step.module()
 
 
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _huge_page_empty(numel: int) -> torch.Tensor:
-    """An fp32 buffer whose whole 2 MiB pages are madvised MADV_HUGEPAGE before first touch. Why: with THP in
-    `madvise` mode (common) weights otherwise sit on 4 KiB pages, and the batch-1 GEMV streams the 56M model's
-    set 11-19 % slower (fifth pass). Best effort: an unaligned head and tail stay on small pages (never wasted
-    memory), and a failed madvise only loses the speed."""
-    buf = torch.empty(numel, dtype=torch.float32)
-    start, end = buf.data_ptr(), buf.data_ptr() + numel * 4
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    if end - first >= HUGE_PAGE:
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t((end - first) // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE)
-    return buf
-
-
 def pack(w: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` weight (any strides) -> contiguous fp32 ``[ceil(N/64), K, 64]`` panels, zero-padded."""
     n, k = w.shape
     nb = -(-n // NR)
-    out = _huge_page_empty(nb * k * NR).view(nb, k, NR)
+    out = hugepages.zeros((nb, k, NR), torch.float32)  # streamed every step: no TLB miss every 4 KiB
     full = n // NR
     out[:full].copy_(w[: full * NR].reshape(full, NR, k).transpose(1, 2))
     if full < nb:  # the last panel: N's tail, zero past it

@@ -13,6 +13,7 @@ void bind_attention(pybind11::module_& m);
 void bind_argmax(pybind11::module_& m);
 void bind_norm(pybind11::module_& m);
 void bind_rope(pybind11::module_& m);
+void bind_decoder(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
@@ -20,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_argmax(m);
   bind_norm(m);
   bind_rope(m);
+  bind_decoder(m);
   m.def("pool_stats", [] {
     const pdc::PoolStats s = pdc::stats();
     return pybind11::dict(pybind11::arg("calls") = s.calls, pybind11::arg("shared_calls") = s.shared_calls,

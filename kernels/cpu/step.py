@@ -1,6 +1,6 @@
 """The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``argmax.cpp``, ``norm.cpp``,
-``rope.cpp``) built as one module, so they share one work-sharing pool (``pool.h``): one set of helper threads,
-not one per kernel.
+``rope.cpp``, and ``decoder.cpp``, which chains them through a whole decode step) built as one module, so
+they share one work-sharing pool (``pool.h``): one set of helper threads, not one per kernel.
 
 The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
 so the dozens of back-to-back products of a step find them awake, then sleep; ``0`` makes them sleep at once
@@ -18,7 +18,8 @@ from types import ModuleType
 from pdcluster.kernels.cpu import native
 
 NAME = "pdc_step"
-SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", "rope.cpp", "step.cpp"]
+SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", "rope.cpp", "decoder.cpp",
+           "step.cpp"]
 HEADERS = ("pool.h",)
 SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
 DEFAULT_SPIN_US = 300

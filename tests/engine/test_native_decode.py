@@ -19,6 +19,13 @@ from .families_util import build_family_model
 pytestmark = needs_native
 
 
+@pytest.fixture(autouse=True)
+def _modules_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the modules' call of the kernel, which they spy on; the whole-step plan calls the
+    same kernel from C++ (tests/engine/test_fused_decode.py)."""
+    monkeypatch.setenv("PDCLUSTER_NATIVE_DECODER", "0")
+
+
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts native kernel calls (the batch size of each)."""

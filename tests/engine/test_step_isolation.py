@@ -60,7 +60,8 @@ async def test_bad_request_fails_alone_through_the_async_engine(make_engine):
 
         task = asyncio.ensure_future(run("good", prompt_of(20, seed=5), good))
         await asyncio.sleep(0.05)
-        bad = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        # long enough that it is still running when the corruption lands, however fast the steps go
+        bad = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         bad_task = asyncio.ensure_future(run("bad", prompt_of(7, seed=6), bad))
         while not await aengine.call(lambda e: "bad" in e.seqs):  # admitted (validated) first
             await asyncio.sleep(0.001)

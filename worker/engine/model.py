@@ -15,8 +15,10 @@ from typing import cast
 import torch
 from torch import nn
 
+from pdcluster.worker.engine import fused_decode
 from pdcluster.worker.engine.attention import Attention, AttnMetadata, PrefillSeq
 from pdcluster.worker.engine.config import ModelConfig
+from pdcluster.worker.engine.fused_decode import FusedDecode
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import MLP, RMSNorm, SparseMoE
 from pdcluster.worker.engine.rope import RopeSpec
@@ -89,6 +91,9 @@ class DecoderForCausalLM(nn.Module):
         # cos/sin for every position, computed once in fp32 like transformers, then cast to the model dtype
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
+        # The decode step as one native call (fused_decode.py): built at the first decode step for the cache
+        # it sees, None where the modules must run
+        self._fused: tuple[PagedKVCache, FusedDecode | None] | None = None
 
     @property
     def needs_full_gather(self) -> bool:
@@ -121,6 +126,9 @@ class DecoderForCausalLM(nn.Module):
         cs = self.cos_sin[:, md.positions].unsqueeze(2)  # [2, n, 1, d]: broadcast over heads
         local = self.cos_sin_local[:, md.positions].unsqueeze(2) if self.cos_sin_local.numel() else cs
         x = self.embed_tokens(input_ids)
+        fused = None if md.is_prefill else self._fused_for(cache)
+        if fused is not None and fused.usable(x, md):
+            return fused(x, cs[0], cs[1], md)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         delta: torch.Tensor | None = None
@@ -128,6 +136,13 @@ class DecoderForCausalLM(nn.Module):
             c = local if use_local else cs
             x, delta = layer(x, c[0], c[1], md, cache, delta)
         return self.norm(x) if delta is None else self.norm.add_forward(x, delta)[1]
+
+    def _fused_for(self, cache: PagedKVCache) -> FusedDecode | None:
+        if self._fused is None or self._fused[0] is not cache:
+            if torch.compiler.is_compiling():  # a compiled decode step traces the modules
+                return None
+            self._fused = (cache, fused_decode.build(self, cache))
+        return self._fused[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
