@@ -1,10 +1,10 @@
 """The decode step as one native call (``worker/engine/fused_decode.py``) vs the same kernels called from the
 modules, side by side in one process.
 
-    python -m pdcluster.bench.fused_step [--threads 2] [--batches 1,16] [--rounds 8] [--json PATH]
+    python -m pdcluster.bench.fused_step [--threads 2] [--batches 1,16] [--repeats 8] [--json PATH]
 
-engine_vs_hf's random 56M Llama (fp32, CPU); each round sends ``batch`` fresh 128-token prompts and times every
-decode step of 64 new tokens (greedy), once with ``PDCLUSTER_NATIVE_DECODER`` on and once off, the order
+engine_vs_hf's random 56M Llama and workload (fp32, CPU; ``--prompt-len`` 128, ``--new-tokens`` 64); each round
+sends ``batch`` fresh prompts and times every decode step (greedy), once with ``PDCLUSTER_NATIVE_DECODER`` on and once off, the order
 alternating round by round. Reported: the median step of each side and the median of the per-round ratios
 (modules / plan), the figure least moved by this shared machine's load. Tokens are checked equal.
 """
@@ -25,12 +25,12 @@ import torch
 SWITCH = "PDCLUSTER_NATIVE_DECODER"
 
 
-def _round(engine: Any, batch: int, g: torch.Generator) -> tuple[float, list[list[int]]]:
+def _round(engine: Any, batch: int, a: argparse.Namespace, g: torch.Generator) -> tuple[float, list[list[int]]]:
     from pdcluster.worker.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r-{i}", torch.randint(10, 32000, (128,), generator=g).tolist(), params)
+        engine.add_request(f"r-{i}", torch.randint(10, 32000, (a.prompt_len,), generator=g).tolist(), params)
     toks: dict[str, list[int]] = {}
     steps: list[float] = []
     first = True
@@ -47,13 +47,12 @@ def _round(engine: Any, batch: int, g: torch.Generator) -> tuple[float, list[lis
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--rounds", type=int, default=8)
+    from pdcluster.bench.engine_vs_hf import MODEL, workload_arguments
+
+    workload_arguments(ap)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from pdcluster.bench.engine_vs_hf import MODEL
     from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
     from pdcluster.worker.local.demo_model import build_demo_model
 
@@ -63,13 +62,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         enable_prefix_caching=False))
     results: dict[str, Any] = {"threads": a.threads, "batches": {}}
     for batch in (int(b) for b in a.batches.split(",")):
-        _round(engine, batch, torch.Generator().manual_seed(0))  # warm-up (builds the plan)
+        _round(engine, batch, a, torch.Generator().manual_seed(0))  # warm-up (builds the plan)
         samples: dict[str, list[float]] = {"plan": [], "modules": []}
-        for r in range(a.rounds):
+        for r in range(a.repeats):
             toks = {}
             for side in (("plan", "modules") if r % 2 == 0 else ("modules", "plan")):
                 os.environ[SWITCH] = "1" if side == "plan" else "0"
-                step, toks[side] = _round(engine, batch, torch.Generator().manual_seed(100 + r))
+                step, toks[side] = _round(engine, batch, a, torch.Generator().manual_seed(100 + r))
                 samples[side].append(step)
             if toks["plan"] != toks["modules"]:
                 raise AssertionError(f"batch {batch}, round {r}: the plan's greedy tokens differ from the modules'")
