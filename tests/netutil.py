@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -16,6 +18,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_block(n: int) -> int:
+    """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it), below the
+    kernel's ephemeral range: a block inside it can be taken between this check and `up`'s binds by any
+    socket the stack opens meanwhile (a worker's UCX listener took decode-1's port in one CI run)."""
+    from pdcluster.worker.local.launcher import port_in_use
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        p = rng.randrange(max(1024, low - 8000), low - n)
+        if not any(port_in_use("127.0.0.1", p + i) for i in range(n)):
+            return p
 
 
 @contextlib.contextmanager

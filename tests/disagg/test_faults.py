@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -21,9 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
+from ..netutil import free_block
 from .harness import AUTH, SECRET, metric
 
 MAX_NEW = 160
+# The decode-kill test: long enough that the request is still decoding when the client, at its third token,
+# asks the workers which one runs it (a tiny model's decode step is well under a millisecond)
+KILL_DECODE_NEW = 600
 
 
 def reference(model: Path, prompt: list[int], n: int) -> list[int]:
@@ -115,7 +118,7 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
     up = Up(tiny_model_dir, port)
     router, prefill, decodes = up.url(0), up.url(1), [up.url(2), up.url(3)]
     prompt = [(13 * i) % 900 + 5 for i in range(40)]
-    want = reference(tiny_model_dir, prompt, MAX_NEW)
+    want = reference(tiny_model_dir, prompt, KILL_DECODE_NEW)
     try:
         assert up.wait_line(r"^ready: ", 400), "".join(up.lines)
         pids = up.pids()
@@ -126,14 +129,14 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
         killed: list[str] = []
 
         async def kill_decode_once(n: int) -> None:
-            if n >= 3 and not killed:  # early: the rest of the 160 tokens must still be ahead when it dies
+            if n >= 3 and not killed:  # early: most of the tokens must still be ahead when it dies
                 for i, u in enumerate(decodes):  # the one running the request
                     if httpx.get(f"{u}/internal/load", headers=AUTH, timeout=5).json()["running"] > 0:
                         os.kill(pids[f"decode-{i}"], signal.SIGKILL)
                         killed.append(u)
                         return
 
-        got, errs = asyncio.run(stream_tokens(router, prompt, MAX_NEW, kill_decode_once))
+        got, errs = asyncio.run(stream_tokens(router, prompt, KILL_DECODE_NEW, kill_decode_once))
         assert killed, "no decode worker was running the request"
         # one unbroken stream, token-identical to an uninterrupted greedy run
         assert errs == [] and got == want
@@ -175,20 +178,6 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
             up.proc.kill()
 
 
-def free_block(n: int) -> int:
-    """A port p with p .. p+n-1 all free (`up` puts the router on p and the workers after it), below the
-    kernel's ephemeral range: a block inside it can be taken between this check and `up`'s binds by any
-    socket the stack opens meanwhile (a worker's UCX listener took decode-1's port in one CI run)."""
-    from pdcluster.worker.local.launcher import port_in_use
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    while True:
-        p = rng.randrange(max(1024, low - 8000), low - n)
-        if not any(port_in_use("127.0.0.1", p + i) for i in range(n)):
-            return p
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -217,7 +206,7 @@ def test_only_decode_worker_killed_mid_stream_resumes_on_its_restart(tiny_model_
 
         async def kill_once(n: int) -> None:
             arrivals.append(time.monotonic())
-            if n >= 3 and not killed:  # early: the rest of the 160 tokens must still be ahead when it dies
+            if n >= 3 and not killed:  # early: most of the tokens must still be ahead when it dies
                 os.kill(pids["decode-0"], signal.SIGKILL)
                 killed.append(time.monotonic())
 

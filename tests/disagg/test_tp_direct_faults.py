@@ -43,7 +43,10 @@ def _request(router: str) -> tuple[httpx.Response, float]:
 def _assert_faulted_and_clean(urls: dict[str, str], faulted: str) -> None:
     """After a follower of ``faulted`` died: that worker is unhealthy, both sides hold nothing, every surviving
     rank is clean and the faulted worker reports exactly its rank 1 dead."""
-    assert httpx.get(f"{urls[faulted]}/health", timeout=5).status_code == 503
+    deadline = time.monotonic() + 30  # the worker learns of its rank's death from the control channel
+    while httpx.get(f"{urls[faulted]}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, f"{faulted} still healthy 30 s after its rank 1 died"
+        time.sleep(0.2)
     for role in ("prefill", "decode"):
         d = _quiet(urls[role])
         assert d["used_blocks"] == 0 and d["pending_loads"] == 0 and d["in_flight"] == 0, (role, d)

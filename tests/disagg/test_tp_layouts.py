@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..netutil import free_port
+from ..netutil import free_block, free_port
 from .harness import AUTH, SECRET, metric
 from .test_equality import run_all
 
@@ -62,7 +62,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: f
 def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int, backend: str = "tcp",
                compression: str = "none", path: str = "direct",
                env: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, object]]:
-    """Both workers run `--kv-transfer-tp-path path`; ``env`` adds variables to one role's process."""
+    """Both workers run `--kv-transfer-tp-path path`; ``env`` adds variables to one role's process. Rank r of
+    a worker listens on its KV port + r, so the port is the start of a free block below the ephemeral range
+    (a TP 4 worker's ranks 1-3 once met ports in use there, and the worker fell back to the relay)."""
     secret = tmp / "secret"
     secret.write_bytes(SECRET)
     procs: list[subprocess.Popen[bytes]] = []
@@ -73,7 +75,7 @@ def tp_cluster(model: Path, tmp: Path, prefill_tp: int, decode_tp: int, backend:
             cmd = [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--port", str(port),
                    "--role", role, "--served-model-name", "tiny", "--kv-cache-memory", "4Mi", "--threads", "1",
                    "--log-level", "warning", "--tensor-parallel-size", str(tp), "--kv-transfer-backend", backend, "--kv-transfer-compression", compression,
-                   "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_port()),
+                   "--kv-transfer-secret-file", str(secret), "--kv-transfer-port", str(free_block(tp)),
                    "--kv-transfer-timeout", "10", "--kv-transfer-tp-path", path]
             procs.append(subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                                           env={**os.environ, **(env or {}).get(role, {})}))
