@@ -54,7 +54,9 @@ def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():  # frombuffer's note that the buffer is shared: that is the point
         warnings.simplefilter("ignore")
         raw = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=offset)
-    return raw.view(dtype).view(shape)
+    # Fault every page in now, as torch.zeros did: a cache larger than the memory it may use fails at start,
+    # not under load (the writes also place it on huge pages where the kernel has them).
+    return raw.view(dtype).view(shape).zero_()
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
