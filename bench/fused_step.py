@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-SWITCH = "PDCLUSTER_NATIVE_DECODER"
+from pdcluster.worker.engine.fused_decode import SWITCH
 
 
 def _round(engine: Any, batch: int, a: argparse.Namespace, g: torch.Generator) -> tuple[float, list[list[int]]]:

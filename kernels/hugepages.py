@@ -41,9 +41,7 @@ def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     into huge ones (a KV cache allocated late in a busy process sat on 4 KiB pages that way). The tensor holds
     the mapping; the alignment slack is never touched, so it costs address space, not memory. Smaller
     buffers are ``torch.zeros``."""
-    numel = math.prod(shape)
-    item = torch.empty(0, dtype=dtype).element_size()
-    nbytes = numel * item
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if nbytes < HUGE_PAGE or madvise is None:
         return torch.zeros(shape, dtype=dtype)

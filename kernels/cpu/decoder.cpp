@@ -75,7 +75,7 @@ class DecodePlan {
     at::Tensor x = x0, delta;
     for (const Layer& l : layers_) {
       at::Tensor h;
-      std::tie(x, h) = add_rms_norm(x, delta.defined() ? c10::optional<at::Tensor>(delta) : none, l.ln1, l.eps1);
+      std::tie(x, h) = add_rms_norm(x, delta, l.ln1, l.eps1);  // no delta yet (undefined) before layer 0
       const at::Tensor qkv = packed_linear(h, l.wqkv, n_qkv, l.bqkv, true, grains[0]).view({n, nh_ + 2 * nkv_, d_});
       const at::Tensor qk = rope_write(qkv, cos, sin, nh_, nkv_, l.kc, l.vc, slots);
       const at::Tensor attn = paged_decode(qk.narrow(1, 0, nh_), l.kc, l.vc, none, none, block_tables, seq_lens,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdcluster.worker.engine import attention
+from pdcluster.worker.engine import attention, fused_decode
 from tests.native_marks import needs_native
 
 from .conftest import hf_greedy, prompt_of, run_with_logits
@@ -23,7 +23,7 @@ pytestmark = needs_native
 def _modules_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the modules' call of the kernel, which they spy on; the whole-step plan calls the
     same kernel from C++ (tests/engine/test_fused_decode.py)."""
-    monkeypatch.setenv("PDCLUSTER_NATIVE_DECODER", "0")
+    monkeypatch.setenv(fused_decode.SWITCH, "0")
 
 
 @pytest.fixture

@@ -38,10 +38,11 @@ SWITCH = "PDCLUSTER_NATIVE_DECODER"
 
 
 class FusedDecode:
-    """One model's plan over one cache: ``(embedded rows, cos, sin, metadata) -> final hidden states``."""
+    """One model's plan (over the cache it was built for: DecoderForCausalLM keys it by that cache):
+    ``(embedded rows, cos, sin, metadata) -> final hidden states``."""
 
-    def __init__(self, model: DecoderForCausalLM, cache: PagedKVCache, plan: Any) -> None:
-        self.cache, self.plan = cache, plan
+    def __init__(self, model: DecoderForCausalLM, plan: Any) -> None:
+        self.plan = plan
         self.attns = [cast("DecoderLayer", layer).self_attn for layer in model.layers]
         first = cast("DecoderLayer", model.layers[0])
         mlp = cast(MLP, first.mlp)
@@ -141,4 +142,4 @@ def build(model: DecoderForCausalLM, cache: PagedKVCache) -> FusedDecode | None:
         list(cache.k), list(cache.v), model.norm.weight.data, float(model.norm.eps),
     )
     log.info("decode steps as one native call (%d layers)", len(layers))
-    return FusedDecode(model, cache, plan)
+    return FusedDecode(model, plan)
