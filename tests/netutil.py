@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,9 +14,10 @@ import uvicorn
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the ephemeral range. The caller binds it later, often in another process;
+    a port the kernel handed out as ephemeral can be taken meanwhile by any socket opened without a port (a
+    NIXL agent's UCX listener took a decode worker's HTTP port in one CI run)."""
+    return free_block(1)
 
 
 def free_block(n: int) -> int:

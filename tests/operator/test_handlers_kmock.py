@@ -173,16 +173,12 @@ async def test_pdcluster_operator_command_runs_the_handlers(k8s: Any, kubeconfig
     """`pdcluster operator` as its own process (as the e2e suite and the chart run it) against kmock."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
     import httpx
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+    from ..netutil import free_port
 
     k8s.objects[PDC, NS, "demo"] = make_body()
     metrics_port, live_port = free_port(), free_port()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pdcluster.operator import autoscaler as asc
 from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
 
+from ..netutil import free_port
+
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None and not os.environ.get("CI"), reason="the prometheus binary is not installed (run `bash scripts/setup.sh test`)")
@@ -29,12 +30,6 @@ HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix
 # TTFT histogram of the router: per request, 60% under 0.5 s, 30% in (0.5, 1], 10% in (1, 5]
 TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
 JOIN = 0.04  # t_join: seconds from a request's KV being complete to its first output on a decode worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Workload:
@@ -83,14 +78,14 @@ class Workload:
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Workload())
-    exporter_port = _free_port()
+    exporter_port = free_port()
     server, thread = start_http_server(exporter_port, addr="127.0.0.1", registry=registry)
     tmp: Path = tmp_path_factory.mktemp("prometheus")
     (tmp / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: pdcluster\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{exporter_port}']\n")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
@@ -184,5 +179,5 @@ def test_missing_series_and_unreachable_server(prometheus: str) -> None:
         PrometheusSource(prometheus).observe("nobody", window_seconds=WINDOW)
     assert e.value.reason == "SeriesMissing"
     with pytest.raises(MetricsUnavailable) as e:
-        PrometheusSource(f"http://127.0.0.1:{_free_port()}", timeout=2).observe("demo", window_seconds=10)
+        PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout=2).observe("demo", window_seconds=10)
     assert e.value.reason == "PrometheusUnreachable"
