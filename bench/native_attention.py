@@ -194,7 +194,7 @@ def served_case(batches: list[int], repeats: int, threads: int, prompt_len: int)
                     order = list(ports) if r % 2 else list(ports)[::-1]
                     ids = {}
                     for name in order:
-                        _, decode, ids[name] = asyncio.run(served_run(ports[name], prompts, 64, True))
+                        _, decode, ids[name], _ = asyncio.run(served_run(ports[name], prompts, 64, True))
                         if r:
                             samples[name].append(decode)
                     assert ids["native"] == ids["torch"], "greedy tokens differ between the two servers"

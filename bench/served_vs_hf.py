@@ -1,7 +1,7 @@
 """`pdcluster serve` over HTTP vs the same engine in process vs Hugging Face `generate`, in one run.
 
     python -m pdcluster.bench.served_vs_hf [--threads 2] [--batches 1,16] [--repeats 3] [--no-stream]
-        [--py-spy PATH] [--json out.json]
+        [--client aiohttp|httpx] [--py-spy PATH] [--json out.json]
 
 The model is engine_vs_hf's random ~56M Llama (fp32, CPU). The server is a real `pdcluster serve` subprocess
 on 127.0.0.1 with `--threads N`; HF and an in-process LLMEngine (no HTTP, no event loop: what serving costs on top) run in
@@ -17,6 +17,9 @@ a batch-1 decode step: bytes of every weight a step reads (all but the embedding
 measured in this run with the same thread count (best of a few sums over a 512 MiB buffer). Beside it, the
 **matmul floor**: the step's matrix-vector products alone (the engine's own weights, one row), timed in the
 same run, says how much of the roofline the BLAS library reaches before any attention, norm or serving work.
+The client runs on the same cores as the server (a deployment's clients do not), so every CPU second it
+spends is taken from the served step: it is aiohttp (C HTTP parser) by default, and its CPU per decode step is
+reported beside the figures (`--client httpx`: httpx, ~3.5x the CPU, the client of earlier runs).
 With `--py-spy PATH` (a py-spy binary) the served process is sampled during the runs and the top functions
 are printed (where the served step spends its time).
 """
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import torch
 
@@ -108,42 +112,89 @@ def start_server(folder: Path, port: int, threads: int, extra: list[str],
 
 
 async def _one(client: httpx.AsyncClient, prompt: list[int], new: int, stream: bool) -> tuple[list[int], float, float]:
-    """(token ids, time of the first token, time of the last) of one request."""
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "stream": stream}
+    """(token ids, time of the first token, time of the last) of one request, through httpx."""
+    body = _body(prompt, new, stream)
     if not stream:
         r = await client.post("/v1/completions", json=body)
         r.raise_for_status()
         now = time.perf_counter()
         return r.json()["choices"][0]["token_ids"], now, now
-    ids: list[int] = []
-    first = 0.0
+    tokens = _Tokens()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"server error: {event['error']}")
-            got = event["choices"][0].get("token_ids") or []
-            if got and not first:
-                first = time.perf_counter()
-            ids.extend(got)
-    return ids, first, time.perf_counter()
+            tokens.line(line.encode())
+    return tokens.ids, tokens.first, time.perf_counter()
 
 
-async def served_run(port: int, prompts: list[list[int]], new: int, stream: bool) -> tuple[float, float, list[list[int]]]:
-    """(whole-request tok/s, decode tok/s, ids) of `len(prompts)` concurrent requests."""
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(_one(client, p, new, stream) for p in prompts))
-        wall = time.perf_counter() - t0
+async def _one_aiohttp(session: aiohttp.ClientSession, prompt: list[int], new: int,
+                       stream: bool) -> tuple[list[int], float, float]:
+    """The same request through aiohttp (C HTTP parser; the client vLLM's serving benchmark uses)."""
+    async with session.post("/v1/completions", json=_body(prompt, new, stream)) as r:
+        r.raise_for_status()
+        if not stream:
+            ids = (await r.json())["choices"][0]["token_ids"]
+            now = time.perf_counter()
+            return ids, now, now
+        tokens = _Tokens()
+        async for line in r.content:
+            tokens.line(line)
+    return tokens.ids, tokens.first, time.perf_counter()
+
+
+def _body(prompt: list[int], new: int, stream: bool) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stream": stream}
+
+
+class _Tokens:
+    """Token ids of one streamed response, fed its SSE lines, and when the first arrived."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.first = 0.0
+
+    def line(self, line: bytes) -> None:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            return
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"server error: {event['error']}")
+        got = event["choices"][0].get("token_ids") or []
+        if got and not self.first:
+            self.first = time.perf_counter()
+        self.ids.extend(got)
+
+
+async def served_run(port: int, prompts: list[list[int]], new: int, stream: bool,
+                     client: str = "aiohttp") -> tuple[float, float, list[list[int]], float]:
+    """(whole-request tok/s, decode tok/s, ids, client CPU seconds) of `len(prompts)` concurrent requests. The
+    client shares the server's cores here (it would not in a deployment), so its CPU is measured: httpx's
+    pure-Python HTTP and line parsing cost ~3.5x aiohttp's, time taken from the served step."""
+    url = f"http://127.0.0.1:{port}"
+    cpu0 = _cpu()
+    if client == "httpx":
+        limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as hc:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(_one(hc, p, new, stream) for p in prompts))
+            wall = time.perf_counter() - t0
+    else:
+        connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
+        async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as ac:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(_one_aiohttp(ac, p, new, stream) for p in prompts))
+            wall = time.perf_counter() - t0
+    cpu = _cpu() - cpu0
     b = len(prompts)
     first, last = max(r[1] for r in res), max(r[2] for r in res)
     decode = b * (new - 1) / (last - first) if stream and last > first else float("nan")
-    return b * new / wall, decode, [r[0] for r in res]
+    return b * new / wall, decode, [r[0] for r in res], cpu
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def hf_run(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float, list[list[int]]]:
@@ -203,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="also serve with PDCLUSTER_NATIVE_KERNELS=0 (a second server) and compare, interleaved")
     ap.add_argument("--off-env", default="PDCLUSTER_NATIVE_KERNELS=0",
                     help="NAME=VALUE the second server runs with (e.g. PDCLUSTER_NATIVE_LINEAR=0: only the linear off)")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the load-generating HTTP client (it runs on the server's cores; its CPU is reported)")
     ap.add_argument("--py-spy", metavar="PATH", help="sample the served process with this py-spy binary")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
@@ -259,20 +312,22 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
     g = torch.Generator().manual_seed(0)
     for batch in (int(b) for b in a.batches.split(",")):
         warm = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
-        asyncio.run(served_run(port, warm, 4, stream)), hf_run(hf, warm, 4), engine_run(engine, warm, 4)
+        asyncio.run(served_run(port, warm, 4, stream, a.client)), hf_run(hf, warm, 4), engine_run(engine, warm, 4)
         sides = ("served", "engine", "hf") + (("served_off",) if port_off else ())
         if port_off:
-            asyncio.run(served_run(port_off, warm, 4, stream))
+            asyncio.run(served_run(port_off, warm, 4, stream, a.client))
         samples: dict[str, list[float]] = {f"{side}_{kind}": [] for kind in ("whole", "decode") for side in sides}
+        cpu_ms: list[float] = []  # the client's CPU per decode step (all `batch` streams), ms
         for _ in range(a.repeats):  # interleaved, so both sides see the same background load
             prompts = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
-            sw, sd, sids = asyncio.run(served_run(port, prompts, a.new_tokens, stream))
+            sw, sd, sids, client_cpu = asyncio.run(served_run(port, prompts, a.new_tokens, stream, a.client))
+            cpu_ms.append(1e3 * client_cpu / a.new_tokens)
             hw, hd, hids = hf_run(hf, prompts, a.new_tokens)
             ew, ed, eids = engine_run(engine, prompts, a.new_tokens)
             if not sids == eids == hids:
                 raise AssertionError(f"batch {batch}: served / in-process greedy tokens differ from HF generate")
             if port_off:
-                ow, od, oids = asyncio.run(served_run(port_off, prompts, a.new_tokens, stream))
+                ow, od, oids, _ = asyncio.run(served_run(port_off, prompts, a.new_tokens, stream, a.client))
                 if oids != hids:
                     raise AssertionError(f"batch {batch}: served (native off) greedy tokens differ from HF generate")
                 samples["served_off_whole"].append(ow)
@@ -281,6 +336,8 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
                          ("engine_whole", ew), ("engine_decode", ed)):
                 samples[k].append(v)
         row = _row(samples)
+        row["client"] = a.client
+        row["client_cpu_ms_per_step_median"] = round(statistics.median(cpu_ms), 2)
         if batch == 1 and stream:
             row["served_decode_pct_roofline"] = round(100 * row["served_decode_median"] / roofline, 1)
             row["hf_decode_pct_roofline"] = round(100 * row["hf_decode_median"] / roofline, 1)
@@ -298,7 +355,7 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
               + (f"; native off: served {row['served_off_decode_median']:.1f} decode tok/s, off/HF "
                  f"{row['decode_off_hf_paired_median']:.2f}x, on/off {row['decode_on_off_paired_median']:.2f}x"
                  if port_off else "")
-              + f" | {row['samples']}")
+              + f" | {a.client} client CPU {row['client_cpu_ms_per_step_median']:.2f} ms a step | {row['samples']}")
     return results
 
 
@@ -313,7 +370,7 @@ def _profile(a: argparse.Namespace, port: int, stream: bool, pid: int, out: Path
         g = torch.Generator().manual_seed(1)
         for batch in (1, 1, 16):
             prompts = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
-            asyncio.run(served_run(port, prompts, a.new_tokens, stream))
+            asyncio.run(served_run(port, prompts, a.new_tokens, stream, a.client))
     finally:
         spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
         spy.wait(timeout=60)

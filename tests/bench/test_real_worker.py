@@ -43,3 +43,25 @@ def test_bench_and_profile_against_a_real_worker(engine, serve_asgi, tmp_path, c
                  "--prefill-concurrency", "1", "--decode-len", "4", "--json"]) == 0
     prof = json.loads(capsys.readouterr().out)
     assert prof["prefill_tokens_per_second"] > 0 and prof["decode_tokens_per_second"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False])
+def test_served_vs_hf_clients_read_the_same_tokens(engine, serve_asgi, stream):
+    """served_vs_hf's two load clients (aiohttp, httpx) parse the same tokens out of the same responses, and
+    each reports the CPU it spent (it runs on the server's cores)."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    from pdcluster.bench.served_vs_hf import served_run
+    from pdcluster.worker.server.app import build_app
+
+    url = serve_asgi(build_app(engine, role="both", served_model_name="demo", request_timeout=60)).url
+    port = urlsplit(url).port
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    got = {c: asyncio.run(served_run(port, prompts, 5, stream, c)) for c in ("aiohttp", "httpx")}
+    ids = {c: r[2] for c, r in got.items()}
+    assert ids["aiohttp"] == ids["httpx"] and all(len(i) == 5 for i in ids["aiohttp"])
+    for whole, decode, _, cpu in got.values():
+        assert whole > 0 and cpu > 0
+        assert (decode > 0) if stream else decode != decode  # NaN: no decode rate without a stream

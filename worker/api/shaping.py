@@ -40,6 +40,9 @@ Kind = Literal["completions", "chat"]
 T = TypeVar("T")
 
 
+_js = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # a JSON string as pydantic writes it
+
+
 def sse(data: dict[str, Any] | BaseModel) -> str:
     payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
     return f"data: {payload}\n\n"
@@ -93,6 +96,7 @@ class Shaper:
     tools: ToolPlan | None = None  # chat: the output becomes tool calls (api/tool_calls.py)
     _offsets: dict[int, int] = field(default_factory=dict)
     _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    _head: str | None = None  # a plain chunk's JSON up to its choice index (_plain_chunk)
 
     def __post_init__(self) -> None:
         self.rid = self.rid or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
@@ -121,6 +125,8 @@ class Shaper:
         ids = list(token_ids) if self.return_token_ids else None
         lp = self._lp(index, "", logprobs if token_ids else None)
         self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        if lp is None and self.tools is None:
+            return self._plain_chunk(text, ids, finish_reason, index)
         if self.kind == "chat" and self.tools is not None:
             return self._tool_chunks(text, ids, finish_reason, index, lp)
         if self.kind == "chat":
@@ -131,6 +137,22 @@ class Shaper:
         return sse(CompletionResponse(id=self.rid, model=self.model, created=self.created,
                                       choices=[CompletionChoice(index=index, text=text, logprobs=lp,
                                                                 finish_reason=finish_reason, token_ids=ids)]))
+
+    def _plain_chunk(self, text: str, ids: list[int] | None, finish_reason: str | None, index: int) -> str:
+        """A chunk without logprobs or tool calls (nearly every token of a stream), written straight as the
+        models' JSON would be (tests/server/test_shaping_fast.py holds them equal): building and dumping the
+        pydantic models cost 5-10 us a token, on the event loop every streamed token passes through."""
+        if self._head is None:
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            self._head = (f'data: {{"id":{_js(self.rid)},"object":"{obj}","created":{self.created},'
+                          f'"model":{_js(self.model)},"choices":[{{"index":')
+        if self.kind == "chat":
+            body = f'"delta":{{"content":{_js(text)}}}' if text else '"delta":{}'
+        else:
+            body = f'"text":{_js(text)}'
+        reason = "null" if finish_reason is None else _js(finish_reason)
+        tail = "" if ids is None else f',"token_ids":[{",".join(map(str, ids))}]'
+        return f'{self._head}{index},{body},"logprobs":null,"finish_reason":{reason}{tail}}}]}}\n\n'
 
     def _tool_chunks(self, text: str, ids: list[int] | None, finish_reason: str | None, index: int,
                      lp: dict[str, Any] | None) -> str:

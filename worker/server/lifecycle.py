@@ -287,8 +287,11 @@ class WorkerServer:
             stream = self.engine.generate(request_id, prompt_ids, params)
             while not finished:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    if deadline is None:  # no --request-timeout: no timer to arm and cancel every token
                         out = await anext(stream)
+                    else:
+                        async with asyncio.timeout_at(deadline):
+                            out = await anext(stream)
                 except StopAsyncIteration:
                     break
                 except ValueError as e:
