@@ -161,7 +161,8 @@ def served_case(batches: list[int], repeats: int, threads: int, prompt_len: int)
     import socket
 
     from pdcluster.bench.engine_vs_hf import MODEL
-    from pdcluster.bench.served_vs_hf import served_run, start_server
+    from pdcluster.bench.served_client import served_run
+    from pdcluster.bench.served_vs_hf import start_server
     from pdcluster.kernels.cpu.attention import ENV_SWITCH
     from pdcluster.worker.local.demo_model import build_demo_model
 

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import torch
 
 from pdcluster.bench.engine_vs_hf import MODEL, _Clock, workload_arguments
+from pdcluster.bench.served_client import served_run
 
 
 def read_bandwidth(threads: int, mib: int = 512, tries: int = 5) -> float:
@@ -109,92 +109,6 @@ def start_server(folder: Path, port: int, threads: int, extra: list[str],
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not become healthy in 300 s")
-
-
-async def _one(client: httpx.AsyncClient, prompt: list[int], new: int, stream: bool) -> tuple[list[int], float, float]:
-    """(token ids, time of the first token, time of the last) of one request, through httpx."""
-    body = _body(prompt, new, stream)
-    if not stream:
-        r = await client.post("/v1/completions", json=body)
-        r.raise_for_status()
-        now = time.perf_counter()
-        return r.json()["choices"][0]["token_ids"], now, now
-    tokens = _Tokens()
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            tokens.line(line.encode())
-    return tokens.ids, tokens.first, time.perf_counter()
-
-
-async def _one_aiohttp(session: aiohttp.ClientSession, prompt: list[int], new: int,
-                       stream: bool) -> tuple[list[int], float, float]:
-    """The same request through aiohttp (C HTTP parser; the client vLLM's serving benchmark uses)."""
-    async with session.post("/v1/completions", json=_body(prompt, new, stream)) as r:
-        r.raise_for_status()
-        if not stream:
-            ids = (await r.json())["choices"][0]["token_ids"]
-            now = time.perf_counter()
-            return ids, now, now
-        tokens = _Tokens()
-        async for line in r.content:
-            tokens.line(line)
-    return tokens.ids, tokens.first, time.perf_counter()
-
-
-def _body(prompt: list[int], new: int, stream: bool) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "stream": stream}
-
-
-class _Tokens:
-    """Token ids of one streamed response, fed its SSE lines, and when the first arrived."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.first = 0.0
-
-    def line(self, line: bytes) -> None:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            return
-        event = json.loads(line[6:])
-        if "error" in event:
-            raise RuntimeError(f"server error: {event['error']}")
-        got = event["choices"][0].get("token_ids") or []
-        if got and not self.first:
-            self.first = time.perf_counter()
-        self.ids.extend(got)
-
-
-async def served_run(port: int, prompts: list[list[int]], new: int, stream: bool,
-                     client: str = "aiohttp") -> tuple[float, float, list[list[int]], float]:
-    """(whole-request tok/s, decode tok/s, ids, client CPU seconds) of `len(prompts)` concurrent requests. The
-    client shares the server's cores here (it would not in a deployment), so its CPU is measured: httpx's
-    pure-Python HTTP and line parsing cost ~3.5x aiohttp's, time taken from the served step."""
-    url = f"http://127.0.0.1:{port}"
-    cpu0 = _cpu()
-    if client == "httpx":
-        limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as hc:
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(_one(hc, p, new, stream) for p in prompts))
-            wall = time.perf_counter() - t0
-    else:
-        connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
-        async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as ac:
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(_one_aiohttp(ac, p, new, stream) for p in prompts))
-            wall = time.perf_counter() - t0
-    cpu = _cpu() - cpu0
-    b = len(prompts)
-    first, last = max(r[1] for r in res), max(r[2] for r in res)
-    decode = b * (new - 1) / (last - first) if stream and last > first else float("nan")
-    return b * new / wall, decode, [r[0] for r in res], cpu
-
-
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def hf_run(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float, list[list[int]]]:
