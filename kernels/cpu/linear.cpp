@@ -29,18 +29,23 @@ namespace {
 
 constexpr int64_t NR = 64;  // columns per panel: 4 zmm of 16 floats
 
+// pf: the k-steps [pf0, pf1) of the next panel to prefetch into L2 while this chunk runs, one k-step every
+// `every` iterations: every row chunk of a panel takes its share, so the next panel streams in at 1/chunks
+// of the rate the last chunk alone would have to ask for.
 template <int MR, bool PF>
 inline void panel(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t K,
                   float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-                  const float* __restrict pf) {
+                  const float* __restrict pf, int64_t pf0, int64_t pf1, int64_t every) {
   __m512 acc[MR][4];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   const float* w = wp;
+  int64_t next = pf0, wait = 0;
   for (int64_t k = 0; k < K; ++k, w += NR) {
-    if (PF) {  // the same k-step of the next panel into L2, so its first row chunk computes instead of waiting
-      const char* p = reinterpret_cast<const char*>(pf + k * NR);
+    if (PF && wait-- == 0 && next < pf1) {  // a k-step of the next panel into L2: its first chunk computes
+      wait = every - 1;
+      const char* p = reinterpret_cast<const char*>(pf + next++ * NR);
       _mm_prefetch(p, _MM_HINT_T1);
       _mm_prefetch(p + 64, _MM_HINT_T1);
       _mm_prefetch(p + 128, _MM_HINT_T1);
@@ -69,7 +74,7 @@ inline void panel(const float* __restrict x, int64_t ldx, const float* __restric
 }
 
 using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
-                        const float*);
+                        const float*, int64_t, int64_t, int64_t);
 constexpr PanelFn PANELS[2][7] = {
     {nullptr, panel<1, false>, panel<2, false>, panel<3, false>, panel<4, false>, panel<5, false>, panel<6, false>},
     {nullptr, panel<1, true>, panel<2, true>, panel<3, true>, panel<4, true>, panel<5, true>, panel<6, true>}};
@@ -102,11 +107,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t ncols = std::min<int64_t>(NR, n - b * NR);
       const float* wb = w + b * K * NR;
+      const bool pf = prefetch && b + 1 < b1;
       for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
         const int mr = static_cast<int>((M - m0) / (chunks - c));
-        const bool pf = prefetch && c == chunks - 1 && b + 1 < b1;  // the last chunk fetches the next panel
+        // chunk c fetches k-steps [c*K/chunks, (c+1)*K/chunks) of the next panel, spread over its K iterations
+        const int64_t pf0 = c * K / chunks, pf1 = (c + 1) * K / chunks;
+        const int64_t every = std::max<int64_t>(1, K / std::max<int64_t>(1, pf1 - pf0));
         PANELS[pf][mr](xp + m0 * ldx, ldx, wb, K, yp + m0 * n + b * NR, n, ncols, bp ? bp + b * NR : nullptr,
-                       wb + K * NR);
+                       wb + K * NR, pf0, pf1, every);
         m0 += mr;
       }
     }

@@ -23,6 +23,16 @@ NR = 64  # output columns per panel (linear.cpp)
 MIN_TASK_MACS = 1 << 17
 
 
+# Above ROWS_PER_CHUNK rows a panel is computed in several row chunks, and each chunk prefetches its share of
+# the item's next panel (linear.cpp); an item of one panel prefetches nothing, so its first chunk waits on
+# DRAM. A product of many panels (the LM head) is therefore shared in ~PREFETCH_ITEMS items: cold 16-row LM
+# head 3.94 -> 3.23 ms, a step's 33 products 1.07-1.11x (docs/benchmarks/engine.md, tenth pass). Products of
+# fewer panels keep small items: there the balance over the threads mattered more (0.97-0.99x).
+ROWS_PER_CHUNK = 6  # linear.cpp's MAX_MR
+PREFETCH_ITEMS = 32
+MIN_PREFETCH_PANELS = 128
+
+
 def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
     """Panels per shared item of an ``m``-row product over ``panels`` panels of depth ``k``; 0 = the calling
     thread only (a product of one item)."""
@@ -30,6 +40,8 @@ def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> in
     if per_panel == 0:  # no rows (a step can carry an empty chunk) or K = 0: nothing to split
         return 0
     g = max(1, -(-min_task_macs // per_panel))
+    if m > ROWS_PER_CHUNK and panels >= MIN_PREFETCH_PANELS:
+        g = max(g, panels // PREFETCH_ITEMS)
     return 0 if g >= panels else g
 
 

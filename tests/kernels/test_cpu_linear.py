@@ -58,10 +58,14 @@ def test_kernel_is_row_order_independent_and_takes_strided_rows() -> None:
 
 def test_threading_policy() -> None:
     assert L.grain(1, 512, 8, min_task_macs=1 << 22) == 0  # 256K multiply-adds: one thread
-    assert L.grain(16, 512, 500, min_task_macs=1 << 22) == 8  # 8 panels x 512K = 4M per task
+    assert L.grain(16, 512, 50, min_task_macs=1 << 22) == 8  # 8 panels x 512K = 4M per task
     assert L.grain(1, 512, 500, min_task_macs=0) == 1
     assert L.grain(64, 4096, 2, min_task_macs=1) == 1
     assert L.grain(0, 512, 500) == 0  # no rows: no division by zero
+    # many panels at more than one row chunk: items of panels // PREFETCH_ITEMS, so panels prefetch their next
+    assert L.grain(16, 512, 500, min_task_macs=0) == 500 // L.PREFETCH_ITEMS
+    assert L.grain(6, 512, 500, min_task_macs=0) == 1  # one chunk: the small items stay
+    assert L.grain(16, 512, 43, min_task_macs=0) == 1  # few panels: the small items stay
 
 
 @needs_native
