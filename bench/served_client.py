@@ -5,16 +5,21 @@ and the CPU the client itself spent (it runs on the server's cores here)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import httpx
 
+Run = tuple[list[int], float, float]  # one request's token ids, time of its first token, time of its last
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], new: int, stream: bool) -> tuple[list[int], float, float]:
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], new: int, stream: bool) -> Run:
     """(token ids, time of the first token, time of the last) of one request, through httpx."""
     body = _body(prompt, new, stream)
     if not stream:
@@ -31,7 +36,7 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], new: int, stream: b
 
 
 async def _one_aiohttp(session: aiohttp.ClientSession, prompt: list[int], new: int,
-                       stream: bool) -> tuple[list[int], float, float]:
+                       stream: bool) -> Run:
     """The same request through aiohttp (C HTTP parser; the client vLLM's serving benchmark uses)."""
     async with session.post("/v1/completions", json=_body(prompt, new, stream)) as r:
         r.raise_for_status()
@@ -76,23 +81,28 @@ async def served_run(port: int, prompts: list[list[int]], new: int, stream: bool
     pure-Python HTTP and line parsing cost ~3.5x aiohttp's, time taken from the served step."""
     url = f"http://127.0.0.1:{port}"
     cpu0 = _cpu()
-    if client == "httpx":
-        limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as hc:
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(_one(hc, p, new, stream) for p in prompts))
-            wall = time.perf_counter() - t0
-    else:
-        connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
-        async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as ac:
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(_one_aiohttp(ac, p, new, stream) for p in prompts))
-            wall = time.perf_counter() - t0
+    async with _client(client, url, len(prompts)) as one:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(p, new, stream) for p in prompts))
+        wall = time.perf_counter() - t0
     cpu = _cpu() - cpu0
     b = len(prompts)
     first, last = max(r[1] for r in res), max(r[2] for r in res)
     decode = b * (new - 1) / (last - first) if stream and last > first else float("nan")
     return b * new / wall, decode, [r[0] for r in res], cpu
+
+
+@contextlib.asynccontextmanager
+async def _client(client: str, url: str, n: int) -> AsyncIterator[Callable[[list[int], int, bool], Awaitable[Run]]]:
+    """One request's coroutine function over a connection pool of `n` + 1 for the named client."""
+    if client == "httpx":
+        limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as hc:
+            yield functools.partial(_one, hc)
+    else:
+        connector = aiohttp.TCPConnector(limit=n + 1)
+        async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as ac:
+            yield functools.partial(_one_aiohttp, ac)
 
 
 def _cpu() -> float:

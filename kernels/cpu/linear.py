@@ -57,8 +57,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     out = hugepages.zeros((nb, k, NR), torch.float32)  # streamed every step: no TLB miss every 4 KiB
     full = n // NR
     out[:full].copy_(w[: full * NR].reshape(full, NR, k).transpose(1, 2))
-    if full < nb:  # the last panel: N's tail, zero past it
-        out[full].zero_()
+    if full < nb:  # the last panel: N's tail (zero past it: hugepages.zeros)
         out[full, :, : n - full * NR].copy_(w[full * NR :].t())
     return out
 

@@ -5,7 +5,7 @@ import pytest
 
 from pdcluster.bench import kv_quality as kq
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="KV quantization quality needs the worker extra (torch)")
 
 
 def test_kv_bytes_and_relative_memory():

@@ -6,7 +6,7 @@ import pytest
 
 from pdcluster.cli import main
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="a real worker needs the worker extra (torch)")
 
 
 @pytest.fixture(scope="module")

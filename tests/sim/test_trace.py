@@ -107,7 +107,7 @@ def test_summary_of_synthetic_trace():
     assert s["mean_output_tokens"] == 10
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="shared traces not present")
+@pytest.mark.skipif(not REAL.is_dir(), reason=f"the shared production traces are not beside this checkout ({REAL})")
 @pytest.mark.parametrize("name, schema, first", [
     ("azure2023_code.csv", "azure", (4808, 10)),
     ("mooncake_conversation.jsonl", "mooncake", (6758, 500)),

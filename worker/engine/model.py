@@ -124,11 +124,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden]``."""
         cs = self.cos_sin[:, md.positions].unsqueeze(2)  # [2, n, 1, d]: broadcast over heads
-        local = self.cos_sin_local[:, md.positions].unsqueeze(2) if self.cos_sin_local.numel() else cs
         x = self.embed_tokens(input_ids)
         fused = None if md.is_prefill else self._fused_for(cache)
         if fused is not None and fused.usable(x, md):
             return fused(x, cs[0], cs[1], md)
+        local = self.cos_sin_local[:, md.positions].unsqueeze(2) if self.cos_sin_local.numel() else cs
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         delta: torch.Tensor | None = None
