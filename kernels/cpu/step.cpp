@@ -14,6 +14,7 @@ void bind_argmax(pybind11::module_& m);
 void bind_norm(pybind11::module_& m);
 void bind_rope(pybind11::module_& m);
 void bind_decoder(pybind11::module_& m);
+void bind_screen(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
@@ -22,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_norm(m);
   bind_rope(m);
   bind_decoder(m);
+  bind_screen(m);
   m.def("pool_stats", [] {
     const pdc::PoolStats s = pdc::stats();
     return pybind11::dict(pybind11::arg("calls") = s.calls, pybind11::arg("shared_calls") = s.shared_calls,

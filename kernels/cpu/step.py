@@ -1,5 +1,6 @@
 """The decode step's native kernels (``linear.cpp``, ``attention.cpp``, ``argmax.cpp``, ``norm.cpp``,
-``rope.cpp``, and ``decoder.cpp``, which chains them through a whole decode step) built as one module, so
+``rope.cpp``, ``screen.cpp`` (greedy's LM head screened in bf16), and ``decoder.cpp``, which chains them
+through a whole decode step) built as one module, so
 they share one work-sharing pool (``pool.h``): one set of helper threads, not one per kernel.
 
 The pool's helpers spin for ``PDCLUSTER_NATIVE_SPIN_US`` microseconds (default 300) after each shared call,
@@ -19,7 +20,7 @@ from pdcluster.kernels.cpu import native
 
 NAME = "pdc_step"
 SOURCES = ["pool.cpp", "linear.cpp", "attention.cpp", "argmax.cpp", "norm.cpp", "rope.cpp", "decoder.cpp",
-           "step.cpp"]
+           "screen.cpp", "step.cpp"]
 HEADERS = ("pool.h",)
 SPIN_ENV = "PDCLUSTER_NATIVE_SPIN_US"
 DEFAULT_SPIN_US = 300

@@ -24,7 +24,7 @@ from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.engine.parallel.runner import TPModelRunner
 from pdcluster.worker.engine.sampler import History, logprobs_of, sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
-from pdcluster.worker.engine.scheduler import Scheduler
+from pdcluster.worker.engine.scheduler import Batch, Scheduler
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
 from pdcluster.worker.engine.stop_text import StopText
 from pdcluster.worker.engine.structured import GrammarBackend, GrammarState
@@ -185,7 +185,8 @@ class LLMEngine(KVTransferMixin):
         exports = self._exports(batch)
         hook = (lambda layer: self._save_layer(layer, exports)) if exports else None  # noqa: E731
         t0 = time.perf_counter()
-        logits = self.runner.execute(batch, hook)
+        greedy = self._greedy_only(batch)
+        logits_or_ids = self.runner.execute_greedy(batch, hook) if greedy else self.runner.execute(batch, hook)
         for seq, _, end in exports:
             seq.num_exported_tokens = end
         nd = batch.num_decode if batch.is_prefill else len(batch.seqs)  # decoding seqs lead a mixed step
@@ -203,7 +204,12 @@ class LLMEngine(KVTransferMixin):
             ]
         if not done:
             return outputs
-        tokens = self._sample(logits, done)
+        if greedy:
+            ids: list[int | None] = logits_or_ids.tolist()
+            tokens, logits = ids, None
+        else:
+            logits = logits_or_ids
+            tokens = self._sample(logits, done)
         for i, (seq, token) in enumerate(zip(done, tokens, strict=True)):
             if token is None:  # its sampling raised: that request failed alone (see _sample)
                 outputs.append(self._fail(seq, "sampling failed"))
@@ -213,9 +219,9 @@ class LLMEngine(KVTransferMixin):
             except Exception as e:  # one request's data (e.g. its stop list) must not fail the others
                 outputs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
                 continue
-            if seq.params.logprobs is not None:
+            if logits is not None and seq.params.logprobs is not None:
                 out.logprobs = self._logprobs(seq, logits[i], token)
-            if self.config.debug_logits:
+            if logits is not None and self.config.debug_logits:
                 out.extra["logits"] = logits[i].clone()
             first = batch.is_prefill and i >= nd  # its prompt's last chunk ran in this step
             if first:  # the first token: where its TTFT went, and how much came from the cache
@@ -228,6 +234,13 @@ class LLMEngine(KVTransferMixin):
                     self.scheduler.start_decoding(seq)
             outputs.append(out)
         return outputs
+
+    def _greedy_only(self, batch: Batch) -> bool:
+        """Every row of the step takes its plain argmax and nothing reads the logits: the runner may answer
+        with token ids alone (greedy_head.py), never with a different token."""
+        return (isinstance(self.runner, ModelRunner) and not self.config.debug_logits
+                and all(s.params.greedy and not s.params.shapes_logits and s.params.logprobs is None
+                        for s in batch.seqs))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling raises gets None (the others still sample).

@@ -19,6 +19,7 @@ from pdcluster.worker.engine import fused_decode
 from pdcluster.worker.engine.attention import Attention, AttnMetadata, PrefillSeq
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.fused_decode import FusedDecode
+from pdcluster.worker.engine.greedy_head import GreedyHead
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import MLP, RMSNorm, SparseMoE
 from pdcluster.worker.engine.rope import RopeSpec
@@ -94,6 +95,7 @@ class DecoderForCausalLM(nn.Module):
         # The decode step as one native call (fused_decode.py): built at the first decode step for the cache
         # it sees, None where the modules must run
         self._fused: tuple[PagedKVCache, FusedDecode | None] | None = None
+        self._greedy: GreedyHead | None = None  # built at the first greedy step (the head is packed by then)
 
     @property
     def needs_full_gather(self) -> bool:
@@ -150,6 +152,12 @@ class DecoderForCausalLM(nn.Module):
         if cap is not None:  # in the model dtype, as transformers does before generate's fp32 cast
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``argmax(compute_logits(hidden))`` per row (int64), through the bf16 screen where it runs."""
+        if self._greedy is None:
+            self._greedy = GreedyHead(self.lm_head, self.cfg.final_logit_softcapping, self.compute_logits)
+        return self._greedy.tokens(hidden)
 
 
 # The name the rest of the engine has always imported

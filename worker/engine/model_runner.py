@@ -132,6 +132,19 @@ class ModelRunner:
         self.run_copies(batch.copies)
         if not batch.seqs:
             return torch.empty(0, self.cfg.vocab_size)
+        return self.model.compute_logits(self._hidden(batch, layer_hook))
+
+    @torch.inference_mode()
+    def execute_greedy(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The greedy token (int64) of each sequence that samples this step, in batch order: what argmax of
+        ``execute``'s logits gives, without the whole head where the screen runs (greedy_head.py)."""
+        self.run_copies(batch.copies)
+        if not batch.seqs:
+            return torch.empty(0, dtype=torch.long)
+        return self.model.greedy_tokens(self._hidden(batch, layer_hook))
+
+    def _hidden(self, batch: Batch, layer_hook: Callable[[int], None] | None) -> torch.Tensor:
+        """The final hidden states of the rows that sample this step."""
         sample_idx: torch.Tensor | None  # None: every row samples
         if batch.num_decode:
             md, input_ids, sample_idx = self._prepare_mixed(batch)
@@ -141,9 +154,7 @@ class ModelRunner:
             md, input_ids, sample_idx = self._prepare_decode(batch.seqs)
         md.layer_hook = layer_hook if batch.is_prefill else None
         hidden = (self.model if batch.is_prefill else self._decode_forward)(input_ids, md, self.cache)
-        if sample_idx is not None:
-            hidden = hidden[sample_idx]
-        return self.model.compute_logits(hidden)
+        return hidden if sample_idx is None else hidden[sample_idx]
 
     def _prepare_mixed(self, batch: Batch) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
         """The decode rows first (every one samples), then the prefill chunks: one token axis, the decode
