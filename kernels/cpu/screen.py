@@ -9,6 +9,7 @@ the native module loads and the CPU has AVX512-BF16; ``PDCLUSTER_NATIVE_SCREEN=0
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,13 @@ CPU_FLAG = "avx512_bf16"  # VDPBF16PS and VCVTNEPS2BF16 (Zen 4, Sapphire Rapids,
 # tokens has found a near-tie it cannot settle cheaply (64 exact logits cost ~1/500 of a 32k-vocab head)
 MAX_CANDIDATES = 64
 PANELS_PER_ITEM = 16  # items of the shared product (pool.h): ~32 for a 32k vocabulary
+# Steps with more rows run the fp32 head. VDPBF16PS retires at half the rate of VFMADD231PS on the Xeon
+# this was measured on (family 6 model 207: 1.3 vs 5.2 G instructions/s, i.e. 16 vs 32 multiply-adds a
+# cycle), so the screen wins only while the head is bound by its bytes: 1.3-1.5x up to 6 rows (one
+# register block), 0.84-0.90x from 8 rows (docs/benchmarks/engine.md, "Eleventh pass"). A CPU with a faster
+# bf16 dot product can raise it: PDCLUSTER_NATIVE_SCREEN_MAX_ROWS.
+MAX_ROWS_ENV = "PDCLUSTER_NATIVE_SCREEN_MAX_ROWS"
+DEFAULT_MAX_ROWS = 6
 
 
 def unavailable_reason() -> str | None:
@@ -36,6 +44,20 @@ def unavailable_reason() -> str | None:
     if step.module() is None:
         return "the native step module did not load"
     return None
+
+
+def max_rows() -> int:
+    """Rows up to which a step takes the screen (``PDCLUSTER_NATIVE_SCREEN_MAX_ROWS``, default 6)."""
+    raw = os.environ.get(MAX_ROWS_ENV, "")
+    if not raw:
+        return DEFAULT_MAX_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_ROWS_ENV} must be an integer >= 0, not {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{MAX_ROWS_ENV} must be an integer >= 0, not {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, eq=False)

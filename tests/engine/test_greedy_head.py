@@ -28,18 +28,20 @@ def _run(engine, prompts, params=LONG) -> dict[str, list[int]]:
     return toks
 
 
-def test_continuous_batch_matches_hf_through_the_screen(make_engine, tiny_model_dir) -> None:
+def test_continuous_batch_matches_hf_through_the_screen(make_engine, tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setenv(screen.MAX_ROWS_ENV, "64")  # every step screened, not only those of up to 6 rows
     engine = make_engine(max_batch_tokens=64)
     prompts = {f"r{n}": prompt_of(n, seed=n) for n in LENGTHS}
     toks = _run(engine, prompts)
     head = engine.runner.model._greedy
-    assert head is not None and head.screened, "the tiny fp32 model's head should be screened"
+    assert head is not None and head.screened and head.max_rows == 64, "the tiny model's head is screened"
     for rid, p in prompts.items():
         assert toks[rid] == hf_greedy(tiny_model_dir, p, LONG.max_tokens)[0], rid
 
 
 def test_screen_off_and_every_row_handed_back_give_the_same_tokens(make_engine, monkeypatch) -> None:
     prompts = {f"r{n}": prompt_of(n, seed=100 + n) for n in LENGTHS}
+    monkeypatch.setenv(screen.MAX_ROWS_ENV, "64")
     screened = _run(make_engine(max_batch_tokens=64), prompts)
     monkeypatch.setattr(screen, "MAX_CANDIDATES", 0)  # the screen decides no row: all go to the fp32 head
     handed_back = _run(make_engine(max_batch_tokens=64), prompts)
@@ -63,3 +65,17 @@ def test_rows_that_read_logits_still_get_them(make_engine) -> None:
                 logprobs.append(out.logprobs)
     assert toks["plain"] == toks["lp"]
     assert len(logprobs) == 12 and all(lp for lp in logprobs)
+
+
+@pytest.mark.parametrize("value", ["many", "-1"])
+def test_a_bad_row_limit_fails_at_start_and_says_why(make_engine, monkeypatch, value) -> None:
+    monkeypatch.setenv(screen.MAX_ROWS_ENV, value)
+    with pytest.raises(ValueError, match=screen.MAX_ROWS_ENV):
+        make_engine()
+
+
+def test_a_zero_row_limit_turns_the_screen_off(make_engine, monkeypatch) -> None:
+    monkeypatch.setenv(screen.MAX_ROWS_ENV, "0")
+    engine = make_engine()
+    assert not engine.runner.model._greedy.screened
+    assert _run(engine, {"r": prompt_of(5, seed=3)}, GREEDY)["r"]

@@ -1,10 +1,11 @@
 """Greedy tokens without the whole fp32 LM head: the bf16 screen of ``kernels/cpu/screen.py`` answers each
 row with the token ``argmax(compute_logits(h))`` would give, bit for bit; rows it cannot decide (a
-non-finite value, a near-tie across many tokens) run the fp32 head.
+non-finite value, a near-tie across many tokens) run the fp32 head, and so do steps of more rows than
+``screen.max_rows()`` (where the bf16 product is slower than the fp32 one).
 
 Only where the head is the packed fp32 kernel's (``PackedLinear``) with no bias and no soft-capping: the
 screen reproduces that kernel's arithmetic exactly, nothing else. It costs half the head's bytes again in
-memory (the bf16 copy), built at the first greedy step.
+memory (the bf16 copy), built when the model is loaded.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ class GreedyHead:
                  logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._logits = logits  # the model's compute_logits: the fp32 head, for what the screen leaves
         self._head: screen.ScreenedHead | None = None
+        self.max_rows = min(screen.max_rows(), MAX_KERNEL_ROWS)
         reason = unusable_reason(lm_head, softcapping)
+        if reason is None and self.max_rows == 0:
+            reason = f"{screen.MAX_ROWS_ENV}=0"
         if reason is None:
             assert isinstance(lm_head, PackedLinear)
             self._head = screen.ScreenedHead.build(lm_head.wp.data, lm_head.out_features)
-            log.info("greedy steps screen the LM head in bf16 (+%.1f MiB)", self._head.nbytes / 2**20)
+            log.info("greedy steps of up to %d rows screen the LM head in bf16 (+%.1f MiB)", self.max_rows,
+                     self._head.nbytes / 2**20)
         else:
             log.info("greedy steps run the whole fp32 LM head: %s", reason)
 
@@ -56,7 +61,7 @@ class GreedyHead:
         """int64 ``[rows]`` for ``hidden [rows, K]``."""
         head = self._head
         if (head is None or native.switched_off(screen.ENV_SWITCH) or hidden.dtype is not torch.float32
-                or hidden.dim() != 2 or hidden.shape[0] > MAX_KERNEL_ROWS):
+                or hidden.dim() != 2 or hidden.shape[0] > self.max_rows):
             return argmax(self._logits(hidden))
         ids = head.argmax(hidden, screen.MAX_CANDIDATES)
         missed = (ids < 0).nonzero().flatten()

@@ -95,7 +95,7 @@ class DecoderForCausalLM(nn.Module):
         # The decode step as one native call (fused_decode.py): built at the first decode step for the cache
         # it sees, None where the modules must run
         self._fused: tuple[PagedKVCache, FusedDecode | None] | None = None
-        self._greedy: GreedyHead | None = None  # built at the first greedy step (the head is packed by then)
+        self._greedy: GreedyHead | None = None  # build_greedy_head, once the head is packed
 
     @property
     def needs_full_gather(self) -> bool:
@@ -153,10 +153,16 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def build_greedy_head(self) -> None:
+        """Make the bf16 screen of the LM head (greedy_head.py) now, once the weights are in place: its
+        memory is then taken before the KV cache is sized, and a bad setting fails at start, not in a step."""
+        self._greedy = GreedyHead(self.lm_head, self.cfg.final_logit_softcapping, self.compute_logits)
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``argmax(compute_logits(hidden))`` per row (int64), through the bf16 screen where it runs."""
         if self._greedy is None:
-            self._greedy = GreedyHead(self.lm_head, self.cfg.final_logit_softcapping, self.compute_logits)
+            self.build_greedy_head()
+        assert self._greedy is not None
         return self._greedy.tokens(hidden)
 
 

@@ -43,6 +43,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.full_precision_layers = full_precision_layers
         self.model = load_model(cfg, self.dtype, self.device, max_len=max_model_len)
+        self.model.build_greedy_head()
         # Summed layer by layer: full-precision layers of a mixed cache cost more than the quantized ones,
         # so the block count from a byte budget must use the real per-block total.
         self.block_bytes = PagedKVCache.bytes_per_block(
