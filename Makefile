@@ -36,6 +36,7 @@ bench: setup
 	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
 	$(PY) -m pdcluster.bench.served_vs_hf --threads 2 --repeats 3 --native-off-too
 	GOMP_SPINCOUNT=2000 $(PY) -m pdcluster.bench.native_linear --threads 2 --repeats 15
+	$(PY) -m pdcluster.bench.screen_head --threads 2 --repeats 40
 	GOMP_SPINCOUNT=2000 $(PY) -m pdcluster.bench.native_attention --threads 2
 	$(PY) -m pdcluster.bench.fused_step --threads 2 --repeats 8
 	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
