@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         t0 = time.perf_counter()
                         fn(hs[i % len(hs)])
                         times[name].append(time.perf_counter() - t0)
-                row = {f"{name}_ms": round(1e3 * statistics.median(t), 3) for name, t in times.items()}
+                row: dict[str, Any] = {f"{name}_ms": round(1e3 * statistics.median(t), 3) for name, t in times.items()}
                 row["ratio_paired_median"] = round(statistics.median(
                     f / s for f, s in zip(times["fp32"], times["screen"], strict=True)), 2)
                 row["undecided_rows"] = f"{undecided}/{m * len(hs)}"
