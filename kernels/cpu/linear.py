@@ -31,16 +31,27 @@ MIN_TASK_MACS = 1 << 17
 ROWS_PER_CHUNK = 6  # linear.cpp's MAX_MR
 PREFETCH_ITEMS = 32
 MIN_PREFETCH_PANELS = 128
+# Decode-sized products (up to LONG_ITEM_ROWS rows) are shared in ITEMS_PER_THREAD items per pool thread:
+# long runs of panels, so nearly every panel has a next one streaming in while it computes. On the second
+# benchmark host (Xeon model 207, eleventh pass) a step's 33 products went 1.20-1.25x faster at 16 rows,
+# 1.08-1.22x at 4, 1.24x at 8, 1.01-1.03x at 1 (the first host had measured 0.97-0.99x for larger items);
+# an item count that is not a multiple of the threads lost to the imbalance (3 items on 2 threads: 1.08x at
+# 16 rows), and prefill-sized products kept the old rule (4 items at 512 rows: 0.94x).
+LONG_ITEM_ROWS = 16
+ITEMS_PER_THREAD = 2
 
 
-def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS) -> int:
-    """Panels per shared item of an ``m``-row product over ``panels`` panels of depth ``k``; 0 = the calling
-    thread only (a product of one item)."""
+def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS, threads: int | None = None) -> int:
+    """Panels per shared item of an ``m``-row product over ``panels`` panels of depth ``k`` on ``threads``
+    pool threads (torch's count by default); 0 = the calling thread only (a product of one item)."""
     per_panel = m * k * NR
     if per_panel == 0:  # no rows (a step can carry an empty chunk) or K = 0: nothing to split
         return 0
     g = max(1, -(-min_task_macs // per_panel))
-    if m > ROWS_PER_CHUNK and panels >= MIN_PREFETCH_PANELS:
+    if m <= LONG_ITEM_ROWS:
+        items = ITEMS_PER_THREAD * max(1, threads if threads is not None else torch.get_num_threads())
+        g = max(g, -(-panels // items))
+    elif panels >= MIN_PREFETCH_PANELS:
         g = max(g, panels // PREFETCH_ITEMS)
     return 0 if g >= panels else g
 

@@ -57,15 +57,21 @@ def test_kernel_is_row_order_independent_and_takes_strided_rows() -> None:
 
 
 def test_threading_policy() -> None:
-    assert L.grain(1, 512, 8, min_task_macs=1 << 22) == 0  # 256K multiply-adds: one thread
-    assert L.grain(16, 512, 50, min_task_macs=1 << 22) == 8  # 8 panels x 512K = 4M per task
-    assert L.grain(1, 512, 500, min_task_macs=0) == 1
-    assert L.grain(64, 4096, 2, min_task_macs=1) == 1
+    # decode-sized products: ITEMS_PER_THREAD long items per thread, never smaller than min_task_macs
+    assert L.grain(1, 512, 8, min_task_macs=1 << 22, threads=2) == 0  # 256K multiply-adds: one thread
+    assert L.grain(16, 512, 50, min_task_macs=1 << 22, threads=2) == 13  # 4 items of 13 panels (> 8 x 512K)
+    assert L.grain(16, 512, 50, min_task_macs=1 << 22, threads=8) == 8  # 16 items would hold < 4M each
+    assert L.grain(1, 512, 500, min_task_macs=0, threads=2) == 125
+    assert L.grain(16, 512, 43, min_task_macs=0, threads=2) == 11
+    assert L.grain(6, 512, 3, min_task_macs=0, threads=2) == 1
+    assert L.grain(16, 512, 4, min_task_macs=0, threads=1) == 2
+    assert L.grain(4, 512, 2, min_task_macs=0, threads=1) == 1
     assert L.grain(0, 512, 500) == 0  # no rows: no division by zero
-    # many panels at more than one row chunk: items of panels // PREFETCH_ITEMS, so panels prefetch their next
-    assert L.grain(16, 512, 500, min_task_macs=0) == 500 // L.PREFETCH_ITEMS
-    assert L.grain(6, 512, 500, min_task_macs=0) == 1  # one chunk: the small items stay
-    assert L.grain(16, 512, 43, min_task_macs=0) == 1  # few panels: the small items stay
+    assert L.grain(1, 512, 64, min_task_macs=0) == -(-64 // (L.ITEMS_PER_THREAD * torch.get_num_threads()))
+    # prefill-sized products: small items, or panels // PREFETCH_ITEMS where there are many panels
+    assert L.grain(64, 4096, 2, min_task_macs=1) == 1
+    assert L.grain(64, 512, 500, min_task_macs=0) == 500 // L.PREFETCH_ITEMS
+    assert L.grain(64, 512, 43, min_task_macs=0) == 1
 
 
 @needs_native
