@@ -123,6 +123,25 @@ def hf_run(model: Any, prompts: list[list[int]], new: int) -> tuple[float, float
     return b * new / wall, b * (new - 1) / (clock.times[-1] - clock.times[1]), out[:, ids.shape[1]:].tolist()
 
 
+def check_tokens(hf: Any, prompts: list[list[int]], hids: list[list[int]], sides: dict[str, list[list[int]]],
+                 new: int) -> int:
+    """Every side's greedy tokens equal HF's. A request where they differ from HF's *batched* generate is
+    checked against HF generating that prompt alone (the oracle of the equality tests): batched, HF's GEMMs
+    round differently and can flip a near-tie on their own. Returns how many requests that excused; any other
+    difference raises."""
+    flips = 0
+    for i, want in enumerate(hids):
+        if all(ids[i] == want for ids in sides.values()):
+            continue
+        alone = hf_run(hf, [prompts[i]], new)[2][0]
+        wrong = [name for name, ids in sides.items() if ids[i] != alone]
+        if wrong:
+            raise AssertionError(f"request {i}: {', '.join(wrong)} greedy tokens differ from HF generate (batched "
+                                 "and alone)")
+        flips += alone != want
+    return flips
+
+
 def engine_run(engine: Any, prompts: list[list[int]], new: int) -> tuple[float, float, list[list[int]]]:
     """The same requests through an in-process LLMEngine (no HTTP, no event loop): what serving costs on top."""
     from pdcluster.worker.engine.sampling_params import SamplingParams
@@ -232,18 +251,17 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
             asyncio.run(served_run(port_off, warm, 4, stream, a.client))
         samples: dict[str, list[float]] = {f"{side}_{kind}": [] for kind in ("whole", "decode") for side in sides}
         cpu_ms: list[float] = []  # the client's CPU per decode step (all `batch` streams), ms
+        hf_flips = 0
         for _ in range(a.repeats):  # interleaved, so both sides see the same background load
             prompts = torch.randint(10, 32000, (batch, a.prompt_len), generator=g).tolist()
             sw, sd, sids, client_cpu = asyncio.run(served_run(port, prompts, a.new_tokens, stream, a.client))
             cpu_ms.append(1e3 * client_cpu / a.new_tokens)
             hw, hd, hids = hf_run(hf, prompts, a.new_tokens)
             ew, ed, eids = engine_run(engine, prompts, a.new_tokens)
-            if not sids == eids == hids:
-                raise AssertionError(f"batch {batch}: served / in-process greedy tokens differ from HF generate")
+            hf_flips += check_tokens(hf, prompts, hids, {"served": sids, "in-process": eids}, a.new_tokens)
             if port_off:
                 ow, od, oids, _ = asyncio.run(served_run(port_off, prompts, a.new_tokens, stream, a.client))
-                if oids != hids:
-                    raise AssertionError(f"batch {batch}: served (native off) greedy tokens differ from HF generate")
+                hf_flips += check_tokens(hf, prompts, hids, {"served (off)": oids}, a.new_tokens)
                 samples["served_off_whole"].append(ow)
                 samples["served_off_decode"].append(od)
             for k, v in (("served_whole", sw), ("hf_whole", hw), ("served_decode", sd), ("hf_decode", hd),
@@ -252,6 +270,7 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
         row = _row(samples)
         row["client"] = a.client
         row["client_cpu_ms_per_step_median"] = round(statistics.median(cpu_ms), 2)
+        row["hf_batched_flips"] = hf_flips
         if batch == 1 and stream:
             row["served_decode_pct_roofline"] = round(100 * row["served_decode_median"] / roofline, 1)
             row["hf_decode_pct_roofline"] = round(100 * row["hf_decode_median"] / roofline, 1)
@@ -269,7 +288,9 @@ def _measure(a: argparse.Namespace, hf: Any, engine: Any, port: int, stream: boo
               + (f"; native off: served {row['served_off_decode_median']:.1f} decode tok/s, off/HF "
                  f"{row['decode_off_hf_paired_median']:.2f}x, on/off {row['decode_on_off_paired_median']:.2f}x"
                  if port_off else "")
-              + f" | {a.client} client CPU {row['client_cpu_ms_per_step_median']:.2f} ms a step | {row['samples']}")
+              + f" | {a.client} client CPU {row['client_cpu_ms_per_step_median']:.2f} ms a step"
+              + (f" | HF's batched generate flipped {hf_flips} request(s) against HF alone" if hf_flips else "")
+              + f" | {row['samples']}")
     return results
 
 

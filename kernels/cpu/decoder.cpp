@@ -107,5 +107,11 @@ void bind_decoder(pybind11::module_& m) {
                           const std::vector<int64_t>&, const Tensors&, const Tensors&, at::Tensor, double>())
       .def("forward", &DecodePlan::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("grains"),
+           pybind11::arg("parallel_min"))
+      // The same step with the GIL released for its duration: a server's event loop thread can then stream the
+      // previous step's tokens while this one computes (one release a step; see fused_decode.py)
+      .def("forward_released", &DecodePlan::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("grains"),
            pybind11::arg("parallel_min"));
 }

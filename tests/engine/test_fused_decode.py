@@ -131,3 +131,23 @@ def test_a_plan_with_inconsistent_layers_is_refused() -> None:
     with pytest.raises(RuntimeError, match="per-layer list"):
         mod.DecodePlan(2, 1, 4, 8, 0.5, 0.0, [w], [w, w], [1e-6], [1e-6], [w], [None], [w], [None], [w], [w], [0],
                        [w], [w], w, 1e-6)
+
+
+@pytest.mark.parametrize("value", ["hold", "release", ""])
+def test_the_gil_policy_is_read_and_checked(monkeypatch, value) -> None:
+    from pdcluster.worker.engine import fused_decode
+
+    monkeypatch.setenv(fused_decode.GIL_ENV, value)
+    assert fused_decode.gil_policy() == (value or "release")
+    monkeypatch.setenv(fused_decode.GIL_ENV, "sometimes")
+    with pytest.raises(ValueError, match=fused_decode.GIL_ENV):
+        fused_decode.gil_policy()
+
+
+def test_holding_or_releasing_the_gil_gives_the_same_bits(make_engine: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          plan_calls: list[int]) -> None:
+    released = run_with_logits(make_engine(debug_logits=True), PROMPTS)
+    monkeypatch.setenv(fused_decode.GIL_ENV, "hold")
+    held = run_with_logits(make_engine(debug_logits=True), PROMPTS)
+    assert plan_calls
+    _assert_same(released, held)

@@ -16,6 +16,7 @@ benchmark can flip it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdcluster.engine")
 SWITCH = "PDCLUSTER_NATIVE_DECODER"
+GIL_ENV = "PDCLUSTER_NATIVE_DECODER_GIL"  # "release" (default) or "hold": whether other threads run during a step
+
+
+def gil_policy() -> str:
+    """``release`` (default): the step runs without the GIL, so a server's event loop streams the last step's
+    tokens meanwhile; ``hold``: the GIL stays held through the step (``PDCLUSTER_NATIVE_DECODER_GIL``)."""
+    value = os.environ.get(GIL_ENV, "") or "release"
+    if value not in ("release", "hold"):
+        raise ValueError(f"{GIL_ENV} must be 'release' or 'hold', not {value!r}")
+    return value
 
 
 class FusedDecode:
@@ -50,6 +61,7 @@ class FusedDecode:
         self._shapes = [(int(p.wp.shape[1]), int(p.wp.shape[0])) for p in (
             first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         self._grains: dict[int, list[int]] = {}  # row count -> panels per shared item of each product
+        self._forward = plan.forward if gil_policy() == "hold" else plan.forward_released
 
     def usable(self, x: torch.Tensor, md: AttnMetadata) -> bool:
         """This step can take the plan: a pure decode step, fp32 rows, every switch still on."""
@@ -63,8 +75,8 @@ class FusedDecode:
         grains = self._grains.get(rows)
         if grains is None:
             grains = self._grains[rows] = [native_linear.grain(rows, k, nb) for k, nb in self._shapes]
-        out: torch.Tensor = self.plan.forward(x, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens, grains,
-                                              cpu_attention.PARALLEL_MIN)
+        out: torch.Tensor = self._forward(x, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens, grains,
+                                          cpu_attention.PARALLEL_MIN)
         return out
 
 
