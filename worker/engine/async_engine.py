@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -61,9 +62,29 @@ class RequestStream:
             self.owner.abort(self.request_id)
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:  # on the streams' event loop
+DRAIN_ENV = "PDCLUSTER_ENGINE_DRAIN_WAIT_MS"
+DEFAULT_DRAIN_WAIT_MS = 10.0
+
+
+def drain_wait_s() -> float:
+    """How long the engine thread waits, after a step, for the event loops to write that step's outputs
+    (``PDCLUSTER_ENGINE_DRAIN_WAIT_MS``, default 10; 0 = not at all)."""
+    raw = os.environ.get(DRAIN_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_DRAIN_WAIT_MS
+    except ValueError:
+        raise ValueError(f"{DRAIN_ENV} must be a number of milliseconds >= 0, not {raw!r}") from None
+    if not 0.0 <= value <= 1000.0:
+        raise ValueError(f"{DRAIN_ENV} must be in [0, 1000] milliseconds, not {raw!r}")
+    return value / 1e3
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]], drained: threading.Event | None) -> None:
+    # on the streams' event loop
     for stream, out in items:
         stream.queue.put_nowait(out)
+    if drained is not None:  # behind the streams the puts just woke: set once they have written their chunks
+        asyncio.get_running_loop().call_soon(drained.set)
 
 
 class AsyncEngine:
@@ -77,6 +98,7 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats: dict[str, float | int] = engine.stats()
+        self._drain_wait = drain_wait_s()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -236,22 +258,32 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()
             self._stats = engine.stats()  # before the outputs: a caller that saw them sees these stats
-            self._deliver(outputs)
+            for drained in self._deliver(outputs):
+                drained.wait(self._drain_wait)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> list[threading.Event]:
         """Hand a step's outputs to their streams with one wake-up per event loop, not one per output: each
         call_soon_threadsafe is a self-pipe write and a loop iteration, and at batch 16 those 16 wake-ups per
-        step were event-loop work competing with the next step for the same cores."""
+        step were event-loop work competing with the next step for the same cores. Returns an event per loop,
+        set once it has written them: the engine thread waits on these (up to ``drain_wait_s``) before the
+        next step. The step holds the GIL, and a loop that gave it up at every poll got one iteration a step:
+        its streams fell behind by tens of ms, then delivered their tokens in bursts (eleventh pass)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
+        events: list[threading.Event] = []
         for loop, items in by_loop.items():
+            drained = threading.Event() if self._drain_wait > 0 else None
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_put_all, items, drained)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 log.debug("dropped %d outputs for a closed event loop", len(items))
+                continue
+            if drained is not None:
+                events.append(drained)
+        return events
 
     def _run_commands(self) -> None:
         while True:
