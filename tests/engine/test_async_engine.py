@@ -143,3 +143,15 @@ async def test_one_event_loop_wakeup_per_step(aengine, monkeypatch):
     steps = aengine.engine.counters["steps"]
     # each add_request's Future also completes through call_soon_threadsafe: n of those at most
     assert len(calls) <= steps + n, (len(calls), steps)
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [("", 0.01), ("0", 0.0), ("2.5", 0.0025)])
+def test_the_drain_wait_is_read_and_checked(monkeypatch, raw, seconds) -> None:
+    from pdcluster.worker.engine import async_engine
+
+    monkeypatch.setenv(async_engine.DRAIN_ENV, raw)
+    assert async_engine.drain_wait_s() == pytest.approx(seconds)
+    for bad in ("soon", "-1", "5000"):
+        monkeypatch.setenv(async_engine.DRAIN_ENV, bad)
+        with pytest.raises(ValueError, match=async_engine.DRAIN_ENV):
+            async_engine.drain_wait_s()
