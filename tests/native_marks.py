@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels.cpu import native, screen
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
                                   reason=f"native kernels unavailable here: {native.unavailable_reason()}")
+# The bf16 screen of greedy's LM head also needs AVX512-BF16 (kernels/cpu/screen.py says what is missing)
+needs_screen = pytest.mark.skipif(screen.unavailable_reason() is not None,
+                                  reason=f"the bf16 screen cannot run here: {screen.unavailable_reason()}")

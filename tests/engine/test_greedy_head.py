@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.kernels.cpu import native, screen
+from pdcluster.kernels.cpu import screen
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from tests.native_marks import needs_screen
 
 from .conftest import GREEDY, hf_greedy, prompt_of
 
-pytestmark = pytest.mark.skipif(
-    native.unavailable_reason() is not None or screen.unavailable_reason() is not None,
-    reason=f"the bf16 screen cannot run here: {native.unavailable_reason() or screen.unavailable_reason()}")
+pytestmark = needs_screen
 
 LENGTHS = [1, 2, 15, 16, 17, 33, 100]
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -8,11 +8,8 @@ import torch
 
 from pdcluster.kernels.cpu import argmax as A
 from pdcluster.kernels.cpu import linear as L
-from pdcluster.kernels.cpu import native, screen, step
-
-needs_screen = pytest.mark.skipif(
-    native.unavailable_reason() is not None or screen.unavailable_reason() is not None,
-    reason=f"the bf16 screen cannot run here: {native.unavailable_reason() or screen.unavailable_reason()}")
+from pdcluster.kernels.cpu import screen, step
+from tests.native_marks import needs_screen
 
 
 def exact(h: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:

@@ -266,8 +266,9 @@ class AsyncEngine:
         call_soon_threadsafe is a self-pipe write and a loop iteration, and at batch 16 those 16 wake-ups per
         step were event-loop work competing with the next step for the same cores. Returns an event per loop,
         set once it has written them: the engine thread waits on these (up to ``drain_wait_s``) before the
-        next step. The step holds the GIL, and a loop that gave it up at every poll got one iteration a step:
-        its streams fell behind by tens of ms, then delivered their tokens in bursts (eleventh pass)."""
+        next step. Without the wait a loop gave up the GIL at every poll and the engine thread took it for the
+        next step: one loop iteration a step, so streams fell behind by tens of ms, then delivered their
+        tokens in bursts (eleventh pass)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -153,17 +153,15 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def build_greedy_head(self) -> None:
+    def build_greedy_head(self) -> GreedyHead:
         """Make the bf16 screen of the LM head (greedy_head.py) now, once the weights are in place: its
         memory is then taken before the KV cache is sized, and a bad setting fails at start, not in a step."""
         self._greedy = GreedyHead(self.lm_head, self.cfg.final_logit_softcapping, self.compute_logits)
+        return self._greedy
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``argmax(compute_logits(hidden))`` per row (int64), through the bf16 screen where it runs."""
-        if self._greedy is None:
-            self.build_greedy_head()
-        assert self._greedy is not None
-        return self._greedy.tokens(hidden)
+        return (self._greedy or self.build_greedy_head()).tokens(hidden)
 
 
 # The name the rest of the engine has always imported

@@ -132,22 +132,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits (float32) for the sequences that sample a token this step, in batch order."""
-        self.run_copies(batch.copies)
-        if not batch.seqs:
-            return torch.empty(0, self.cfg.vocab_size)
-        return self.model.compute_logits(self._hidden(batch, layer_hook))
+        hidden = self._hidden(batch, layer_hook)
+        return torch.empty(0, self.cfg.vocab_size) if hidden is None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute_greedy(self, batch: Batch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """The greedy token (int64) of each sequence that samples this step, in batch order: what argmax of
         ``execute``'s logits gives, without the whole head where the screen runs (greedy_head.py)."""
+        hidden = self._hidden(batch, layer_hook)
+        return torch.empty(0, dtype=torch.long) if hidden is None else self.model.greedy_tokens(hidden)
+
+    def _hidden(self, batch: Batch, layer_hook: Callable[[int], None] | None) -> torch.Tensor | None:
+        """The step's block copies, then the final hidden states of the rows that sample (None: no sequences)."""
         self.run_copies(batch.copies)
         if not batch.seqs:
-            return torch.empty(0, dtype=torch.long)
-        return self.model.greedy_tokens(self._hidden(batch, layer_hook))
-
-    def _hidden(self, batch: Batch, layer_hook: Callable[[int], None] | None) -> torch.Tensor:
-        """The final hidden states of the rows that sample this step."""
+            return None
         sample_idx: torch.Tensor | None  # None: every row samples
         if batch.num_decode:
             md, input_ids, sample_idx = self._prepare_mixed(batch)
