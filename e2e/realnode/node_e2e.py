@@ -81,15 +81,27 @@ def http_text(url: str, timeout: float = 30) -> str:
 def port_forward(kube: Kube, ns: str, target: str, remote: int) -> Iterator[int]:
     """`kubectl port-forward` (API server -> kubelet -> the pod's netns) to a loopback port."""
     port = free_port()
-    proc = subprocess.Popen([str(KUBECTL), "--kubeconfig", kube.kubeconfig, "-n", ns, "port-forward",
-                             "--address", "127.0.0.1", target, f"{port}:{remote}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Its output goes to a file, never an unread pipe: kubectl prints a line per connection, and a scenario
+    # of ~2,000 requests fills a 64 KiB pipe, after which kubectl blocks on the write and every request
+    # through the forward hangs (test_14 timed out on exactly that).
+    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = CLUSTER_DIR / f"port-forward-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(KUBECTL), "--kubeconfig", kube.kubeconfig, "-n", ns, "port-forward",
+                                 "--address", "127.0.0.1", target, f"{port}:{remote}"],
+                                stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until(f"port-forward to {target}", lambda: _health(port), timeout=60)
+        wait_until(f"port-forward to {target} (log {log_path})", lambda: _health(port), timeout=60)
         yield port
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            lines = log_path.read_text(errors="replace").splitlines()
+            errors = [ln for ln in lines if not ln.startswith(("Forwarding from", "Handling connection"))]
+            if errors:  # what kubectl said besides its per-connection lines (lost connections, resets)
+                print(f"port-forward {target}: " + " | ".join(errors[-5:]))
+            log_path.unlink()
 
 
 def _health(port: int) -> bool:

@@ -97,6 +97,23 @@ def _query(url: str, q: str) -> list[dict[str, Any]]:
     return list(httpx.get(f"{url}/api/v1/query", params={"query": q}, timeout=5).json()["data"]["result"])
 
 
+def _prometheus_view(url: str, name: str) -> str:
+    """Per-pod series the scenario depends on, as Prometheus has them now (for a failure's report)."""
+    sel = f'pdcluster="{name}"'
+    lines = []
+    for q in (f"up{{{sel}}}", f"increase(pdcluster_requests_total{{{sel}}}[1m])",
+              f"rate(pdcluster_generation_tokens_total{{{sel}}}[20s])", f"pdcluster_requests_waiting{{{sel}}}"):
+        try:
+            rows = [f"{r['metric'].get('role')}/{r['metric'].get('pod')}"
+                    + "".join(f" {k}={v}" for k, v in sorted(r["metric"].items())
+                              if k not in ("__name__", "role", "pod", "pdcluster", "instance", "job"))
+                    + f" = {r['value'][1]}" for r in _query(url, q)]
+        except Exception as e:  # noqa: BLE001 - a report, not a check
+            rows = [f"query failed: {e!r}"]
+        lines.append(f"{q}:\n  " + "\n  ".join(rows or ["(no series)"]))
+    return "\n".join(lines)
+
+
 def _replicas(kube: Kube, ns: str, name: str) -> tuple[int, int]:
     d = deployments(kube, ns, name)["decode"]
     return int(d["spec"]["replicas"]), int((d.get("status") or {}).get("readyReplicas") or 0)
@@ -114,6 +131,8 @@ def test_autoscaler_fed_by_prometheus_follows_the_load(kube: Kube, app_ns: str, 
             timeline.append((round(time.monotonic() - t0, 1), phase, want, ready_n))
         return want, ready_n
 
+    load: list[Traffic] = []
+    trickle: Traffic | None = None
     try:
         sel = f'pdcluster="{name}"'
         wait_until("Prometheus scraping the router, prefill and decode pods", lambda: {
@@ -145,9 +164,11 @@ def test_autoscaler_fed_by_prometheus_follows_the_load(kube: Kube, app_ns: str, 
                                timeout=300, interval=2)
                     peak = sample("load")[0]
                     # each Ready decode pod took requests (Prometheus' view of the pods' own counters)
-                    wait_until("every decode pod served requests", lambda: len([
-                        r for r in _query(prometheus, f'increase(pdcluster_requests_total{{{sel},role="decode"}}[1m]) > 0')
-                    ]) >= peak, timeout=120, interval=2)
+                    # (distinct pods: a pod exports several requests_total series, one per outcome)
+                    wait_until("every decode pod served requests", lambda: len({
+                        r["metric"].get("pod") for r in _query(
+                            prometheus, f'increase(pdcluster_requests_total{{{sel},role="decode"}}[1m]) > 0')
+                    }) >= peak, timeout=120, interval=2)
                 finally:
                     for c in load:
                         c.__exit__(None, None, None)
@@ -168,6 +189,13 @@ def test_autoscaler_fed_by_prometheus_follows_the_load(kube: Kube, app_ns: str, 
         assert not failures, failures[:10]
         assert ok > 10
     except BaseException:
+        # what a failed run needs to be read afterwards: the replica timeline, the clients' counts and what
+        # Prometheus and the autoscaler saw at the end (the CI log keeps only part of the pod dump)
+        clients = [(c.ok, len(c.failures), c.failures[-3:]) for c in (*load, *([trickle] if trickle else []))]
+        print("\ntimeline: " + "; ".join(f"t={t}s {ph} decode {w}/{r}" for t, ph, w, r in timeline))
+        print(f"clients (ok, failures, last failures): {clients}")
+        print(_prometheus_view(prometheus, name))
+        print("autoscaler: " + json.dumps(((kube.get("pdc", name, app_ns) or {}).get("status") or {}).get("autoscaler")))
         print(dump(kube, app_ns))
         raise
     finally:  # leave the example as test_15 expects it: autoscaling off
