@@ -25,6 +25,7 @@
 #include "pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -273,7 +274,47 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& wb, const at:
   return out;
 }
 
+// The screen wins at many rows only where VDPBF16PS (32 multiply-adds) retires about as often as
+// VFMADD231PS (16): Zen 4 1.0 (the screen 1.5x at 16 rows), the Emerald Rapids Xeon it was first measured
+// on ~0.25 (1.3 vs 5.2 G/s; 0.85-0.98x from 8 rows). So the row limit comes from this probe of the core that
+// runs it: both instructions in 12 independent register chains (more than latency x throughput on either),
+// no memory, best of 3 alternating runs. Returns the dot product's instruction rate over the FMA's.
+namespace {
+constexpr int CHAINS = 12;
+template <bool DOT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) double chain_seconds(int64_t iters) {
+  __m512 acc[CHAINS];
+  for (int j = 0; j < CHAINS; ++j) acc[j] = _mm512_set1_ps(1e-3f * static_cast<float>(j));
+  const __m512 a = _mm512_set1_ps(1e-7f);
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 ~6e-8: the sums stay small and finite
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < CHAINS; ++j) acc[j] = DOT ? _mm512_dpbf16_ps(acc[j], b, b) : _mm512_fmadd_ps(acc[j], a, a);
+  }  // (no asm barrier: one slowed both to ~40 %; the chains' dependences and the sink keep every instruction)
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = acc[0];
+  for (int j = 1; j < CHAINS; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  volatile float sink = _mm512_reduce_add_ps(sum);  // keep every chain live
+  (void)sink;
+  return dt;
+}
+}  // namespace
+
+double bf16_dot_rate_ratio(int64_t iters) {
+  TORCH_CHECK(iters > 0, "iters must be positive");
+  double fma = 1e30, dot = 1e30;
+  for (int r = 0; r < 3; ++r) {
+    fma = std::min(fma, chain_seconds<false>(iters));
+    dot = std::min(dot, chain_seconds<true>(iters));
+  }
+  return fma / dot;
+}
+
 void bind_screen(pybind11::module_& m) {
+  m.def("bf16_dot_rate_ratio", &bf16_dot_rate_ratio,
+        "VDPBF16PS instructions a second over VFMADD231PS, on the calling thread (register-only probe)",
+        pybind11::arg("iters") = 100000);
   m.def("screen_pack", &screen_pack, "bf16 panels of an LM head and its per-row error coefficients");
   m.def("screen_argmax", &screen_argmax, "argmax of x @ W.T as linear.cpp gives it, screened in bf16 (-1: undecided)",
         pybind11::arg("x"), pybind11::arg("wb"), pybind11::arg("coef"), pybind11::arg("wp"), pybind11::arg("n"),

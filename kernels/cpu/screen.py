@@ -9,6 +9,7 @@ the native module loads and the CPU has AVX512-BF16; ``PDCLUSTER_NATIVE_SCREEN=0
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -23,13 +24,17 @@ CPU_FLAG = "avx512_bf16"  # VDPBF16PS and VCVTNEPS2BF16 (Zen 4, Sapphire Rapids,
 # tokens has found a near-tie it cannot settle cheaply (64 exact logits cost ~1/500 of a 32k-vocab head)
 MAX_CANDIDATES = 64
 PANELS_PER_ITEM = 16  # items of the shared product (pool.h): ~32 for a 32k vocabulary
-# Steps with more rows run the fp32 head. VDPBF16PS retires at half the rate of VFMADD231PS on the Xeon
-# this was measured on (family 6 model 207: 1.3 vs 5.2 G instructions/s, i.e. 16 vs 32 multiply-adds a
-# cycle), so the screen wins only while the head is bound by its bytes: 1.3-1.5x up to 6 rows (one
-# register block), 0.84-0.90x from 8 rows (docs/benchmarks/engine.md, "Eleventh pass"). A CPU with a faster
-# bf16 dot product can raise it: PDCLUSTER_NATIVE_SCREEN_MAX_ROWS.
+# Steps with more rows than the limit run the fp32 head. The limit depends on the core: VDPBF16PS does 32
+# multiply-adds to VFMADD231PS's 16, and where it retires about as often (Zen 4: rate ratio 1.0) the screen
+# wins at every row count measured (1.5-1.9x at 8 to 64 rows); where it retires at a quarter of the rate
+# (Emerald Rapids: 1.3 vs 5.2 G instructions/s) it wins only while the head is bound by its bytes, up to 6
+# rows (one register block), and loses from 8 (0.85-0.98x). docs/benchmarks/engine.md, "Eleventh pass" and
+# "Twelfth pass". The ratio is probed once per process (screen.cpp, a few ms, registers only);
+# PDCLUSTER_NATIVE_SCREEN_MAX_ROWS overrides the limit.
 MAX_ROWS_ENV = "PDCLUSTER_NATIVE_SCREEN_MAX_ROWS"
-DEFAULT_MAX_ROWS = 6
+SLOW_DOT_MAX_ROWS = 6
+FAST_DOT_MAX_ROWS = 64
+FAST_DOT_RATIO = 0.75  # dot/FMA instruction rate from which the fast limit applies (1.5x the multiply-adds)
 
 
 def unavailable_reason() -> str | None:
@@ -46,11 +51,28 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
+def dot_rate_ratio() -> float | None:
+    """VDPBF16PS over VFMADD231PS instruction rate on this core (screen.cpp's probe), or None where the
+    screen cannot run."""
+    mod = step.module()
+    if mod is None or CPU_FLAG not in native.cpu_flags():
+        return None
+    return float(mod.bf16_dot_rate_ratio())
+
+
+def default_max_rows() -> int:
+    """The row limit this core's bf16 dot-product rate calls for (see FAST_DOT_RATIO)."""
+    ratio = dot_rate_ratio()
+    return FAST_DOT_MAX_ROWS if ratio is not None and ratio >= FAST_DOT_RATIO else SLOW_DOT_MAX_ROWS
+
+
 def max_rows() -> int:
-    """Rows up to which a step takes the screen (``PDCLUSTER_NATIVE_SCREEN_MAX_ROWS``, default 6)."""
+    """Rows up to which a step takes the screen: ``PDCLUSTER_NATIVE_SCREEN_MAX_ROWS``, else
+    ``default_max_rows()`` (64 where the bf16 dot product is fast, 6 where it is not)."""
     raw = os.environ.get(MAX_ROWS_ENV, "")
     if not raw:
-        return DEFAULT_MAX_ROWS
+        return default_max_rows()
     try:
         value = int(raw)
     except ValueError:

@@ -112,3 +112,27 @@ def test_bad_input_is_a_clear_error() -> None:
 def test_off_switch_and_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(screen.ENV_SWITCH, "0")
     assert screen.unavailable_reason() == f"{screen.ENV_SWITCH}=0"
+
+
+@needs_screen
+def test_the_dot_rate_probe_measures_this_core() -> None:
+    mod = step.module()
+    assert mod is not None
+    ratios = [mod.bf16_dot_rate_ratio(20000) for _ in range(2)]
+    # a rate ratio, not a constant: positive and finite, within what any core could do (the dot product
+    # retires at most ~2x and at least ~1/8 as often as the FMA on every AVX512-BF16 core known)
+    assert all(0.05 < r < 4.0 for r in ratios), ratios
+    with pytest.raises(RuntimeError, match="iters"):
+        mod.bf16_dot_rate_ratio(0)
+    assert screen.dot_rate_ratio() == screen.dot_rate_ratio(), "probed once per process"
+
+
+@pytest.mark.parametrize(("ratio", "rows"), [(1.0, screen.FAST_DOT_MAX_ROWS), (0.75, screen.FAST_DOT_MAX_ROWS),
+                                             (0.25, screen.SLOW_DOT_MAX_ROWS), (None, screen.SLOW_DOT_MAX_ROWS)])
+def test_the_row_limit_follows_the_probe_unless_set(monkeypatch: pytest.MonkeyPatch, ratio: float | None,
+                                                    rows: int) -> None:
+    monkeypatch.setattr(screen, "dot_rate_ratio", lambda: ratio)
+    monkeypatch.delenv(screen.MAX_ROWS_ENV, raising=False)
+    assert screen.max_rows() == rows
+    monkeypatch.setenv(screen.MAX_ROWS_ENV, "3")  # the setting wins over the probe either way
+    assert screen.max_rows() == 3

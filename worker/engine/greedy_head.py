@@ -48,8 +48,10 @@ class GreedyHead:
         if reason is None:
             assert isinstance(lm_head, PackedLinear)
             self._head = screen.ScreenedHead.build(lm_head.wp.data, lm_head.out_features)
-            log.info("greedy steps of up to %d rows screen the LM head in bf16 (+%.1f MiB)", self.max_rows,
-                     self._head.nbytes / 2**20)
+            ratio = screen.dot_rate_ratio()
+            log.info("greedy steps of up to %d rows screen the LM head in bf16 (+%.1f MiB; this core's bf16 dot "
+                     "product retires at %s the FMA's rate)", self.max_rows, self._head.nbytes / 2**20,
+                     "?" if ratio is None else f"{ratio:.2f}x")
         else:
             log.info("greedy steps run the whole fp32 LM head: %s", reason)
 
