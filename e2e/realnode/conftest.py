@@ -39,7 +39,26 @@ def real_node(kube: Kube) -> str:
         c["type"] == "Ready" and c["status"] == "True"
         for c in (kube.get("node", NODE_NAME, "") or {}).get("status", {}).get("conditions", [])), timeout=120)
     assert_routes()  # before any traffic to a pod or service address
+    # A kept cluster (PDCLUSTER_E2E_KEEP, or a second run soon after the first) still holds the last run's
+    # pods while their namespaces terminate (grace period: the request timeout + 30 s): their CPU requests
+    # would leave this run's second decode pod Pending (Insufficient cpu) on a 2-CPU node.
+    earlier = _earlier_pods(kube)
+    if earlier:
+        print(f"waiting for {len(earlier)} pods of earlier runs' terminating namespaces to leave {NODE_NAME}: "
+              f"{earlier[:6]}")
+        wait_until("earlier runs' pods gone from the node", lambda: not _earlier_pods(kube), timeout=300, interval=3)
     return NODE_NAME
+
+
+def _earlier_pods(kube: Kube) -> list[str]:
+    """Pods on the real node whose namespace is being deleted."""
+    terminating = {n["metadata"]["name"] for n in kube.json("get", "namespaces")["items"]
+                   if (n.get("status") or {}).get("phase") == "Terminating"}
+    if not terminating:
+        return []
+    on_node = kube.json("get", "pods", "-A", "--field-selector", f"spec.nodeName={NODE_NAME}")["items"]
+    return [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in on_node
+            if p["metadata"]["namespace"] in terminating]
 
 
 @pytest.fixture(scope="session")
