@@ -41,6 +41,7 @@ bench: setup
 	$(PY) -m pdcluster.bench.fused_step --threads 2 --repeats 8
 	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
 	$(PY) -m pdcluster.bench.disagg_transfer
+	$(PY) -m pdcluster.bench.transfer_bound --sizes-mib 1,16 --reps 15   # a Python frame loop's ceiling
 
 # Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).
 TRACES ?= ../shared/traces
