@@ -10,8 +10,8 @@ blocking sockets and plain threads (a thread reads the ACKs): no event loop, no 
 outbox or placement bookkeeping. `--ack last` acknowledges only a request's last layer (what a cumulative ACK
 would cost). No handshake: the two processes share fixed keys (the handshake is once per connection).
 
-Raw TCP is measured as `transfer_pair` measures it (`sendall` of each layer, `recv_into` straight into the
-destination, one byte back) in the same two processes, rounds interleaved; each cell is the median, and
+Raw TCP is `transfer_pair`'s own raw path (its `raw_once` and `raw_sink`: `sendall` of each layer, `recv_into`
+straight into the destination, one byte back) in the same two processes, rounds interleaved; each cell is the median, and
 "paired" the median over rounds of raw's time / the frame loop's.
 """
 
@@ -21,7 +21,6 @@ import argparse
 import multiprocessing as mp
 import socket
 import statistics
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from pdcluster.bench.transfer_pair import (
+    DIM,
+    HEADS,
+    LayerCache,
+    raw_once,
+    raw_sink,
+    request_layers,
+    tokens_of,
+)
 from pdcluster.worker.transfer.frame import (
     PREAMBLE_SIZE,
     TRAILER_SIZE,
@@ -45,17 +53,15 @@ from pdcluster.worker.transfer.frame import (
     seal_frame,
 )
 
-HEADS, DIM = 8, 128
 KEY_DATA, KEY_ACK = b"d" * 32, b"a" * 32  # fixed keys: the handshake is not what is measured
-_HEAD = struct.Struct(">QQ")  # a raw request: layers, bytes per layer
 
 
 def shape(mib: int) -> tuple[int, int]:
-    """(layers, tokens) of a request of `mib`-MiB layers, as transfer_pair.request_layers sizes one."""
-    nbytes = mib << 20
-    return max(2, min(32, (512 << 20) // nbytes)), max(1, nbytes // (2 * HEADS * DIM * 4))
+    """(layers, tokens) of a request of `mib`-MiB layers, as transfer_pair sizes one."""
+    return request_layers(mib << 20), tokens_of(mib << 20)
 
 
+# Blocking counterparts of sockio.Conn's receive and send (which wait on the event loop: what this leaves out).
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -91,20 +97,12 @@ def send_all(sock: socket.socket, parts: Sequence[Any]) -> None:
 
 def _receiver(pipe: Connection, mib: int, ack_each: bool) -> None:
     layers, tokens = shape(mib)
-    dst = np.zeros((layers, 2, tokens, HEADS, DIM), dtype=np.float32)
+    cache = LayerCache(layers, tokens, codes=False)
+    cache.kv.zero_()  # first touch here, not in a timed round
+    dst = cache.kv.numpy()
     raw_srv, srv = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
     pipe.send((raw_srv.getsockname()[1], srv.getsockname()[1]))
-
-    def raw_sink() -> None:
-        conn, _ = raw_srv.accept()
-        flat = dst.reshape(layers, -1).view(np.uint8)
-        while len(head := conn.recv(_HEAD.size, socket.MSG_WAITALL)) == _HEAD.size:
-            n_layers, n = _HEAD.unpack(head)
-            for layer in range(n_layers):
-                recv_exact(conn, memoryview(flat[layer]).cast("B")[:n])
-            conn.sendall(b"k")
-
-    threading.Thread(target=raw_sink, daemon=True).start()
+    threading.Thread(target=raw_sink, args=(raw_srv, {False: cache}), daemon=True).start()
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     key_in, key_out = FrameKey(KEY_DATA), FrameKey(KEY_ACK)
@@ -189,19 +187,10 @@ def run(mib: int, reps: int, ack_each: bool = True) -> dict[str, Any]:
     raw_layers = [memoryview(src[i]).cast("B") for i in range(layers)]
     sender = _Sender(port, src, ack_each)
 
-    def raw_once() -> float:
-        t0 = time.perf_counter()
-        raw.sendall(_HEAD.pack(layers, len(raw_layers[0])))
-        for view in raw_layers:
-            raw.sendall(view)
-        if raw.recv(1) != b"k":
-            raise RuntimeError("raw sink closed")
-        return time.perf_counter() - t0
-
     times: dict[str, list[float]] = {"raw": [], "frames": []}
     try:
         for rnd in range(reps + 1):  # round 0 warms up
-            a, b = raw_once(), sender.request(f"r{rnd}")
+            a, b = raw_once(raw, raw_layers), sender.request(f"r{rnd}")
             if rnd:
                 times["raw"].append(a)
                 times["frames"].append(b)

@@ -119,7 +119,7 @@ def _nothing() -> None:
     pass
 
 
-def _raw_sink(srv: socket.socket, caches: dict[bool, LayerCache]) -> None:
+def raw_sink(srv: socket.socket, caches: dict[bool, LayerCache]) -> None:
     """Child thread: each raw request announces (layers, bytes per layer); each layer is received whole straight
     into that layer of the fp32 cache; one byte back when the request is in."""
     conn, _ = srv.accept()
@@ -147,7 +147,7 @@ async def _receiver_main(pipe: Any, module: str, nbytes: int) -> None:
     for c in caches.values():  # first touch here, not in a timed round
         c.kv.view(torch.uint8).fill_(0)
     srv = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_sink, args=(srv, caches), daemon=True).start()
+    threading.Thread(target=raw_sink, args=(srv, caches), daemon=True).start()
     kind: dict[str, bool] = {}  # request id -> whether its cache holds codes
     # numpy views made once, as the raw sink's: torch indexing + .numpy() per call cost 6.4 vs 0.8 us a layer here,
     # the harness's, not the transport's (the engine's own views are timed in its benchmarks)
@@ -196,7 +196,7 @@ def _receiver(pipe: Any, module: str, nbytes: int) -> None:
     asyncio.run(_receiver_main(pipe, module, nbytes))
 
 
-def _raw_once(sock: socket.socket, layers: list[memoryview]) -> float:
+def raw_once(sock: socket.socket, layers: list[memoryview]) -> float:
     t0 = time.perf_counter()
     sock.sendall(_HEAD.pack(len(layers), len(layers[0])))
     for data in layers:
@@ -269,7 +269,7 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
     for rnd in range(reps + 1):  # round 0 warms up (connections, first-touch of every buffer)
         for i, m in enumerate(modules):
             tag = "" if i == 0 else f"@{m}"
-            dt = _raw_once(raws[i], raw_layers)
+            dt = raw_once(raws[i], raw_layers)
             if rnd:
                 times.setdefault("raw" + tag, []).append(fp32 / dt)
             for name, _, codes in cases:
