@@ -81,6 +81,14 @@ def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
     return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 
 
+def register(conn: Any, caches: list[torch.Tensor]) -> None:
+    """Register the side's float cache with a connector that takes it (NIXL: cache to cache), as the worker
+    registers its engine's pools."""
+    reg = getattr(conn, "register_cache", None)
+    if reg is not None:
+        reg(caches)
+
+
 def request_layers(nbytes: int) -> int:
     """Layers of one timed request: as many as fit REQUEST_BYTES, between 2 and 32 (a typical model's count)."""
     return max(2, min(32, REQUEST_BYTES // max(1, nbytes)))
@@ -168,6 +176,7 @@ async def _receiver_main(pipe: Any, module: str, nbytes: int) -> None:
         recv, mod = connector(module, nbytes, importer=importer, destination=destination)
     except TypeError:  # a transport from before placing.py
         recv, mod = connector(module, nbytes, importer=importer)
+    register(recv, [caches[False].kv])
     port = await recv.listen()
     pipe.send((srv.getsockname()[1], port))
     pending: set[asyncio.Task[None]] = set()
@@ -264,6 +273,7 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
     for i, m in enumerate(modules):
         for name, comp, _ in cases:
             senders[(i, name)], mod = connector(m, nbytes, compression=comp)
+            register(senders[(i, name)], [src])
         mods.append(mod)
     times: dict[str, list[float]] = {}
     for rnd in range(reps + 1):  # round 0 warms up (connections, first-touch of every buffer)

@@ -64,4 +64,4 @@ def test_close_deregisters_and_forgets_peers() -> None:
     a.add_remote(b.metadata())
     a.close()
     b.close()
-    assert a._reg is None and not a._remotes and b._reg is None
+    assert not a.registered and not a._remotes and not b.registered

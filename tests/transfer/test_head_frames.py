@@ -124,5 +124,7 @@ def test_staged_mac_binds_the_head_range() -> None:
     d = nixl_wire.Descriptor(0, len(data), 0, salt, nixl_wire.mac(secret, salt, "r", 1, 0, data, 3), "a", b"m")
     assert nixl_wire.verify(secret, d, "r", 1, 0, data, 3)
     assert not nixl_wire.verify(secret, d, "r", 1, 0, data, 2) and not nixl_wire.verify(secret, d, "r", 1, 0, data)
-    before = nixl_wire._gcm(secret, salt, "r").encrypt(struct.pack(">HI6x", 1, 5), b"", data)
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    before = AESGCM(nixl_wire._key(secret, salt, "r")).encrypt(struct.pack(">HI6x", 1, 5), b"", data)
     assert nixl_wire.mac(secret, salt, "r", 1, 5, data) == before

@@ -192,14 +192,14 @@ async def test_a_staged_layer_costs_the_receiver_at_most_one_thread_hop(monkeypa
     if not small:
         monkeypatch.setattr(nixl_connector, "INLINE_MAX", 0)
     hops: list[str] = []
-    to_thread = asyncio.to_thread
-
-    async def counted(fn: Any, *a: Any, **kw: Any) -> Any:
-        hops.append(getattr(fn, "__name__", repr(fn)))
-        return await to_thread(fn, *a, **kw)
-
-    monkeypatch.setattr(nixl_connector.asyncio, "to_thread", counted)
     send, recv, got, target = await pair()
+    submit = recv._readers.submit
+
+    def counted(fn: Any, *a: Any, **kw: Any) -> Any:  # the receiver's reader threads: one hop per call
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return submit(fn, *a, **kw)
+
+    monkeypatch.setattr(recv._readers, "submit", counted)
     await run(send, recv, target, "warm", layers=1)  # adds the sender's agent at the receiver: a thread hop
     assert len(hops) == 1, hops
     # (counted after the warm-up: layers of the first request may reach the receiver while the agent is

@@ -211,6 +211,16 @@ class KVTransferMixin:
             return None
         return slot_views(cache, layer, self.runner.slots(seq, token_start, token_start + num_tokens)), _nothing
 
+    def transfer_pools(self: LLMEngine) -> list[torch.Tensor]:
+        """The cache pools a transport may register once to move float layers from block to block with no
+        copy of its own (NIXL, transfer/nixl_direct.py): K and V of every host float layer of one rank; []
+        where `slot_views` and `import_views` offer no views anyway (a device cache, tensor parallelism)."""
+        cache = self.runner.cache
+        if self.config.tensor_parallel_size > 1 or cache.device.type != "cpu":
+            return []
+        return [pool for layer, bits in enumerate(cache.layer_bits) if bits is None
+                for pool in (cache.k[layer], cache.v[layer]) if pool.is_contiguous()]
+
     def commit_import(self: LLMEngine, request_id: str, first_token_id: int) -> None:
         """All layers are in: the request decodes from here as if it had prefilled itself. The first token
         is reported in the next step's outputs."""

@@ -78,6 +78,10 @@ class Disaggregation:
                 backend, secret, importer=self._import, compression=compression, timeout=timeout,
                 max_retries=max_retries, destination=getattr(getattr(engine, "engine", None), "import_views", None))
             self.backend = choice.backend
+            pools = getattr(getattr(engine, "engine", None), "transfer_pools", None)
+            register = getattr(self.connector, "register_cache", None)
+            if pools is not None and register is not None:
+                register(pools())  # NIXL: float layers READ from cache blocks into cache blocks
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
@@ -132,6 +136,10 @@ class Disaggregation:
         self.direct.cancel(rid)
         if self.connector is not None:
             self.connector.cancel_load(rid)
+            settle = getattr(self.connector, "settle", None)  # NIXL: a READ may still land in the blocks
+            if settle is not None and not await settle(rid):
+                log.error("kv transfer %s: a READ into its blocks never ended: the blocks stay reserved", rid)
+                return
         await self.engine.cancel_import(rid)
 
     async def _reap(self) -> None:

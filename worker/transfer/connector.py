@@ -332,7 +332,7 @@ class TCPConnector(KVConnector):
         try:
             if frame.request_id not in self._loads:  # cancelled while receiving
                 return ErrorCode.UNKNOWN_REQUEST
-            if self.importer is not None:
+            if self.importer is not None and not got.placed:
                 # a head range says where it goes in this cache; a whole-layer load calls as it always did
                 heads = {"head_offset": frame.head_start - s.head_offset} if s.pieces else {}
                 res = self.importer(frame.request_id, frame.layer, got.k, got.v, token_start=frame.token_start,

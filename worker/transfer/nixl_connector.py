@@ -23,6 +23,7 @@ pulls the same way (decode READs from the prefill side).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.worker.transfer import codec, nixl_wire
+from pdcluster.worker.transfer import codec, nixl_direct, nixl_wire
 from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
@@ -56,7 +57,7 @@ class _Outgoing:
     descriptor_bytes: int = 0
 
 
-class NixlConnector(TCPConnector):
+class NixlConnector(nixl_direct.DirectPath, TCPConnector):
     """KV over NIXL, described and authenticated over the TCP backend's channel (LAYER frames still work)."""
 
     _streams = False  # a layer is staged whole (one region, one descriptor)
@@ -73,7 +74,11 @@ class NixlConnector(TCPConnector):
         self._remotes: OrderedDict[str, bytes] = OrderedDict()  # agent name -> metadata it was added with
         self._remote_lock = threading.RLock()  # reads run on several threads at once
         self.fallback_layers = 0  # layers that went over TCP because staging was full
+        self.direct_layers = [0, 0]  # layers sent / received cache to cache (no staging on that side)
         self._lent: dict[int, tuple[int, int]] = {}  # address -> (offset, bytes) lent to the engine's export
+        self.direct = False  # the engine's cache is registered: float layers go cache to cache (nixl_direct.py)
+        self._inflight = nixl_direct.Inflight()
+        self._readers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kv-nixl-read")  # big READs
 
     async def close(self) -> None:
         await super().close()
@@ -81,13 +86,15 @@ class NixlConnector(TCPConnector):
             self._release(rid)
         for name in list(self._remotes):
             self._forget(name)
+        self._readers.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.agent.close)
 
     def registrations(self) -> dict[str, int]:
         """What this connector holds in NIXL: leak checks read this after requests end."""
         return {"registered": int(self.agent.registered), "staging_regions": self.staging.regions,
                 "staging_used_bytes": self.staging.used, "remote_agents": self.agent.remote_count,
-                "outgoing": len(self._out)}
+                "outgoing": len(self._out), "reads_in_flight": self._inflight.count(),
+                "direct_sent": self.direct_layers[0], "direct_received": self.direct_layers[1]}
 
     # ------------------------------------------------------------------ producer
     def start_save(self, request_id: str, target: TransferTarget, num_layers: int) -> None:
@@ -241,50 +248,33 @@ class NixlConnector(TCPConnector):
         if d.nbytes != want_scales + want_payload:
             raise TransferError(f"staged {d.nbytes} bytes, the shape needs {want_scales + want_payload}",
                                 ErrorCode.SHAPE_MISMATCH)
+        placed = self._destination(frame, d)
+        if placed is not None:
+            return await self._read_direct(frame, d, *placed)
         if d.nbytes > self.staging.size:
             raise TransferError(f"staged layer of {d.nbytes} bytes exceeds this receiver's staging "
                                 f"({self.staging.size})", ErrorCode.TOO_LARGE)
         off = await self._alloc(d.nbytes)
         view = self._view(off, d.nbytes)
-
-        def fetch() -> bool:
-            """One worker thread for the agent lookup, the READ and the MAC check (a thread hop each, and
-            back to the loop, was most of what a small layer took)."""
-            try:
-                self.agent.read(self._remote(d), off, d.addr, d.nbytes, d.device, self.timeout)
-            except Exception as e:  # peer gone, restarted, or a range it no longer registers: retryable
-                self._forget(d.agent)
-                raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
-            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
-                                    frame.head_start)
-
+        # the region comes back once the READ into it has ended (a timed-out one may still land: drained
+        # first) and the importer is done with it
+        hold = nixl_direct.Hold(2, lambda: self.staging.free(off))
         try:
-            if not (await self._fetch_here(d, off, view, frame) if self._small(d) else await asyncio.to_thread(fetch)):
+            if not await self._read_checked(frame, d, [(self.agent.base + off, d.nbytes)], view, hold.drop):
                 raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
                                     "staging): not imported", ErrorCode.UNAUTHENTICATED)
             k, v, scales = self._layer(frame, view, want_payload)
         except BaseException:
-            self.staging.free(off)
+            hold.drop()
             raise
         # The importer reads the region in place (into the cache); it is freed once that returns.
-        return Received(k, v, scales, d.nbytes, release=lambda: self.staging.free(off))
+        return Received(k, v, scales, d.nbytes, release=hold.drop)
 
     def _small(self, d: nixl_wire.Descriptor) -> bool:
         """A layer read on the loop itself: small, from a peer already added (adding one may connect)."""
         with self._remote_lock:
             known = self._remotes.get(d.agent) == d.metadata and self.agent.has_remote(d.agent)
         return known and d.nbytes <= INLINE_MAX
-
-    async def _fetch_here(self, d: nixl_wire.Descriptor, off: int, view: memoryview, frame: Frame) -> bool:
-        """READ (polled on the loop, no thread) and MAC check of a small layer: a hop to a worker thread and
-        back costs more than both."""
-        try:
-            await self.agent.aread(self._remote(d), off, d.addr, d.nbytes, d.device, self.timeout)
-        except Exception as e:  # as in `fetch`: retryable
-            self._forget(d.agent)
-            raise TransferError(f"nixl read from {d.agent} failed: {e}", ErrorCode.INTERNAL) from e
-        return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, view,
-                                frame.head_start)
 
     @staticmethod
     def _layer(frame: Frame, view: memoryview,

@@ -49,6 +49,7 @@ class Received:
     scales: codec.Scales | None
     nbytes: int
     release: Callable[[], None] = lambda: None
+    placed: bool = False  # already in the cache (a NIXL READ into its blocks): nothing to import
 
 
 @dataclass
