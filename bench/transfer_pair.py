@@ -51,6 +51,7 @@ SECRET = b"bench-secret-0123456789abcdef"
 HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
 NIXL = "pdcluster.worker.transfer.nixl_connector:NixlConnector"  # the NIXL backend, as a further "module"
+STAGED = "+staged"  # a module suffix: its caches are not registered (NIXL through staging, the path before)
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
 _HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
@@ -74,18 +75,18 @@ def load_module(name: str) -> Any:
 def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
     """(an instance of the connector `module` names — "pkg.mod" for its TCPConnector, "pkg.mod:Class" for
     another — and the module that defines LoadSpec/TransferTarget). NIXL gets staging for a whole request."""
-    name, _, cls = module.partition(":")
+    name, _, cls = module.removesuffix(STAGED).partition(":")
     if cls == "NixlConnector":
         kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
     conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
     return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 
 
-def register(conn: Any, caches: list[torch.Tensor]) -> None:
+def register(conn: Any, module: str, caches: list[torch.Tensor]) -> None:
     """Register the side's float cache with a connector that takes it (NIXL: cache to cache), as the worker
-    registers its engine's pools."""
+    registers its engine's pools; not for a module named with STAGED."""
     reg = getattr(conn, "register_cache", None)
-    if reg is not None:
+    if reg is not None and not module.endswith(STAGED):
         reg(caches)
 
 
@@ -176,7 +177,7 @@ async def _receiver_main(pipe: Any, module: str, nbytes: int) -> None:
         recv, mod = connector(module, nbytes, importer=importer, destination=destination)
     except TypeError:  # a transport from before placing.py
         recv, mod = connector(module, nbytes, importer=importer)
-    register(recv, [caches[False].kv])
+    register(recv, module, [caches[False].kv])
     port = await recv.listen()
     pipe.send((srv.getsockname()[1], port))
     pending: set[asyncio.Task[None]] = set()
@@ -273,7 +274,7 @@ async def _sender(nbytes: int, reps: int, modules: list[str], pipes: list[Any], 
     for i, m in enumerate(modules):
         for name, comp, _ in cases:
             senders[(i, name)], mod = connector(m, nbytes, compression=comp)
-            register(senders[(i, name)], [src])
+            register(senders[(i, name)], m, [src])
         mods.append(mod)
     times: dict[str, list[float]] = {}
     for rnd in range(reps + 1):  # round 0 warms up (connections, first-touch of every buffer)
