@@ -104,11 +104,16 @@ def run_backend(backend: str, model: Path, ps: list[list[int]], logdir: Path, th
         # which backend each worker actually runs (its /internal/load; the router does not report it)
         workers = c["prefill"] + c["decode"]
         headers = internal_headers(env["PDCLUSTER_KV_SECRET"].encode())
-        used = {httpx.get(f"{w['url']}/internal/load", headers=headers, timeout=5).json().get("transfer_backend")
-                for w in workers}
+        loads = [httpx.get(f"{w['url']}/internal/load", params={"ranks": 1}, headers=headers, timeout=5).json()
+                 for w in workers]
+        used = {ld.get("transfer_backend") for ld in loads}
+        # NIXL: layers READ cache to cache, as each worker counts them (nixl_direct.py); the rest went staged
+        regs = [(rank.get("registrations") or {}) for ld in loads for rank in ld.get("kv_ranks", [])]
+        direct = {"sent": sum(r.get("direct_sent", 0) for r in regs),
+                  "received": sum(r.get("direct_received", 0) for r in regs)} if backend == "nixl" else None
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         return {"backend": backend, "requests": len(rows), "workers_report": sorted(str(u) for u in used),
-                **med, "rows": rows}
+                "direct_layers": direct, **med, "rows": rows}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"  {r['backend']:>5} (workers report {','.join(r['workers_report'])}): TTFT {r['ttft_s'] * 1e3:.0f} ms, "
               f"2nd token {r['second_token_s'] * 1e3:.0f} ms, whole {r['total_s'] * 1e3:.0f} ms "
-              f"(median of {r['requests']})")
+              f"(median of {r['requests']})"
+              + (f"; layers cache to cache: {r['direct_layers']['sent']} sent, {r['direct_layers']['received']} "
+                 "received" if r.get("direct_layers") else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

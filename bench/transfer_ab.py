@@ -7,6 +7,11 @@ The revision's `worker/transfer/*.py` are copied into a temporary package (`kvt_
 `pdcluster.worker.transfer` pointed at itself) that the spawned receiver imports from PYTHONPATH; the rest of
 the tree (engine, kernels) is this one's. Prints GB/s of fp32 KV per cell, each as % of the raw TCP cell
 measured beside it, and "paired" = the median over rounds of new/old in the same round.
+
+    python -m pdcluster.bench.transfer_ab --nixl-staged --sizes-mib 1,4,16,64 --reps 7 --cases fp32
+
+compares the NIXL backend cache to cache (`nixl_direct.py`) with the same backend through staging (its caches
+left unregistered), both this tree's, the same way.
 """
 
 from __future__ import annotations
@@ -47,16 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="fp32,int8,codes")
     p.add_argument("--nixl", action="store_true", help="also the NIXL backend (this tree), its own raw cell")
+    p.add_argument("--nixl-staged", action="store_true",
+                   help="instead: this tree's NIXL backend cache to cache (new) against the same backend with "
+                        "its caches unregistered, i.e. through staging (before); --rev is not used")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     cases = tuple(c for c in transfer_pair.CASES if c[0] in a.cases.split(","))
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        old = build_before(a.rev, Path(tmp))
-        os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
+        if a.nixl_staged:
+            first, old = transfer_pair.NIXL, transfer_pair.NIXL + transfer_pair.STAGED
+        else:
+            first, old = transfer_pair.MODULE, build_before(a.rev, Path(tmp))
+            os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
         for mib in (int(m) for m in a.sizes_mib.split(",") if m):
             load = os.getloadavg()[0]
-            mods = [transfer_pair.MODULE, old] + ([transfer_pair.NIXL] if a.nixl else [])
+            mods = [first, old] + ([transfer_pair.NIXL] if a.nixl and not a.nixl_staged else [])
             r = transfer_pair.side_by_side(mib << 20, a.reps, mods, cases)
             r["load"] = (load, os.getloadavg()[0])
             out.append(r)
@@ -67,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 paired = statistics.median(x / y for x, y in zip(r["runs"][name], r["runs"][f"{name}@{old}"],
                                                                  strict=True))
                 cells.append(f"{name} {new:.2f} ({new / raw:.0%}) / {before:.2f} ({before / raw:.0%}) x{paired:.2f}")
-            if a.nixl:
+            if a.nixl and not a.nixl_staged:
                 nx = transfer_pair.NIXL
                 cells += [f"NIXL {name} {r[f'{name}@{nx}']:.2f} ({r[f'{name}@{nx}'] / raw:.0%})" for name, _, _ in cases]
             print(f"{mib:>4} MiB x {r['layers']:>2} layers, load {r['load'][0]:.1f}->{r['load'][1]:.1f}: "
