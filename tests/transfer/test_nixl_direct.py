@@ -301,3 +301,39 @@ def test_hold_frees_once_every_party_dropped() -> None:
     assert not freed
     hold.drop()
     assert freed == [1]
+
+
+@needs_nixl
+async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """int8 on the wire over NIXL from the cache's views: quantized where the bytes lie, in pieces (each
+    staged and READ as soon as it is quantized), the codes those of the whole layer's quantization."""
+    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.worker.transfer import chunking, codec
+    from pdcluster.worker.transfer.nixl_connector import NixlConnector
+
+    if cpu_quant.module() is None:
+        pytest.skip("no native int8 quantizer here (the views are gathered for the torch one instead)")
+    monkeypatch.setattr(chunking, "PIPE_BYTES", 7 * 2 * HEADS * (DIM + 4))  # 7 tokens a piece: 6 pieces a layer
+    src, sink = Cache(8, fill=True), Sink()
+    send = NixlConnector(SECRET, staging_bytes=1 << 20, compression="int8")
+    recv = NixlConnector(SECRET, staging_bytes=1 << 20, importer=sink)
+    send.register_cache([src.kv])
+    target = TransferTarget("127.0.0.1", await recv.listen())
+    recv.start_load_kv(LoadSpec("q", LAYERS, TOKENS, HEADS, DIM))
+    send.start_save("q", target, LAYERS)
+    save_all(send, src, "q")
+    res = await send.wait_for_save("q")
+    await recv.wait_for_load("q", timeout=10)
+    for layer in range(LAYERS):
+        starts = sorted(t for (key, t, *_) in sink.raw if key == ("q", layer))
+        assert starts == list(range(0, TOKENS, 7))
+        for i, x in enumerate(kv(layer)):
+            want_q, want_s = codec.quantize8(x)
+            got_q = torch.cat([r[2 + i] for r in sorted(sink.raw, key=lambda r: r[1]) if r[0] == ("q", layer)])
+            got_s = torch.cat([r[4][i] for r in sorted(sink.raw, key=lambda r: r[1]) if r[0] == ("q", layer)])
+            assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    assert res.bytes == LAYERS * TOKENS * 2 * HEADS * (DIM + 4)  # codes and scales, not fp32
+    assert send.registrations()["staging_regions"] == 0 and recv.registrations()["staging_regions"] == 0
+    await send.close()
+    await recv.close()

@@ -135,6 +135,10 @@ class DirectPath:
     def _small(self, d: nixl_wire.Descriptor) -> bool:
         raise NotImplementedError
 
+    def _save_quantized(self, request_id: str, layer: int, num_layers: int, box: Any, parts: list[memoryview], *,
+                        token_start: int, num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        raise NotImplementedError
+
     def register_cache(self, tensors: list[torch.Tensor]) -> None:
         """Register the engine's KV cache pools once, before serving: float layers then go from the sender's
         cache blocks to the receiver's (nixl_direct.py). Device pools and non-contiguous ones are left out
@@ -160,6 +164,9 @@ class DirectPath:
         if entry is None or self._loop is None:
             return True  # aborted meanwhile: nothing to send
         box, num_layers = entry
+        if self.compression == "int8" and not isinstance(box, Fanout):
+            return self._save_quantized(request_id, layer, num_layers, box, parts, token_start=token_start,
+                                        num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
         if not self.direct or self.compression != "none" or isinstance(box, Fanout) or dtype not in WIRE_OF \
                 or dtype in (torch.int8, torch.uint8):
             return False

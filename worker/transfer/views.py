@@ -58,10 +58,10 @@ def view_frames(request_id: str, layer: int, num_layers: int, views: list[memory
     return [Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
                   token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads, head_dim=head_dim,
                   dtype=WIRE_OF[dtype], payload=Gathered(parts), held=held)
-            for s, e, parts in _runs(views, num_tokens, row, max(1, chunk_bytes // (2 * row)))]
+            for s, e, parts in runs(views, num_tokens, row, max(1, chunk_bytes // (2 * row)))]
 
 
-def _runs(views: list[memoryview], num_tokens: int, row: int, step: int
+def runs(views: list[memoryview], num_tokens: int, row: int, step: int
           ) -> Iterator[tuple[int, int, list[memoryview]]]:
     """Runs of `step` tokens: (start, end, K's bytes of the run then V's) of K and V of `num_tokens` tokens of
     `row` bytes each, lying in `views` (K's bytes, then V's). Raises ValueError when the sizes disagree."""
@@ -84,7 +84,7 @@ def quantized_frames(request_id: str, layer: int, num_layers: int, views: list[m
         raise ValueError("views must hold whole vectors")
     frames = []
     step = max(1, frame_bytes // (2 * kv_heads * (head_dim + 4)))  # a token's codes and scales of K and V
-    for s, e, parts in _runs(views, num_tokens, kv_heads * head_dim * 4, step):
+    for s, e, parts in runs(views, num_tokens, kv_heads * head_dim * 4, step):
         codes, scales = [], []
         for v in parts:
             q, sc = codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim))
