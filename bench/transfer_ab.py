@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nixl-staged", action="store_true",
                    help="instead: this tree's NIXL backend cache to cache (new) against the same backend with "
                         "its caches unregistered, i.e. through staging (before); --rev is not used")
+    p.add_argument("--nixl-fabric", action="store_true",
+                   help="instead: this tree's NIXL backend with --kv-transfer-nixl-integrity fabric (new) against "
+                        "the default mac (before); --rev is not used")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     cases = tuple(c for c in transfer_pair.CASES if c[0] in a.cases.split(","))
@@ -62,12 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if a.nixl_staged:
             first, old = transfer_pair.NIXL, transfer_pair.NIXL + transfer_pair.STAGED
+        elif a.nixl_fabric:
+            first, old = transfer_pair.NIXL + transfer_pair.FABRIC, transfer_pair.NIXL
         else:
             first, old = transfer_pair.MODULE, build_before(a.rev, Path(tmp))
             os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
         for mib in (int(m) for m in a.sizes_mib.split(",") if m):
             load = os.getloadavg()[0]
-            mods = [first, old] + ([transfer_pair.NIXL] if a.nixl and not a.nixl_staged else [])
+            same_tree = a.nixl_staged or a.nixl_fabric
+            mods = [first, old] + ([transfer_pair.NIXL] if a.nixl and not same_tree else [])
             r = transfer_pair.side_by_side(mib << 20, a.reps, mods, cases)
             r["load"] = (load, os.getloadavg()[0])
             out.append(r)
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 paired = statistics.median(x / y for x, y in zip(r["runs"][name], r["runs"][f"{name}@{old}"],
                                                                  strict=True))
                 cells.append(f"{name} {new:.2f} ({new / raw:.0%}) / {before:.2f} ({before / raw:.0%}) x{paired:.2f}")
-            if a.nixl and not a.nixl_staged:
+            if a.nixl and not same_tree:
                 nx = transfer_pair.NIXL
                 cells += [f"NIXL {name} {r[f'{name}@{nx}']:.2f} ({r[f'{name}@{nx}'] / raw:.0%})" for name, _, _ in cases]
             print(f"{mib:>4} MiB x {r['layers']:>2} layers, load {r['load'][0]:.1f}->{r['load'][1]:.1f}: "

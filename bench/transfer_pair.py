@@ -52,6 +52,7 @@ HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
 NIXL = "pdcluster.worker.transfer.nixl_connector:NixlConnector"  # the NIXL backend, as a further "module"
 STAGED = "+staged"  # a module suffix: its caches are not registered (NIXL through staging, the path before)
+FABRIC = "+fabric"  # a module suffix: NIXL with --kv-transfer-nixl-integrity fabric (no MAC on either side)
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
 _HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
@@ -75,9 +76,11 @@ def load_module(name: str) -> Any:
 def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
     """(an instance of the connector `module` names — "pkg.mod" for its TCPConnector, "pkg.mod:Class" for
     another — and the module that defines LoadSpec/TransferTarget). NIXL gets staging for a whole request."""
-    name, _, cls = module.removesuffix(STAGED).partition(":")
+    name, _, cls = module.split("+")[0].partition(":")
     if cls == "NixlConnector":
         kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
+        if FABRIC in module:
+            kw["integrity"] = "fabric"
     conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
     return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 
@@ -86,7 +89,7 @@ def register(conn: Any, module: str, caches: list[torch.Tensor]) -> None:
     """Register the side's float cache with a connector that takes it (NIXL: cache to cache), as the worker
     registers its engine's pools; not for a module named with STAGED."""
     reg = getattr(conn, "register_cache", None)
-    if reg is not None and not module.endswith(STAGED):
+    if reg is not None and STAGED not in module:
         reg(caches)
 
 

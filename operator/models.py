@@ -184,6 +184,12 @@ class KVTransfer(SpecModel):
         "authenticated, so the bytes are MAC-checked before import: use it on a trusted fabric), tcp (the "
         "authenticated transfer channel carries the bytes too), auto (nixl where it loads in the worker "
         "image, else tcp; the worker logs which one runs and why).")
+    nixlIntegrity: Literal["mac", "fabric"] = Field(
+        default="mac",
+        description="With the nixl backend: mac (bytes read over NIXL are checked against a MAC sent over the "
+        "authenticated transfer channel before import; a pass over each layer on both sides) or fabric (they "
+        "are trusted as they land, as vLLM's and Dynamo's NIXL connectors do: only on an isolated RDMA/NVLink "
+        "fabric). Ignored by tcp.")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
     # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.

@@ -22,6 +22,9 @@ def test_staged_suffix_names_the_same_connector_without_registered_caches() -> N
     assert calls == [0]  # only the unsuffixed module registers
     if conn is not None:
         assert type(conn).__name__ == "NixlConnector" and mod.__name__.endswith("transfer.connector")
+        assert conn.integrity == "mac"
+        fabric, _ = transfer_pair.connector(transfer_pair.NIXL + transfer_pair.FABRIC, 1 << 16)
+        assert fabric.integrity == "fabric"
 
 
 @pytest.mark.skipif(not AVAILABLE.ok, reason=AVAILABLE.reason)

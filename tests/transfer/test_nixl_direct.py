@@ -337,3 +337,47 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
     assert send.registrations()["staging_regions"] == 0 and recv.registrations()["staging_regions"] == 0
     await send.close()
     await recv.close()
+
+
+@needs_nixl
+async def test_fabric_integrity_sends_and_checks_no_mac_and_a_mac_receiver_says_why_it_refuses() -> None:
+    """--kv-transfer-nixl-integrity fabric: no MAC computed or checked (the bytes are trusted as they land, on
+    an isolated fabric); a receiver still on `mac` refuses those layers and names the setting."""
+    from pdcluster.worker.transfer import nixl_connector
+    from pdcluster.worker.transfer.nixl_connector import NixlConnector
+
+    with pytest.raises(ValueError, match="integrity"):
+        NixlConnector(SECRET, staging_bytes=1 << 16, integrity="none")
+    macs: list[int] = []
+    real_mac = nixl_wire.mac
+
+    def counted(*a: Any, **kw: Any) -> bytes:
+        macs.append(1)
+        return real_mac(*a, **kw)
+
+    for recv_integrity in ("fabric", "mac"):
+        send, recv, src, dst, sink, target = await direct_pair(integrity=recv_integrity)
+        send.integrity = "fabric"
+        orig = nixl_wire.mac
+        nixl_wire.mac = counted  # type: ignore[assignment]
+        try:
+            recv.start_load_kv(LoadSpec("f", LAYERS, TOKENS, HEADS, DIM))
+            send.start_save("f", target, LAYERS)
+            save_all(send, src, "f")
+            if recv_integrity == "fabric":
+                await send.wait_for_save("f")
+                await recv.wait_for_load("f", timeout=10)
+                for layer in range(LAYERS):
+                    assert torch.equal(dst.read(layer)[0], kv(layer)[0])
+                assert not macs  # neither side hashed a byte
+            else:
+                with pytest.raises(TransferError, match="UNAUTHENTICATED"):
+                    await send.wait_for_save("f")
+                with pytest.raises(TransferError, match="nixl-integrity fabric"):
+                    await recv.wait_for_load("f", timeout=5)
+                recv.cancel_load("f")
+        finally:
+            nixl_wire.mac = orig  # type: ignore[assignment]
+        assert nixl_connector.INTEGRITY == ("mac", "fabric")
+        await send.close()
+        await recv.close()

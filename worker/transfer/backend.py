@@ -47,8 +47,9 @@ def choose(requested: str, nixl: Availability) -> Choice:
     return Choice("tcp", f"auto: {nixl.reason}; falling back to tcp", fallback=True)
 
 
-def build(requested: str, secret: bytes, **kw: Any) -> tuple[Any, Choice]:
-    """The connector for `requested` (a TCPConnector or NixlConnector) and the choice, logged once."""
+def build(requested: str, secret: bytes, nixl_integrity: str = "mac", **kw: Any) -> tuple[Any, Choice]:
+    """The connector for `requested` (a TCPConnector or NixlConnector) and the choice, logged once.
+    `nixl_integrity` (mac | fabric) is the NIXL connector's alone."""
     from pdcluster.worker.transfer.connector import TCPConnector
     from pdcluster.worker.transfer.nixl_agent import availability
 
@@ -57,5 +58,8 @@ def build(requested: str, secret: bytes, **kw: Any) -> tuple[Any, Choice]:
     if choice.backend == "nixl":
         from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-        return NixlConnector(secret, **kw), choice
+        if nixl_integrity == "fabric":
+            log.warning("kv transfer: bytes read over NIXL are not MAC-checked (--kv-transfer-nixl-integrity "
+                        "fabric): only on an isolated fabric")
+        return NixlConnector(secret, integrity=nixl_integrity, **kw), choice
     return TCPConnector(secret, **kw), choice

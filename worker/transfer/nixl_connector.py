@@ -47,6 +47,7 @@ from pdcluster.worker.transfer.transport import TransferError
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
+INTEGRITY = ("mac", "fabric")  # --kv-transfer-nixl-integrity, spec.kvTransfer.nixlIntegrity
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
 
 
@@ -65,8 +66,13 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
     _sends_views = False  # layers go through the registered staging buffer, never straight from the cache
 
     def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
-                 **kw: Any) -> None:
+                 integrity: str = "mac", **kw: Any) -> None:
+        if integrity not in INTEGRITY:
+            raise ValueError(f"nixl integrity must be one of {INTEGRITY}, got {integrity!r}")
         super().__init__(secret, **kw)
+        # mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is not authenticated);
+        # fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated RDMA/NVLink fabric)
+        self.integrity = integrity
         self.agent = Agent(agent_name or f"pdkv-{uuid.uuid4().hex[:12]}", staging_bytes)
         self.staging = Staging(staging_bytes)
         self._metadata = self.agent.metadata()
@@ -208,7 +214,7 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
                 out = self._out.get(request_id)
             if out is None:
                 return []  # aborted meanwhile: nothing will be sent
-            tag = nixl_wire.mac(self.secret, out.salt, request_id, layer, offset, self._view(off, nbytes), head_start)
+            tag = self._tag(out.salt, request_id, layer, offset, self._view(off, nbytes), head_start)
             desc = nixl_wire.Descriptor(self.agent.base + off, nbytes, 0, out.salt, tag, self.agent.name,
                                         self._metadata).pack()
             with self._out_lock:
@@ -291,8 +297,7 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
         hold = nixl_direct.Hold(2, lambda: self.staging.free(off))
         try:
             if not await self._read_checked(frame, d, [(self.agent.base + off, d.nbytes)], view, hold.drop):
-                raise TransferError(f"staged bytes of layer {frame.layer} fail their MAC (tampered or reused "
-                                    "staging): not imported", ErrorCode.UNAUTHENTICATED)
+                raise self._refused(frame, d, "staged bytes")
             k, v, scales = self._layer(frame, view, want_payload)
         except BaseException:
             hold.drop()

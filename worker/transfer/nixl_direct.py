@@ -126,6 +126,22 @@ class DirectPath:
     _loop: asyncio.AbstractEventLoop | None
     _remotes: OrderedDict[str, bytes]
 
+    integrity: str
+
+    def _tag(self, salt: bytes, request_id: str, layer: int, token_start: int,
+             data: memoryview | list[memoryview], head_start: int = 0) -> bytes:
+        """The MAC of bytes about to be described in a STAGED frame; none (zeros) when the fabric is trusted."""
+        if self.integrity == "fabric":
+            return bytes(nixl_wire.TAG_SIZE)
+        return nixl_wire.mac(self.secret, salt, request_id, layer, token_start, data, head_start)
+
+    @staticmethod
+    def _refused(frame: Frame, d: nixl_wire.Descriptor, what: str) -> TransferError:
+        why = ("the sender sent no MAC: it runs --kv-transfer-nixl-integrity fabric, run both sides alike"
+               if d.tag == bytes(nixl_wire.TAG_SIZE) else "tampered, or the memory was reused before the READ")
+        return TransferError(f"{what} of layer {frame.layer} fail their MAC ({why}): not imported",
+                             ErrorCode.UNAUTHENTICATED)
+
     def _remote(self, d: nixl_wire.Descriptor) -> str:
         raise NotImplementedError
 
@@ -179,7 +195,7 @@ class DirectPath:
             out = self._out.get(request_id)
         if out is None:
             return True
-        tag = nixl_wire.mac(self.secret, out.salt, request_id, layer, token_start, [memoryview(p).cast("B") for p in parts])
+        tag = self._tag(out.salt, request_id, layer, token_start, [memoryview(p).cast("B") for p in parts])
         try:
             desc = nixl_wire.Descriptor(segs[0][0], nbytes, 0, out.salt, tag, self.agent.name, self._metadata,
                                         tuple(segs) if len(segs) > 1 else ()).pack()
@@ -233,8 +249,7 @@ class DirectPath:
             self._inflight.end(rid)
 
         if not await self._read_checked(frame, d, addresses(views), views, ended):
-            raise TransferError(f"bytes of layer {frame.layer} read from the sender's cache fail their MAC: not "
-                                "imported", ErrorCode.UNAUTHENTICATED)
+            raise self._refused(frame, d, "bytes read from the sender's cache")
         self.direct_layers[1] += 1
         return Received(_EMPTY, _EMPTY, None, d.nbytes, placed=True)
 
@@ -247,8 +262,8 @@ class DirectPath:
         when the READ never started). Raises TransferError(INTERNAL) when the READ fails: retryable."""
 
         def check() -> bool:
-            return nixl_wire.verify(self.secret, d, frame.request_id, frame.layer, frame.token_start, data,
-                                    frame.head_start)
+            return self.integrity == "fabric" or nixl_wire.verify(self.secret, d, frame.request_id, frame.layer,
+                                                                  frame.token_start, data, frame.head_start)
 
         def post(read: Callable[..., Any]) -> Any:
             try:
