@@ -125,8 +125,7 @@ class DirectPath:
     _loads: dict[str, _Load]
     _loop: asyncio.AbstractEventLoop | None
     _remotes: OrderedDict[str, bytes]
-
-    integrity: str
+    integrity: str  # mac | fabric
 
     def _tag(self, salt: bytes, request_id: str, layer: int, token_start: int,
              data: memoryview | list[memoryview], head_start: int = 0) -> bytes:
@@ -174,8 +173,9 @@ class DirectPath:
                       num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                       held: Callable[[], bool] | None = None) -> bool:
         """Engine thread: a float layer's token range described where it lies in the registered cache (one
-        STAGED frame, its MAC over those bytes), no gather and no staging. False (gather it into staging
-        instead): cache not registered, int8 compression, head ranges, or too many pieces for a descriptor."""
+        STAGED frame, its MAC over those bytes), no gather and no staging; with int8 compression, quantized
+        from where it lies into staging instead (`_save_quantized`). False (gather it for save_kv_layer): cache
+        not registered, head ranges, or too many pieces for a descriptor."""
         entry = self._outboxes.get(request_id)
         if entry is None or self._loop is None:
             return True  # aborted meanwhile: nothing to send
