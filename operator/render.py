@@ -92,8 +92,7 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--max-batch-size", str(pool.maxBatchSize),
         "--max-batch-tokens", str(pool.maxBatchTokens),
         "--kv-transfer-compression", tr.compression,
-        "--kv-transfer-backend", tr.backend,
-        # only when not the default: pod templates (and so running workers) stay as they were on upgrade
+        "--kv-transfer-backend", tr.backend,  # nixl integrity only when set: pods of before stay unchanged
         *(["--kv-transfer-nixl-integrity", tr.nixlIntegrity] if tr.nixlIntegrity != "mac" else []),
         "--kv-transfer-timeout", _num(tr.timeoutSeconds),
         "--kv-transfer-max-retries", str(tr.maxRetries),

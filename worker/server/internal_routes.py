@@ -45,7 +45,7 @@ from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer.connector import TCPConnector, TransferTarget
-from pdcluster.worker.transfer.secret import ENV_VAR, check_internal_auth, load_secret
+from pdcluster.worker.transfer.secret import check_internal_auth, worker_secret
 from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
@@ -75,15 +75,12 @@ class Disaggregation:
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
-            self.connector, choice = transfer_backend.build(  # destination: float layers land in the blocks
+            eng = getattr(engine, "engine", None)  # destination: float layers land in the blocks; pools: NIXL's
+            self.connector, choice = transfer_backend.build(
                 backend, secret, importer=self._import, compression=compression, timeout=timeout,
-                nixl_integrity=nixl_integrity,
-                max_retries=max_retries, destination=getattr(getattr(engine, "engine", None), "import_views", None))
+                max_retries=max_retries, destination=getattr(eng, "import_views", None),
+                nixl_integrity=nixl_integrity, pools=getattr(eng, "transfer_pools", None))
             self.backend = choice.backend
-            pools = getattr(getattr(engine, "engine", None), "transfer_pools", None)
-            register = getattr(self.connector, "register_cache", None)
-            if pools is not None and register is not None:
-                register(pools())  # NIXL: float layers READ from cache blocks into cache blocks
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
@@ -96,14 +93,7 @@ class Disaggregation:
         """From serve_cli's TransferOptions. Without a secret there is no transfer listener at all (frames are
         never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
         the router prefills on it directly. A given but unusable secret is an error."""
-        secret_file = getattr(options, "secret_file", None)
-        if secret_file or os.environ.get(ENV_VAR):
-            secret: bytes | None = load_secret(secret_file)  # SecretError (a ValueError) names what is wrong
-        else:
-            secret = None
-            if role in ("prefill", "decode"):
-                log.warning("no KV transfer secret (--kv-transfer-secret-file or $%s): this %s worker cannot "
-                            "send or receive KV; the router will prefill on decode workers instead", ENV_VAR, role)
+        secret = worker_secret(getattr(options, "secret_file", None), role)
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
@@ -139,8 +129,7 @@ class Disaggregation:
         self.direct.cancel(rid)
         if self.connector is not None:
             self.connector.cancel_load(rid)
-            settle = getattr(self.connector, "settle", None)  # NIXL: a READ may still land in the blocks
-            if settle is not None and not await settle(rid):
+            if not await self.connector.settle(rid):  # NIXL: a READ may still land in the blocks
                 log.error("kv transfer %s: a READ into its blocks never ended: the blocks stay reserved", rid)
                 return
         await self.engine.cancel_import(rid)

@@ -9,6 +9,7 @@ tcp:  TCP (the authenticated channel carries the bytes too: for clusters whose f
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,11 @@ def choose(requested: str, nixl: Availability) -> Choice:
     return Choice("tcp", f"auto: {nixl.reason}; falling back to tcp", fallback=True)
 
 
-def build(requested: str, secret: bytes, nixl_integrity: str = "mac", **kw: Any) -> tuple[Any, Choice]:
+def build(requested: str, secret: bytes, nixl_integrity: str = "mac",
+          pools: Callable[[], list[Any]] | None = None, **kw: Any) -> tuple[Any, Choice]:
     """The connector for `requested` (a TCPConnector or NixlConnector) and the choice, logged once.
-    `nixl_integrity` (mac | fabric) is the NIXL connector's alone."""
+    NIXL's alone: `nixl_integrity` (mac | fabric), and `pools`, the engine's cache pools it registers once
+    (float layers then move from cache blocks to cache blocks, nixl_direct.py)."""
     from pdcluster.worker.transfer.connector import TCPConnector
     from pdcluster.worker.transfer.nixl_agent import availability
 
@@ -61,5 +64,8 @@ def build(requested: str, secret: bytes, nixl_integrity: str = "mac", **kw: Any)
         if nixl_integrity == "fabric":
             log.warning("kv transfer: bytes read over NIXL are not MAC-checked (--kv-transfer-nixl-integrity "
                         "fabric): only on an isolated fabric")
-        return NixlConnector(secret, integrity=nixl_integrity, **kw), choice
+        conn = NixlConnector(secret, integrity=nixl_integrity, **kw)
+        if pools is not None:
+            conn.register_cache(pools())
+        return conn, choice
     return TCPConnector(secret, **kw), choice

@@ -264,6 +264,11 @@ class TCPConnector(KVConnector):
             load.error = load.error or "cancelled"
             load.changed.set()
 
+    async def settle(self, request_id: str, timeout: float = 660.0) -> bool:
+        """After `cancel_load`, before the owner frees the request's blocks: True once nothing more can be
+        written into them. Here at once (placed receives check `alive` first); NIXL waits for READs in flight."""
+        return True
+
     def finish_load(self, request_id: str) -> tuple[int, float]:
         """Forget a completed load; returns (payload bytes received, seconds since start_load_kv)."""
         load = self._loads.pop(request_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +42,19 @@ def load_secret(secret_file: str | None = None, env: dict[str, str] | None = Non
 # Router -> worker `/internal/*` calls carry a key derived from the same secret (never the secret itself).
 INTERNAL_AUTH_HEADER = "Authorization"
 _INTERNAL_LABEL = b"pdcluster-internal-v1"
+
+
+def worker_secret(secret_file: str | None, role: str) -> bytes | None:
+    """A worker's KV secret: from the file or $PDCLUSTER_KV_SECRET when either is given (SecretError, a
+    ValueError, names what is wrong with it), else None, with a warning for a prefill or decode worker: it
+    cannot send or receive KV, and the router will prefill on decode workers instead."""
+    if secret_file or os.environ.get(ENV_VAR):
+        return load_secret(secret_file)
+    if role in ("prefill", "decode"):
+        logging.getLogger(__name__).warning(
+            "no KV transfer secret (--kv-transfer-secret-file or $%s): this %s worker cannot send or receive "
+            "KV; the router will prefill on decode workers instead", ENV_VAR, role)
+    return None
 
 
 def internal_token(secret: bytes) -> str:
