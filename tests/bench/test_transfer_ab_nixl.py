@@ -1,5 +1,7 @@
 """The NIXL before/after bench: cache to cache against staging, both through the real connectors, one run."""
 
+import asyncio
+
 import pytest
 
 from pdcluster.bench import transfer_ab, transfer_pair
@@ -8,9 +10,7 @@ from pdcluster.worker.transfer.nixl_agent import availability
 AVAILABLE = availability()
 
 
-def test_staged_suffix_names_the_same_connector_without_registered_caches() -> None:
-    conn, mod = transfer_pair.connector(transfer_pair.NIXL + transfer_pair.STAGED, 1 << 16) if AVAILABLE.ok \
-        else (None, None)
+def test_module_suffixes_choose_registration_and_integrity() -> None:
     calls: list[int] = []
 
     class Takes:
@@ -18,13 +18,18 @@ def test_staged_suffix_names_the_same_connector_without_registered_caches() -> N
             calls.append(len(caches))
 
     transfer_pair.register(Takes(), transfer_pair.NIXL + transfer_pair.STAGED, [])
-    transfer_pair.register(Takes(), transfer_pair.NIXL, [])
-    assert calls == [0]  # only the unsuffixed module registers
-    if conn is not None:
-        assert type(conn).__name__ == "NixlConnector" and mod.__name__.endswith("transfer.connector")
-        assert conn.integrity == "mac"
-        fabric, _ = transfer_pair.connector(transfer_pair.NIXL + transfer_pair.FABRIC, 1 << 16)
-        assert fabric.integrity == "fabric"
+    transfer_pair.register(Takes(), transfer_pair.NIXL + transfer_pair.FABRIC, [])
+    assert calls == [0]  # only a module without +staged registers its caches
+    if not AVAILABLE.ok:
+        return
+    made = [transfer_pair.connector(transfer_pair.NIXL + suffix, 1 << 16) for suffix in ("", transfer_pair.FABRIC)]
+    try:
+        (mac, mod), (fabric, _) = made
+        assert type(mac).__name__ == "NixlConnector" and mod.__name__.endswith("transfer.connector")
+        assert (mac.integrity, fabric.integrity) == ("mac", "fabric")
+    finally:
+        for conn, _ in made:
+            asyncio.run(conn.close())
 
 
 @pytest.mark.skipif(not AVAILABLE.ok, reason=AVAILABLE.reason)
