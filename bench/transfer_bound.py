@@ -52,6 +52,7 @@ from pdcluster.worker.transfer.frame import (
     parse_preamble,
     seal_frame,
 )
+from pdcluster.worker.transfer.sockio import consume
 
 KEY_DATA, KEY_ACK = b"d" * 32, b"a" * 32  # fixed keys: the handshake is not what is measured
 
@@ -77,22 +78,13 @@ def recv_parts(sock: socket.socket, views: Sequence[memoryview]) -> None:
         k = sock.recvmsg_into(todo)[0]
         if k == 0:
             raise EOFError("peer closed")
-        while k:
-            if k >= len(todo[0]):
-                k -= len(todo.pop(0))
-            else:
-                todo[0], k = todo[0][k:], 0
+        consume(todo, k)
 
 
 def send_all(sock: socket.socket, parts: Sequence[Any]) -> None:
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        sent = sock.sendmsg(views[:512])
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0], sent = views[0][sent:], 0
+        consume(views, sock.sendmsg(views[:512]))
 
 
 def _receiver(pipe: Connection, mib: int, ack_each: bool) -> None:

@@ -164,29 +164,18 @@ class Agent:
         """Blocking WRITE of local buffer[local_off:+nbytes] to the peer's address (call on a worker thread)."""
         self._xfer("WRITE", remote, self._staged(local_off, nbytes), [(remote_addr, nbytes)], remote_dev, timeout)
 
-    def read(self, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int = 0,
-             timeout: float = 30.0) -> None:
-        """Blocking READ of the peer's [remote_addr, +nbytes) into local buffer[local_off:] (worker thread).
-        NIXL refuses a range outside the peer's registrations (nixlNotFoundError) before anything moves."""
-        self._xfer("READ", remote, self._staged(local_off, nbytes), [(remote_addr, nbytes)], remote_dev, timeout)
-
     def read_segments(self, remote: str, local: Segments, remote_segs: Segments, remote_dev: int = 0,
                       timeout: float = 30.0, on_end: Callable[[], None] | None = None) -> None:
-        """Blocking READ of the peer's segments into ours (registered, `covers`), pairwise of equal length.
-        `on_end` runs once the transfer can no longer write into `local` (done, failed, or drained after a
+        """Blocking READ of the peer's segments into ours (registered, `covers`), pairwise of equal length (call
+        on a worker thread). NIXL refuses a range outside the peer's registrations (nixlNotFoundError) before
+        anything moves. `on_end` runs once the transfer can no longer write into `local` (done, failed, or drained after a
         timeout), whatever this call raises."""
         self._xfer("READ", remote, local, remote_segs, remote_dev, timeout, on_end)
 
-    async def aread(self, remote: str, local_off: int, remote_addr: int, nbytes: int, remote_dev: int = 0,
-                    timeout: float = 30.0) -> None:
-        """`read`, waited for on the event loop with no thread: for small layers, where a hop to a worker
-        thread and back costs more than the READ (which often completes inside the call that posts it)."""
-        await self.aread_segments(remote, self._staged(local_off, nbytes), [(remote_addr, nbytes)], remote_dev,
-                                  timeout)
-
     async def aread_segments(self, remote: str, local: Segments, remote_segs: Segments, remote_dev: int = 0,
                              timeout: float = 30.0, on_end: Callable[[], None] | None = None) -> None:
-        """`read_segments` polled on the loop. Cancelled or timed out while the READ is in flight, the handle
+        """`read_segments` polled on the loop, no thread: for small layers, where a hop to a worker thread and
+        back costs more than the READ (which often completes inside the call that posts it). Cancelled or timed out while the READ is in flight, the handle
         is drained on a thread (it may still write into `local`), and only then released and `on_end` run."""
         handle, state = self._post("READ", remote, local, remote_segs, remote_dev, on_end)
         try:

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,19 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
             self._lent[int(buf.data_ptr())] = (off, nbytes)
         return buf
 
+    def save_kv_views(self, request_id: str, layer: int, parts: list[memoryview], *, token_start: int,
+                      num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      held: Callable[[], bool] | None = None) -> bool:
+        """Engine thread: int8 compression quantizes the layer from where it lies (`_save_quantized`); a float
+        layer goes cache to cache (`nixl_direct.DirectPath.save_kv_views`)."""
+        entry = self._outboxes.get(request_id)
+        if self.compression == "int8" and entry is not None and self._loop is not None \
+                and not isinstance(entry[0], Fanout):
+            return self._save_quantized(request_id, layer, entry[1], entry[0], parts, token_start=token_start,
+                                        num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        return super().save_kv_views(request_id, layer, parts, token_start=token_start, num_tokens=num_tokens,
+                                     kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, held=held)
+
     def _save_quantized(self, request_id: str, layer: int, num_layers: int, box: Any, parts: list[memoryview], *,
                         token_start: int, num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Engine thread, int8 compression of a float layer lying in `parts`: quantized where it lies, piece
@@ -146,12 +160,9 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
         one is ~14x slower and belongs on an encoder thread."""
         if dtype != torch.float32 or cpu_quant.module() is None:
             return False
-        row = kv_heads * head_dim * 4
-        step = max(1, chunking.PIPE_BYTES // (2 * kv_heads * (head_dim + 4)))
         loop = self._loop
         assert loop is not None
-        for s, e, run in views.runs(parts, num_tokens, row, step):
-            pieces = [codec.quantize8(torch.frombuffer(p, dtype=torch.float32).view(-1, head_dim)) for p in run]
+        for s, e, pieces in views.quantized_runs(parts, num_tokens, kv_heads, head_dim, chunking.PIPE_BYTES):
             n = e - s
             codes = torch.cat([q.reshape(-1) for q, _ in pieces]).view(2, n, kv_heads, head_dim)
             scales = torch.cat([sc.reshape(-1) for _, sc in pieces]).view(2, n, kv_heads)

@@ -36,11 +36,9 @@ from pdcluster.worker.transfer import handoff, nixl_wire
 from pdcluster.worker.transfer.codec import TORCH_OF, WIRE_OF
 from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind
 from pdcluster.worker.transfer.head_slice import Fanout
-from pdcluster.worker.transfer.nixl_agent import Agent
+from pdcluster.worker.transfer.nixl_agent import Agent, Segments
 from pdcluster.worker.transfer.specs import Received, _Load
 from pdcluster.worker.transfer.transport import TransferError
-
-Segments = list[tuple[int, int]]  # (address, bytes), in wire order
 
 
 def addresses(views: list[memoryview]) -> Segments:
@@ -150,10 +148,6 @@ class DirectPath:
     def _small(self, d: nixl_wire.Descriptor) -> bool:
         raise NotImplementedError
 
-    def _save_quantized(self, request_id: str, layer: int, num_layers: int, box: Any, parts: list[memoryview], *,
-                        token_start: int, num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-        raise NotImplementedError
-
     def register_cache(self, tensors: list[torch.Tensor]) -> None:
         """Register the engine's KV cache pools once, before serving: float layers then go from the sender's
         cache blocks to the receiver's (nixl_direct.py). Device pools and non-contiguous ones are left out
@@ -173,16 +167,13 @@ class DirectPath:
                       num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                       held: Callable[[], bool] | None = None) -> bool:
         """Engine thread: a float layer's token range described where it lies in the registered cache (one
-        STAGED frame, its MAC over those bytes), no gather and no staging; with int8 compression, quantized
-        from where it lies into staging instead (`_save_quantized`). False (gather it for save_kv_layer): cache
-        not registered, head ranges, or too many pieces for a descriptor."""
+        STAGED frame, its MAC over those bytes), no gather and no staging. False (gather it for
+        save_kv_layer): cache not registered, wire compression, head ranges, or too many pieces for a
+        descriptor."""
         entry = self._outboxes.get(request_id)
         if entry is None or self._loop is None:
             return True  # aborted meanwhile: nothing to send
         box, num_layers = entry
-        if self.compression == "int8" and not isinstance(box, Fanout):
-            return self._save_quantized(request_id, layer, num_layers, box, parts, token_start=token_start,
-                                        num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
         if not self.direct or self.compression != "none" or isinstance(box, Fanout) or dtype not in WIRE_OF \
                 or dtype in (torch.int8, torch.uint8):
             return False
@@ -221,7 +212,7 @@ class DirectPath:
         return True
 
     def _destination(self, frame: Frame, d: nixl_wire.Descriptor
-                     ) -> tuple[list[memoryview], Callable[[], None]] | None:
+                     ) -> tuple[list[memoryview], Segments, Callable[[], None]] | None:
         """Where a float layer's range lies in this worker's registered cache, when it can be READ there
         directly (placing.py's conditions, plus registered memory); None: through staging, as before."""
         load = self._loads.get(frame.request_id)
@@ -232,13 +223,13 @@ class DirectPath:
         if got is None:
             return None
         views, release = got
-        if sum(len(v) for v in views) != d.nbytes \
-                or not all(self.agent.covers(a, n) for a, n in addresses(views)):
+        segs = addresses(views)
+        if sum(n for _, n in segs) != d.nbytes or not all(self.agent.covers(a, n) for a, n in segs):
             release()
             return None
-        return views, release
+        return views, segs, release
 
-    async def _read_direct(self, frame: Frame, d: nixl_wire.Descriptor, views: list[memoryview],
+    async def _read_direct(self, frame: Frame, d: nixl_wire.Descriptor, views: list[memoryview], local: Segments,
                            release: Callable[[], None]) -> Received:
         """READ the sender's segments straight into this cache's blocks, then check the MAC where they landed."""
         rid = frame.request_id
@@ -248,7 +239,7 @@ class DirectPath:
             release()
             self._inflight.end(rid)
 
-        if not await self._read_checked(frame, d, addresses(views), views, ended):
+        if not await self._read_checked(frame, d, local, views, ended):
             raise self._refused(frame, d, "bytes read from the sender's cache")
         self.direct_layers[1] += 1
         return Received(_EMPTY, _EMPTY, None, d.nbytes, placed=True)

@@ -15,6 +15,15 @@ Buffer = bytes | bytearray | memoryview
 SOCK_BUF = 4 * 1024 * 1024  # kernel buffers: a 4 MiB window keeps loopback and LAN links full
 
 
+def consume(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes from `views` in place (what one `sendmsg`/`recvmsg_into` took of them)."""
+    while n:
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0], n = views[0][n:], 0
+
+
 class Closed(ConnectionError):
     """The peer closed the connection; `got` bytes of the current read had arrived."""
 
@@ -86,12 +95,7 @@ class Conn:
             if k == 0:
                 raise Closed(got)
             got += k
-            while k:
-                if k >= len(todo[0]):
-                    k -= len(todo.pop(0))
-                else:
-                    todo[0] = todo[0][k:]
-                    k = 0
+            consume(todo, k)
 
     async def recv_exactly(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -114,13 +118,7 @@ class Conn:
                 except (BlockingIOError, InterruptedError):
                     await self._ready(self.loop.add_writer, self.loop.remove_writer)
                     continue
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+                consume(views, sent)
         return total
 
     async def _ready(self, add: Callable[..., None], remove: Callable[[int], object]) -> None:

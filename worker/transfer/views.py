@@ -80,18 +80,20 @@ def quantized_frames(request_id: str, layer: int, num_layers: int, views: list[m
     tokens `[token_start, +num_tokens)` of an fp32 layer lying in `views` (K's bytes, then V's), at most
     `frame_bytes` on the wire each (the receiver dequantizes one while the next arrives). Each run is
     quantized where it lies; the frames hold the codes, nothing of `views`."""
+    return [Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
+                  token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads, head_dim=head_dim,
+                  dtype=DType.I8, flags=FLAG_QUANT, scales=b"".join(codec.byte_view(sc) for _, sc in pieces),
+                  payload=Gathered([codec.byte_view(q) for q, _ in pieces]))
+            for s, e, pieces in quantized_runs(views, num_tokens, kv_heads, head_dim, frame_bytes)]
+
+
+def quantized_runs(views: list[memoryview], num_tokens: int, kv_heads: int, head_dim: int, frame_bytes: int
+                   ) -> Iterator[tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Runs of tokens of an fp32 layer lying in `views` (K's bytes, then V's), each at most `frame_bytes` of
+    int8 codes and scales: (start, end, (codes, scales) of each view piece of the run, K's then V's), each piece
+    quantized where it lies (`codec.quantize8`), one run at a time as the caller asks for it."""
     if any(len(memoryview(v).cast("B")) % (head_dim * 4) for v in views):
         raise ValueError("views must hold whole vectors")
-    frames = []
     step = max(1, frame_bytes // (2 * kv_heads * (head_dim + 4)))  # a token's codes and scales of K and V
     for s, e, parts in runs(views, num_tokens, kv_heads * head_dim * 4, step):
-        codes, scales = [], []
-        for v in parts:
-            q, sc = codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim))
-            codes.append(codec.byte_view(q))
-            scales.append(codec.byte_view(sc))
-        frames.append(Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
-                            token_start=token_start + s, token_end=token_start + e, kv_heads=kv_heads,
-                            head_dim=head_dim, dtype=DType.I8, flags=FLAG_QUANT, scales=b"".join(scales),
-                            payload=Gathered(codes)))
-    return frames
+        yield s, e, [codec.quantize8(torch.frombuffer(v, dtype=torch.float32).view(-1, head_dim)) for v in parts]
