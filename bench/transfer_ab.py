@@ -11,7 +11,8 @@ measured beside it, and "paired" = the median over rounds of new/old in the same
     python -m pdcluster.bench.transfer_ab --nixl-staged --sizes-mib 1,4,16,64 --reps 7 --cases fp32
 
 compares the NIXL backend cache to cache (`nixl_direct.py`) with the same backend through staging (its caches
-left unregistered), both this tree's, the same way.
+left unregistered), both this tree's, the same way; `--nixl-fabric` and `--tcp-fabric` compare a backend with
+`--kv-transfer-integrity fabric` against the same backend with the default `mac`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: this tree's NIXL backend cache to cache (new) against the same backend with "
                         "its caches unregistered, i.e. through staging (before); --rev is not used")
     p.add_argument("--nixl-fabric", action="store_true",
-                   help="instead: this tree's NIXL backend with --kv-transfer-nixl-integrity fabric (new) against "
+                   help="instead: this tree's NIXL backend with --kv-transfer-integrity fabric (new) against "
                         "the default mac (before); --rev is not used")
+    p.add_argument("--tcp-fabric", action="store_true",
+                   help="instead: this tree's TCP backend with --kv-transfer-integrity fabric (new) against the "
+                        "default mac (before); --rev is not used")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     cases = tuple(c for c in transfer_pair.CASES if c[0] in a.cases.split(","))
@@ -67,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
             first, old = transfer_pair.NIXL, transfer_pair.NIXL + transfer_pair.STAGED
         elif a.nixl_fabric:
             first, old = transfer_pair.NIXL + transfer_pair.FABRIC, transfer_pair.NIXL
+        elif a.tcp_fabric:
+            first, old = transfer_pair.MODULE + transfer_pair.FABRIC, transfer_pair.MODULE
         else:
             first, old = transfer_pair.MODULE, build_before(a.rev, Path(tmp))
             os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
         for mib in (int(m) for m in a.sizes_mib.split(",") if m):
             load = os.getloadavg()[0]
-            same_tree = a.nixl_staged or a.nixl_fabric
+            same_tree = a.nixl_staged or a.nixl_fabric or a.tcp_fabric
             mods = [first, old] + ([transfer_pair.NIXL] if a.nixl and not same_tree else [])
             r = transfer_pair.side_by_side(mib << 20, a.reps, mods, cases)
             r["load"] = (load, os.getloadavg()[0])

@@ -52,7 +52,7 @@ HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
 NIXL = "pdcluster.worker.transfer.nixl_connector:NixlConnector"  # the NIXL backend, as a further "module"
 STAGED = "+staged"  # a module suffix: its caches are not registered (NIXL through staging, the path before)
-FABRIC = "+fabric"  # a module suffix: NIXL with --kv-transfer-nixl-integrity fabric (no MAC on either side)
+FABRIC = "+fabric"  # a module suffix: --kv-transfer-integrity fabric (no MAC over KV bytes on either side)
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
 _HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
@@ -79,8 +79,8 @@ def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
     name, _, cls = module.split("+")[0].partition(":")
     if cls == "NixlConnector":
         kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
-        if FABRIC in module:
-            kw["integrity"] = "fabric"
+    if FABRIC in module:
+        kw["integrity"] = "fabric"
     conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
     return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 

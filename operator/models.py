@@ -184,12 +184,13 @@ class KVTransfer(SpecModel):
         "authenticated, so the bytes are MAC-checked before import: use it on a trusted fabric), tcp (the "
         "authenticated transfer channel carries the bytes too), auto (nixl where it loads in the worker "
         "image, else tcp; the worker logs which one runs and why).")
-    nixlIntegrity: Literal["mac", "fabric"] = Field(
+    integrity: Literal["mac", "fabric"] = Field(
         default="mac",
-        description="With the nixl backend: mac (bytes read over NIXL are checked against a MAC sent over the "
-        "authenticated transfer channel before import; a pass over each layer on both sides) or fabric (they "
-        "are trusted as they land, as vLLM's and Dynamo's NIXL connectors do: only on an isolated RDMA/NVLink "
-        "fabric). Ignored by tcp.")
+        description="KV bytes, with either backend: mac (each layer is MAC'd by the sender and checked before "
+        "import; a pass over each layer on both sides) or fabric (trusted as they land, as vLLM's and Dynamo's "
+        "NIXL connectors do: only where the network protects them, e.g. an isolated RDMA/NVLink fabric or "
+        "mTLS/IPsec/WireGuard between nodes; the transfer connection, frame headers and request ids stay "
+        "authenticated).")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
     # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.

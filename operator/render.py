@@ -92,8 +92,8 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--max-batch-size", str(pool.maxBatchSize),
         "--max-batch-tokens", str(pool.maxBatchTokens),
         "--kv-transfer-compression", tr.compression,
-        "--kv-transfer-backend", tr.backend,  # nixl integrity only when set: pods of before stay unchanged
-        *(["--kv-transfer-nixl-integrity", tr.nixlIntegrity] if tr.nixlIntegrity != "mac" else []),
+        "--kv-transfer-backend", tr.backend,  # integrity only when set: pods of before stay unchanged
+        *(["--kv-transfer-integrity", tr.integrity] if tr.integrity != "mac" else []),
         "--kv-transfer-timeout", _num(tr.timeoutSeconds),
         "--kv-transfer-max-retries", str(tr.maxRetries),
         "--kv-transfer-port", str(KV_TRANSFER_PORT),

@@ -12,10 +12,10 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_nixl_integrity_is_passed_only_when_not_the_default() -> None:
+def test_integrity_is_passed_only_when_not_the_default() -> None:
     cmd = launcher.worker_cmd(_args(), Path("m"), "prefill", 9001)
-    assert "--kv-transfer-nixl-integrity" not in cmd  # the command line of before
-    cmd = launcher.worker_cmd(_args("--kv-transfer-backend", "nixl", "--kv-transfer-nixl-integrity", "fabric"),
+    assert "--kv-transfer-integrity" not in cmd  # the command line of before
+    cmd = launcher.worker_cmd(_args("--kv-transfer-backend", "nixl", "--kv-transfer-integrity", "fabric"),
                               Path("m"), "decode", 9002)
-    assert cmd[cmd.index("--kv-transfer-nixl-integrity") + 1] == "fabric"
+    assert cmd[cmd.index("--kv-transfer-integrity") + 1] == "fabric"
     assert cmd[cmd.index("--kv-transfer-backend") + 1] == "nixl"

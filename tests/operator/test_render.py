@@ -194,18 +194,18 @@ def test_examples_render(name: str) -> None:
     assert len([o for o in objs if o["kind"] == "Deployment"]) == 3
 
 
-def test_nixl_integrity_reaches_the_workers_only_when_not_the_default() -> None:
+def test_integrity_reaches_the_workers_only_when_not_the_default() -> None:
     def command(spec):  # type: ignore[no-untyped-def]
         deps = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in render.render_children(
             OWNER, spec, {"prefill": 1, "decode": 1}, FP) if d["kind"] == "Deployment"}
         return deps["prefill"]["spec"]["template"]["spec"]["containers"][0]["command"]
 
-    assert "--kv-transfer-nixl-integrity" not in command(_spec())  # default mac: pods as they were
+    assert "--kv-transfer-integrity" not in command(_spec())  # default mac: pods as they were
     spec = make_spec()
-    spec["kvTransfer"] = {"backend": "nixl", "nixlIntegrity": "fabric"}
+    spec["kvTransfer"] = {"backend": "nixl", "integrity": "fabric"}
     cmd = command(parse_spec(spec))
-    assert cmd[cmd.index("--kv-transfer-nixl-integrity") + 1] == "fabric"
+    assert cmd[cmd.index("--kv-transfer-integrity") + 1] == "fabric"
     bad = make_spec()
-    bad["kvTransfer"] = {"nixlIntegrity": "none"}
-    with pytest.raises(Exception, match="nixlIntegrity"):
+    bad["kvTransfer"] = {"integrity": "none"}
+    with pytest.raises(Exception, match="integrity"):
         parse_spec(bad)

@@ -14,11 +14,22 @@ def _options(*argv: str) -> cli.TransferOptions:
     return cli.transfer_options(p.parse_args(["--model", "m", *argv]))
 
 
-def test_nixl_integrity_defaults_to_mac_and_takes_fabric() -> None:
-    assert _options().nixl_integrity == "mac"
-    assert _options("--kv-transfer-nixl-integrity", "fabric").nixl_integrity == "fabric"
+def test_integrity_defaults_to_mac_and_takes_fabric() -> None:
+    assert _options().integrity == "mac"
+    assert _options("--kv-transfer-integrity", "fabric").integrity == "fabric"
+    assert _options("--kv-transfer-nixl-integrity", "fabric").integrity == "fabric"  # its name before tcp had it
     with pytest.raises(SystemExit):
-        _options("--kv-transfer-nixl-integrity", "none")
+        _options("--kv-transfer-integrity", "none")
+
+
+def test_the_backend_builds_a_tcp_connector_with_that_integrity() -> None:
+    from pdcluster.worker.transfer import backend
+
+    conn, choice = backend.build("tcp", b"s" * 32, integrity="fabric")
+    try:
+        assert choice.backend == "tcp" and conn.integrity == "fabric" and conn.limits.trust_fabric
+    finally:
+        asyncio.run(conn.close())
 
 
 def test_the_backend_builds_a_nixl_connector_with_that_integrity() -> None:
@@ -27,11 +38,9 @@ def test_the_backend_builds_a_nixl_connector_with_that_integrity() -> None:
 
     if not availability().ok:
         pytest.skip(availability().reason)
-    conn, choice = backend.build("nixl", b"s" * 32, nixl_integrity="fabric")
-    tcp, _ = backend.build("tcp", b"s" * 32, nixl_integrity="fabric")  # ignored by tcp
+    conn, choice = backend.build("nixl", b"s" * 32, integrity="fabric")
     try:
         assert choice.backend == "nixl" and conn.integrity == "fabric"
-        assert not hasattr(tcp, "integrity")
+        assert conn.limits.trust_fabric  # its layers over the channel go untagged too
     finally:
         asyncio.run(conn.close())
-        asyncio.run(tcp.close())

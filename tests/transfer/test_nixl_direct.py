@@ -341,9 +341,9 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
 
 @needs_nixl
 async def test_fabric_integrity_sends_and_checks_no_mac_and_a_mac_receiver_says_why_it_refuses() -> None:
-    """--kv-transfer-nixl-integrity fabric: no MAC computed or checked (the bytes are trusted as they land, on
+    """--kv-transfer-integrity fabric: no MAC computed or checked (the bytes are trusted as they land, on
     an isolated fabric); a receiver still on `mac` refuses those layers and names the setting."""
-    from pdcluster.worker.transfer import nixl_connector
+    from pdcluster.worker.transfer import connector
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
     with pytest.raises(ValueError, match="integrity"):
@@ -373,11 +373,11 @@ async def test_fabric_integrity_sends_and_checks_no_mac_and_a_mac_receiver_says_
             else:
                 with pytest.raises(TransferError, match="UNAUTHENTICATED"):
                     await send.wait_for_save("f")
-                with pytest.raises(TransferError, match="nixl-integrity fabric"):
+                with pytest.raises(TransferError, match="kv-transfer-integrity fabric"):
                     await recv.wait_for_load("f", timeout=5)
                 recv.cancel_load("f")
         finally:
             nixl_wire.mac = orig  # type: ignore[assignment]
-        assert nixl_connector.INTEGRITY == ("mac", "fabric")
+        assert connector.INTEGRITY == ("mac", "fabric")
         await send.close()
         await recv.close()

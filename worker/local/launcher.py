@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-transfer-compression", choices=["none", "int8"], default="none")
     a("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
       help="passed to every worker (pdcluster serve --kv-transfer-backend); default auto")
-    a("--kv-transfer-nixl-integrity", choices=["mac", "fabric"], default="mac",
-      help="passed to every worker (pdcluster serve --kv-transfer-nixl-integrity); default mac")
+    a("--kv-transfer-integrity", "--kv-transfer-nixl-integrity", choices=["mac", "fabric"], default="mac",
+      dest="kv_transfer_integrity",
+      help="passed to every worker (pdcluster serve --kv-transfer-integrity); default mac")
     a("--disaggregation-threshold", type=types.non_negative_int, default=64, metavar="TOKENS")
     a("--max-queue-depth", type=types.non_negative_int, default=64)
     a("--request-timeout", type=types.non_negative_float, default=120.0, metavar="S", help="504 after S seconds (0: none)")
@@ -109,8 +110,8 @@ def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> l
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
             "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
             "--kv-transfer-backend", getattr(args, "kv_transfer_backend", "auto"),
-            *(["--kv-transfer-nixl-integrity", args.kv_transfer_nixl_integrity]
-              if getattr(args, "kv_transfer_nixl_integrity", "mac") != "mac" else []),
+            *(["--kv-transfer-integrity", args.kv_transfer_integrity]
+              if getattr(args, "kv_transfer_integrity", "mac") != "mac" else []),
             *_otlp(args), *_tool_calls(args), *_tp(args, role)]
 
 

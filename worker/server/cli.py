@@ -33,7 +33,7 @@ class TransferOptions:
     max_retries: int = 3
     secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
     backend: str = "auto"  # auto | nixl | tcp (worker/transfer/backend.py)
-    nixl_integrity: str = "mac"  # mac | fabric: MAC-check bytes read over NIXL, or trust the fabric
+    integrity: str = "mac"  # mac | fabric: MAC-check every KV byte, or trust the fabric with them (both backends)
     tp_path: str = "auto"  # auto | direct | relay: KV between TP layouts (server/tp_direct.py)
 
 
@@ -107,11 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how KV bytes move: nixl (UCX: RDMA, NVLink, shared memory; its data plane is not "
                         "authenticated, the bytes are MAC-checked), tcp (the authenticated channel), auto "
                         "(nixl where it loads, else tcp; one log line says which and why). Default: auto")
-    t.add_argument("--kv-transfer-nixl-integrity", choices=["mac", "fabric"], default="mac",
-                   help="bytes read over NIXL: mac (checked against a MAC sent over the authenticated channel "
-                        "before import; costs a pass over each layer on both sides) or fabric (trusted as they "
-                        "land, as vLLM's and Dynamo's connectors do: only on an isolated RDMA/NVLink fabric). "
-                        "Both sides must agree. Default: mac")
+    t.add_argument("--kv-transfer-integrity", "--kv-transfer-nixl-integrity", choices=["mac", "fabric"],
+                   default="mac", dest="kv_transfer_integrity",
+                   help="KV bytes, on either backend: mac (each layer tagged by the sender and checked before "
+                        "import; a pass over each layer on both sides) or fabric (trusted as they land, as "
+                        "vLLM's and Dynamo's connectors do: only where the network protects them, e.g. an "
+                        "isolated RDMA/NVLink fabric or mTLS/IPsec/WireGuard between nodes; the connection, "
+                        "frame headers and request ids stay authenticated). A mac receiver refuses a fabric "
+                        "sender's layers. Default: mac")
     t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
     t.add_argument("--kv-transfer-max-retries", type=cli_args.non_negative_int, default=3)
     t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
@@ -134,7 +137,7 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
         max_retries=args.kv_transfer_max_retries,
         secret_file=args.kv_transfer_secret_file,
         backend=args.kv_transfer_backend,
-        nixl_integrity=getattr(args, "kv_transfer_nixl_integrity", "mac"),
+        integrity=getattr(args, "kv_transfer_integrity", "mac"),
         tp_path=getattr(args, "kv_transfer_tp_path", "auto"),
     )
 

@@ -63,7 +63,7 @@ class Disaggregation:
     def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
                  transfer_port: int | None = None, node: str | None = None, backend: str = "tcp",
-                 tp_path: str = "auto", nixl_integrity: str = "mac") -> None:
+                 tp_path: str = "auto", integrity: str = "mac") -> None:
         self.engine = engine  # AsyncEngine
         self.role = role
         self.timeout = timeout
@@ -71,7 +71,7 @@ class Disaggregation:
         self.node = node if node is not None else os.environ.get("NODE_NAME")
         # the secret also authenticates router -> worker /internal/* calls (derived bearer token)
         self.compression, self.max_retries, self.secret = compression, max_retries, secret
-        self.nixl_integrity = nixl_integrity  # mac | fabric (NixlConnector), passed to every rank's connector
+        self.integrity = integrity  # mac | fabric (either backend), passed to every rank's connector
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
@@ -79,7 +79,7 @@ class Disaggregation:
             self.connector, choice = transfer_backend.build(
                 backend, secret, importer=self._import, compression=compression, timeout=timeout,
                 max_retries=max_retries, destination=getattr(eng, "import_views", None),
-                nixl_integrity=nixl_integrity, pools=getattr(eng, "transfer_pools", None))
+                integrity=integrity, pools=getattr(eng, "transfer_pools", None))
             self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -98,7 +98,7 @@ class Disaggregation:
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
                    backend=getattr(options, "backend", "auto"), tp_path=getattr(options, "tp_path", "auto"),
-                   nixl_integrity=getattr(options, "nixl_integrity", "mac"))
+                   integrity=getattr(options, "integrity", "mac"))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

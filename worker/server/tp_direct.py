@@ -82,7 +82,7 @@ class DirectKV:
         d = self.disagg
         port0 = d.transfer_port
         options = {"secret": (d.secret or b"").hex(), "backend": d.backend, "compression": d.compression,
-                   "nixl_integrity": d.nixl_integrity,
+                   "integrity": d.integrity,
                    "timeout": d.timeout, "max_retries": d.max_retries, "host": d.listen_host,
                    "port_base": self.port_base,
                    "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers}

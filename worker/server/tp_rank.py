@@ -49,7 +49,7 @@ class RankEndpoint:
         self.conn, choice = transfer_backend.build(
             str(options.get("backend", "tcp")), bytes.fromhex(options["secret"]), importer=self._import,
             compression=str(options.get("compression", "none")), timeout=self.timeout,
-            nixl_integrity=str(options.get("nixl_integrity", "mac")),
+            integrity=str(options.get("integrity", "mac")),
             max_retries=int(options.get("max_retries", 2)))
         base = int(options.get("port_base", 0))  # rank 0's fixed --kv-transfer-port: this rank takes base + rank
         port = self._run(self.conn.listen(str(options.get("host", "127.0.0.1")), base + rank if base else 0))

@@ -48,24 +48,25 @@ def choose(requested: str, nixl: Availability) -> Choice:
     return Choice("tcp", f"auto: {nixl.reason}; falling back to tcp", fallback=True)
 
 
-def build(requested: str, secret: bytes, nixl_integrity: str = "mac",
+def build(requested: str, secret: bytes, integrity: str = "mac",
           pools: Callable[[], list[Any]] | None = None, **kw: Any) -> tuple[Any, Choice]:
     """The connector for `requested` (a TCPConnector or NixlConnector) and the choice, logged once.
-    NIXL's alone: `nixl_integrity` (mac | fabric), and `pools`, the engine's cache pools it registers once
-    (float layers then move from cache blocks to cache blocks, nixl_direct.py)."""
+    `integrity` (mac | fabric): whether KV bytes are MAC'd and checked, or the fabric is trusted with them
+    (both backends). NIXL's alone: `pools`, the engine's cache pools it registers once (float layers then move
+    from cache blocks to cache blocks, nixl_direct.py)."""
     from pdcluster.worker.transfer.connector import TCPConnector
     from pdcluster.worker.transfer.nixl_agent import availability
 
     choice = choose(requested, availability() if requested != "tcp" else Availability(False, "not probed"))
     (log.warning if choice.fallback else log.info)(choice.message)
+    if integrity == "fabric":
+        log.warning("kv transfer: KV bytes are not MAC-checked (--kv-transfer-integrity fabric; headers and the "
+                    "connection still are): only on a fabric that protects them (mTLS/IPsec/WireGuard, RDMA)")
     if choice.backend == "nixl":
         from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-        if nixl_integrity == "fabric":
-            log.warning("kv transfer: bytes read over NIXL are not MAC-checked (--kv-transfer-nixl-integrity "
-                        "fabric): only on an isolated fabric")
-        conn = NixlConnector(secret, integrity=nixl_integrity, **kw)
+        conn = NixlConnector(secret, integrity=integrity, **kw)
         if pools is not None:
             conn.register_cache(pools())
         return conn, choice
-    return TCPConnector(secret, **kw), choice
+    return TCPConnector(secret, integrity=integrity, **kw), choice

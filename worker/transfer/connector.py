@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -36,6 +37,7 @@ from pdcluster.worker.transfer.specs import LoadSpec, Received, SaveResult, Tran
 from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
 
 log = logging.getLogger(__name__)
+INTEGRITY = ("mac", "fabric")  # --kv-transfer-integrity, spec.kvTransfer.integrity
 INLINE_MAX = 4 * 1024 * 1024  # bytes of K+V up to which a layer is framed on the caller's thread (`_inline`)
 
 # Importer: (request_id, layer, k, v, token_start=..., scales=...) for tokens [token_start, +k.shape[0]) of a
@@ -54,9 +56,15 @@ class TCPConnector(KVConnector):
     def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
                  timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
                  chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4,
-                 destination: placing.Destination | None = None) -> None:
+                 destination: placing.Destination | None = None, integrity: str = "mac") -> None:
         if compression not in codec.COMPRESSIONS:
             raise ValueError(f"compression must be one of {codec.COMPRESSIONS}")
+        if integrity not in INTEGRITY:
+            raise ValueError(f"kv transfer integrity must be one of {INTEGRITY}, got {integrity!r}")
+        # mac: every byte of KV is tagged and checked; fabric: the payloads go untagged and untagged ones are
+        # accepted (headers, request ids and scales stay tagged; the connection stays authenticated)
+        self.integrity = integrity
+        limits = dataclasses.replace(limits, trust_fabric=integrity == "fabric")
         self.secret, self.importer, self.compression = secret, importer, compression
         # float layers received straight into the cache, no importer call (placing.py); the owner must call
         # cancel_load before it frees a request's blocks

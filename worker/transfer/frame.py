@@ -22,7 +22,9 @@ Frame layout — all integers big-endian::
                                   memory; the payload is a descriptor, `nixl_wire.py`, and the
                                   receiver READs the bytes itself, then checks their MAC)
     6      1     flags            bit 0: payload is cache codes (int8, or int4 packed two per byte) with
-                                  per-vector float32 scales
+                                  per-vector float32 scales; bit 1 (LAYER only): the payload is not tagged
+                                  (payload_tag is zeros), the sender trusts the fabric
+                                  (`--kv-transfer-integrity fabric`); a receiver that does not refuses it
     7      1     dtype            1 f32, 2 f16, 3 bf16, 4 int8, 5 int4 (uint8 bytes, low nibble = even
                                   index: [tokens, kv_heads, head_dim / 2] each, head_dim even)
     8      2     request_id_len   1..128
@@ -58,9 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from pdcluster.worker.transfer.gmac import Buffer, FrameKey, Gathered
 
 MAGIC = b"PDKV"
 VERSION = 3
@@ -70,12 +70,12 @@ HEADER_SIZE = HEADER.size  # 36
 TAG_SIZE = 16
 PREAMBLE_SIZE = HEADER_SIZE + TAG_SIZE  # 52: all a reader takes for a frame before its header is authenticated
 TRAILER_SIZE = 2 * TAG_SIZE
-_SEQ = struct.Struct(">4sQ")  # the 12-byte GCM nonce: label + sequence number on this connection+direction
 MAX_REQUEST_ID = 128
 MAX_DESCRIPTOR = 64 * 1024  # a STAGED frame's payload: addresses, segments, MAC and the sender's agent metadata (0.5 KiB + ~44 B per registered cache pool)
 FLAG_QUANT = 0x01  # codes + per-vector float32 scales (int8 or packed int4), as a quantized cache holds them
 FLAG_INT8 = FLAG_QUANT  # its name before int4 codes travelled too
-KNOWN_FLAGS = FLAG_QUANT
+FLAG_TRUSTED = 0x02  # the payload carries no tag: its integrity is the fabric's (mTLS/IPsec/WireGuard, RDMA)
+KNOWN_FLAGS = FLAG_QUANT | FLAG_TRUSTED
 
 
 class Kind(IntEnum):
@@ -135,6 +135,8 @@ class Limits:
     max_kv_heads: int = 1024
     max_head_dim: int = 1024
     max_layers: int = 4096
+    # not a bound but what this side accepts and sends: layers whose payload goes untagged (FLAG_TRUSTED)
+    trust_fabric: bool = False
 
 
 DEFAULT_LIMITS = Limits()
@@ -228,6 +230,8 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
             raise FrameError(ErrorCode.BAD_HEADER, "quantized flag and dtype disagree")
         if dtype_e == DType.I4 and dim % 2:
             raise FrameError(ErrorCode.BAD_HEADER, f"int4 codes need an even head_dim, got {dim}")
+    if flags & FLAG_TRUSTED and kind_e != Kind.LAYER:
+        raise FrameError(ErrorCode.BAD_HEADER, f"an untagged payload on a {kind_e.name} frame")
     head_start = 0
     if version == VERSION_HEADS:  # bytes 26..27 are the data frame's first global KV head
         if kind_e not in (Kind.LAYER, Kind.STAGED):
@@ -250,58 +254,6 @@ def parse_header(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Header:
     return hdr
 
 
-Buffer = bytes | bytearray | memoryview
-
-
-class Gathered:
-    """A payload lying in several buffers — K and V of one token range of a layer sent in several frames —
-    written scatter-gather and tagged part by part: the wire (and the tag) are those of the joined bytes,
-    with no join on the sender."""
-
-    def __init__(self, parts: list[Buffer] | list[memoryview]) -> None:
-        self.parts = tuple(memoryview(p).cast("B") for p in parts)
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self.parts)
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.parts)
-
-
-class FrameKey:
-    """One direction of one authenticated connection: seals (signs) or opens (verifies) frame `seq`.
-
-    Pure: the caller owns the sequence counter, so a reader can verify frame n's body while it already
-    reads frame n+1's header."""
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) != 32:
-            raise ValueError("frame keys are 32 bytes (AES-256)")
-        self._key, self._gcm = key, AESGCM(key)
-
-    def tag(self, label: bytes, seq: int, data: Buffer | Gathered) -> bytes:
-        if isinstance(data, Gathered):  # the same GMAC, fed part by part (GCM's AAD streams)
-            enc = Cipher(algorithms.AES(self._key), modes.GCM(_SEQ.pack(label, seq))).encryptor()
-            for part in data.parts:
-                enc.authenticate_additional_data(part)
-            enc.finalize()
-            return enc.tag
-        return self._gcm.encrypt(_SEQ.pack(label, seq), b"", data)  # GMAC: no plaintext, data as AAD
-
-    def check(self, label: bytes, seq: int, data: Buffer | Gathered, tag: Buffer) -> bool:
-        try:
-            if isinstance(data, Gathered):  # fed part by part, as `tag` signs a Gathered payload
-                dec = Cipher(algorithms.AES(self._key), modes.GCM(_SEQ.pack(label, seq), bytes(tag))).decryptor()
-                for part in data.parts:
-                    dec.authenticate_additional_data(part)
-                dec.finalize()
-            else:
-                self._gcm.decrypt(_SEQ.pack(label, seq), bytes(tag), data)
-        except InvalidTag:
-            return False
-        return True
-
-
 _HDR, _MET, _PAY = b"hdr\0", b"met\0", b"pay\0"
 
 
@@ -314,7 +266,16 @@ def parse_preamble(buf: Buffer, key: FrameKey, seq: int, limits: Limits = DEFAUL
     view = memoryview(buf)
     if not key.check(_HDR, seq, view[:HEADER_SIZE], view[HEADER_SIZE:PREAMBLE_SIZE]):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "header tag mismatch (wrong secret, replayed or reordered frame)")
+    if hdr.flags & FLAG_TRUSTED and not limits.trust_fabric:  # refused before a body byte is read
+        raise FrameError(ErrorCode.UNSUPPORTED, "the sender tags no payload (--kv-transfer-integrity fabric) and this "
+                                                "receiver checks every byte (mac): run both sides alike")
     return hdr
+
+
+def _payload_ok(hdr: Header, key: FrameKey, seq: int, payload: Buffer | Gathered, tag: Buffer) -> bool:
+    """The payload's tag holds, or the (authenticated) header says there is none (parse_preamble decided that
+    this receiver accepts that)."""
+    return bool(hdr.flags & FLAG_TRUSTED) or key.check(_PAY, seq, payload, tag)
 
 
 def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
@@ -327,7 +288,7 @@ def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
     scales_end = rid_end + hdr.scales_len
     signed_end = len(body) - TRAILER_SIZE
     if not (key.check(_MET, seq, view[:scales_end], view[signed_end:signed_end + TAG_SIZE])
-            and key.check(_PAY, seq, view[scales_end:signed_end], view[signed_end + TAG_SIZE:])):
+            and _payload_ok(hdr, key, seq, view[scales_end:signed_end], view[signed_end + TAG_SIZE:])):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "body tag mismatch (tampered, replayed or wrong secret)")
     return _checked_frame(hdr, view[:rid_end], view[rid_end:scales_end], view[scales_end:signed_end])
 
@@ -341,7 +302,7 @@ def parse_placed(hdr: Header, meta: Buffer, parts: list[memoryview], tags: Buffe
         raise FrameError(ErrorCode.TRUNCATED, "placed body does not match its header's lengths")
     payload = Gathered(parts)
     tag_view = memoryview(tags)
-    if not (key.check(_MET, seq, meta, tag_view[:TAG_SIZE]) and key.check(_PAY, seq, payload, tag_view[TAG_SIZE:])):
+    if not (key.check(_MET, seq, meta, tag_view[:TAG_SIZE]) and _payload_ok(hdr, key, seq, payload, tag_view[TAG_SIZE:])):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "body tag mismatch (tampered, replayed or wrong secret)")
     view = memoryview(meta)
     return _checked_frame(hdr, view[:hdr.request_id_len], view[hdr.request_id_len:], payload, placed=True)
@@ -364,10 +325,13 @@ def _checked_frame(hdr: Header, request_id: memoryview, scales: memoryview, payl
 
 def seal_frame(frame: Frame, key: FrameKey, seq: int, limits: Limits = DEFAULT_LIMITS) -> list[Buffer]:
     """The frame as buffers to send in order (scatter-gather: the payload is never copied). Validates with
-    the parser's rules, so we never emit what a receiver would refuse."""
+    the parser's rules, so we never emit what a receiver would refuse. With `limits.trust_fabric` a LAYER's
+    payload goes untagged (FLAG_TRUSTED): the one pass over its bytes before the socket copy is skipped."""
     rid = frame.request_id.encode("utf-8")
+    trusted = limits.trust_fabric and frame.kind == Kind.LAYER
+    flags = frame.flags | FLAG_TRUSTED if trusted else frame.flags & ~FLAG_TRUSTED
     head = HEADER.pack(
-        MAGIC, VERSION_HEADS if frame.head_start else VERSION, int(frame.kind), frame.flags, int(frame.dtype),
+        MAGIC, VERSION_HEADS if frame.head_start else VERSION, int(frame.kind), flags, int(frame.dtype),
         len(rid), frame.layer, frame.num_layers, frame.token_start, frame.token_end, frame.kv_heads, frame.head_dim,
         frame.head_start or frame.status, len(frame.scales), len(frame.payload),
     )
@@ -375,7 +339,7 @@ def seal_frame(frame: Frame, key: FrameKey, seq: int, limits: Limits = DEFAULT_L
     meta = rid + bytes(frame.scales)  # small next to the payload (int8 scales: 4 / head_dim of it)
     body = list(frame.payload.parts) if isinstance(frame.payload, Gathered) else [frame.payload]
     return [head + key.tag(_HDR, seq, head), meta, *body,
-            key.tag(_MET, seq, meta) + key.tag(_PAY, seq, frame.payload)]
+            key.tag(_MET, seq, meta) + (bytes(TAG_SIZE) if trusted else key.tag(_PAY, seq, frame.payload))]
 
 
 def encode_frame(frame: Frame, key: FrameKey, seq: int = 0, limits: Limits = DEFAULT_LIMITS) -> bytes:

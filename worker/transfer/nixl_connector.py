@@ -48,7 +48,6 @@ from pdcluster.worker.transfer.transport import TransferError
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
-INTEGRITY = ("mac", "fabric")  # --kv-transfer-nixl-integrity, spec.kvTransfer.nixlIntegrity
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
 
 
@@ -68,12 +67,10 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
 
     def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
                  integrity: str = "mac", **kw: Any) -> None:
-        if integrity not in INTEGRITY:
-            raise ValueError(f"nixl integrity must be one of {INTEGRITY}, got {integrity!r}")
-        super().__init__(secret, **kw)
         # mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is not authenticated);
-        # fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated RDMA/NVLink fabric)
-        self.integrity = integrity
+        # fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated RDMA/NVLink fabric),
+        # and so are the payloads of layers that go over the channel (TCPConnector)
+        super().__init__(secret, integrity=integrity, **kw)
         self.agent = Agent(agent_name or f"pdkv-{uuid.uuid4().hex[:12]}", staging_bytes)
         self.staging = Staging(staging_bytes)
         self._metadata = self.agent.metadata()

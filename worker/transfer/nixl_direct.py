@@ -134,7 +134,7 @@ class DirectPath:
 
     @staticmethod
     def _refused(frame: Frame, d: nixl_wire.Descriptor, what: str) -> TransferError:
-        why = ("the sender sent no MAC: it runs --kv-transfer-nixl-integrity fabric, run both sides alike"
+        why = ("the sender sent no MAC: it runs --kv-transfer-integrity fabric, run both sides alike"
                if d.tag == bytes(nixl_wire.TAG_SIZE) else "tampered, or the memory was reused before the READ")
         return TransferError(f"{what} of layer {frame.layer} fail their MAC ({why}): not imported",
                              ErrorCode.UNAUTHENTICATED)

@@ -166,7 +166,9 @@ class Outbox:
             code = ErrorCode(frame.status) if frame.status in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
             if code != ErrorCode.OK:
                 if code in FATAL:
-                    raise TransferError(f"receiver refused layer {frame.layer}: {code.name}", code)
+                    hint = (" (the two sides run different --kv-transfer-backend or --kv-transfer-integrity)"
+                            if code == ErrorCode.UNSUPPORTED else "")
+                    raise TransferError(f"receiver refused layer {frame.layer}: {code.name}{hint}", code)
                 raise FrameError(code, f"receiver reported {code.name} for layer {frame.layer}")
             done = self._frames.pop((frame.layer, frame.token_start), None)
             if done is not None and self.on_ack is not None:
