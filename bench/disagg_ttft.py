@@ -2,6 +2,8 @@
 
     python -m pdcluster.bench.disagg_ttft [--prompt-len 2048] [--requests 5] [--backends tcp,nixl] [--json OUT]
 
+A backend may say `+fabric` (`tcp+fabric`, `nixl+fabric`): its workers run `--kv-transfer-integrity fabric`.
+
 For each backend, `pdcluster up --prefill 1 --decode 1 --kv-transfer-backend B` (router and workers as their own
 processes on loopback) serves a random Llama shaped like the `up` demo model but with 4,096 positions, and
 streams `--requests` completions of a `--prompt-len`-token prompt (different prompts: no prefix-cache hits),
@@ -77,9 +79,10 @@ def one(client: httpx.Client, prompt: list[int]) -> dict[str, float]:
 
 def run_backend(backend: str, model: Path, ps: list[list[int]], logdir: Path, threads: int) -> dict[str, Any]:
     port = _free_port()
+    name, _, integrity = backend.partition("+")  # "tcp+fabric": --kv-transfer-integrity fabric
     cmd = [sys.executable, "-m", "pdcluster", "up", "--model", str(model), "--prefill", "1", "--decode", "1",
-           "--port", str(port), "--threads", str(threads), "--kv-transfer-backend", backend,
-           "--disaggregation-threshold", "64"]
+           "--port", str(port), "--threads", str(threads), "--kv-transfer-backend", name,
+           "--kv-transfer-integrity", integrity or "mac", "--disaggregation-threshold", "64"]
     env = {**os.environ, "PDCLUSTER_KV_SECRET": os.environ.get("PDCLUSTER_KV_SECRET", "bench-ttft-secret-0123456789")}
     log = (logdir / f"up-{backend}.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -106,11 +109,12 @@ def run_backend(backend: str, model: Path, ps: list[list[int]], logdir: Path, th
         headers = internal_headers(env["PDCLUSTER_KV_SECRET"].encode())
         loads = [httpx.get(f"{w['url']}/internal/load", params={"ranks": 1}, headers=headers, timeout=5).json()
                  for w in workers]
-        used = {ld.get("transfer_backend") for ld in loads}
+        used = {f"{ld.get('transfer_backend')}{'+fabric' if ld.get('transfer_integrity') == 'fabric' else ''}"
+                for ld in loads}
         # NIXL: layers READ cache to cache, as each worker counts them (nixl_direct.py); the rest went staged
         regs = [(rank.get("registrations") or {}) for ld in loads for rank in ld.get("kv_ranks", [])]
         direct = {"sent": sum(r.get("direct_sent", 0) for r in regs),
-                  "received": sum(r.get("direct_received", 0) for r in regs)} if backend == "nixl" else None
+                  "received": sum(r.get("direct_received", 0) for r in regs)} if name == "nixl" else None
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         return {"backend": backend, "requests": len(rows), "workers_report": sorted(str(u) for u in used),
                 "direct_layers": direct, **med, "rows": rows}
@@ -147,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(load avg {out['load_avg'][0]:.1f} -> {out['load_avg_after'][0]:.1f})")
     for r in out["results"]:
         if "error" in r:
-            print(f"  {r['backend']:>5}: {r['error']}")
+            print(f"  {r['backend']:>10}: {r['error']}")
             continue
-        print(f"  {r['backend']:>5} (workers report {','.join(r['workers_report'])}): TTFT {r['ttft_s'] * 1e3:.0f} ms, "
+        print(f"  {r['backend']:>10} (workers report {','.join(r['workers_report'])}): TTFT {r['ttft_s'] * 1e3:.0f} ms, "
               f"2nd token {r['second_token_s'] * 1e3:.0f} ms, whole {r['total_s'] * 1e3:.0f} ms "
               f"(median of {r['requests']})"
               + (f"; layers cache to cache: {r['direct_layers']['sent']} sent, {r['direct_layers']['received']} "

@@ -159,7 +159,7 @@ class Disaggregation:
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
-            "transfer_backend": self.backend, **self.direct.describe(),
+            "transfer_backend": self.backend, "transfer_integrity": self.integrity, **self.direct.describe(),
         }
 
     # ------------------------------------------------------------------ routes
