@@ -77,6 +77,30 @@ def test_mutated_valid_frame_never_crash(edits: list[tuple[int, int]], cut: int)
     assert data == VALID and frame.request_id == "r"
 
 
+FABRIC = Limits(max_frame_bytes=64 * 1024, trust_fabric=True)
+VALID_FABRIC = encode_frame(decode_frame(VALID, SECRET, 0), SECRET, 0, FABRIC)
+PAYLOAD = range(len(VALID_FABRIC) - 32 - 2 * 2 * 2 * 4 * 4, len(VALID_FABRIC) - 32)  # K+V bytes: before the trailer
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(VALID_FABRIC) - 1), st.integers(0, 255)), max_size=8),
+       st.integers(0, len(VALID_FABRIC)))
+def test_mutated_fabric_frame_never_crash_and_only_its_payload_is_trusted(edits: list[tuple[int, int]],
+                                                                         cut: int) -> None:
+    """--kv-transfer-integrity fabric: the payload is the one part of a frame left to the network; any other
+    change, or a cut, is still refused."""
+    buf = bytearray(VALID_FABRIC)
+    for pos, val in edits:
+        buf[pos] = val
+    data = bytes(buf[:cut])
+    try:
+        decode_frame(data, SECRET, 0, FABRIC)
+    except FrameError:
+        return
+    assert len(data) == len(VALID_FABRIC)
+    assert all(a == b for i, (a, b) in enumerate(zip(data, VALID_FABRIC, strict=True)) if i not in PAYLOAD)
+
+
 header_fields = st.tuples(
     st.sampled_from([b"PDKV", b"XXXX"]), st.integers(0, 255), st.integers(0, 255), st.integers(0, 255),
     st.integers(0, 255), *[st.integers(0, 0xFFFF)] * 3, *[st.integers(0, 0xFFFFFFFF)] * 2,

@@ -99,6 +99,11 @@ def test_what_fabric_gives_up_and_what_it_keeps() -> None:
         assert e.value.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.BAD_HEADER)
     with pytest.raises(FrameError):  # replayed at another position: the header tag binds it
         decode_frame(bytes(wire), KEY, 1, FABRIC)
+    junk = bytearray(wire)
+    junk[-1] ^= 1  # the payload tag's place must hold zeros, as a fabric sender writes it
+    with pytest.raises(FrameError) as e:
+        decode_frame(bytes(junk), KEY, 0, FABRIC)
+    assert e.value.code == ErrorCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize("kind", [Kind.ACK, Kind.ABORT, Kind.STAGED])

@@ -274,8 +274,10 @@ def parse_preamble(buf: Buffer, key: FrameKey, seq: int, limits: Limits = DEFAUL
 
 def _payload_ok(hdr: Header, key: FrameKey, seq: int, payload: Buffer | Gathered, tag: Buffer) -> bool:
     """The payload's tag holds, or the (authenticated) header says there is none (parse_preamble decided that
-    this receiver accepts that)."""
-    return bool(hdr.flags & FLAG_TRUSTED) or key.check(_PAY, seq, payload, tag)
+    this receiver accepts that) and its place holds the zeros a sender writes there."""
+    if hdr.flags & FLAG_TRUSTED:
+        return bytes(tag) == bytes(TAG_SIZE)
+    return key.check(_PAY, seq, payload, tag)
 
 
 def parse_body(hdr: Header, body: Buffer, key: FrameKey, seq: int) -> Frame:
