@@ -164,15 +164,22 @@ def _overlaps(prompt: int) -> list[dict[str, Any]]:
                 if (r := asyncio.run(overlap(model, prompt, lw, b))) is not None]
 
 
-def paths_row(nbytes: int, reps: int) -> dict[str, Any]:
+def paths_row(nbytes: int, reps: int, fabric: bool = False) -> dict[str, Any]:
     """One layer size through every path, a request of L layers each (transfer_pair.py): sender here, each
-    backend's receiver in a child process, repeats interleaved, medians; NIXL WRITE: best of reps."""
+    backend's receiver in a child process, repeats interleaved, medians; NIXL WRITE: best of reps. `fabric`:
+    each backend also with --kv-transfer-integrity fabric (columns "..._fabric")."""
     nixl = transfer_pair.NIXL if _nixl_ok() else None
-    pair = transfer_pair.side_by_side(nbytes, reps, [transfer_pair.MODULE] + ([nixl] if nixl else []))
+    mods = [transfer_pair.MODULE] + ([nixl] if nixl else [])
+    if fabric:
+        mods += [m + transfer_pair.FABRIC for m in mods]
+    pair = transfer_pair.side_by_side(nbytes, reps, mods)
     row: dict[str, Any] = {"mib": nbytes >> 20, "layers": pair["layers"], "raw": pair["raw"], "runs": pair["runs"]}
     for name in ("fp32", "int8", "codes"):
         row[f"tcp_{name}"] = pair[name]
         row[f"nixl_{name}"] = pair.get(f"{name}@{nixl}")
+        if fabric:
+            row[f"tcp_{name}_fabric"] = pair.get(f"{name}@{transfer_pair.MODULE}{transfer_pair.FABRIC}")
+            row[f"nixl_{name}_fabric"] = pair.get(f"{name}@{nixl}{transfer_pair.FABRIC}") if nixl else None
     row["nixl"] = transfer_paths.nixl_write(nbytes, reps)
     return row
 
@@ -189,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-requests", type=int, default=5,
                    help="4. end-to-end 2,048-token TTFT per backend through `pdcluster up` (0: skip)")
     p.add_argument("--paths-only", action="store_true", help="only 1. (the side-by-side table)")
+    p.add_argument("--fabric", action="store_true",
+                   help="1. also runs each backend with --kv-transfer-integrity fabric (more columns, twice the time)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out: dict[str, Any] = {"shape": vars(a)}
     total = 2 * a.layers * a.tokens * a.kv_heads * a.head_dim * 4
-    out["paths"] = [paths_row(int(m) << 20, a.reps) for m in a.sizes_mib.split(",") if m]
+    out["paths"] = [paths_row(int(m) << 20, a.reps, a.fabric) for m in a.sizes_mib.split(",") if m]
     out["kv"], out["overlap"] = [], []
     if not a.paths_only:
         out["raw_tcp_GBps"] = asyncio.run(raw_tcp(total))
@@ -204,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         out["overlap"] = _overlaps(a.overlap_prompt)
     cols = [("tcp_fp32", "TCP fp32"), ("tcp_int8", "TCP int8"), ("tcp_codes", "TCP codes"),
             ("nixl_fp32", "NIXL fp32"), ("nixl_int8", "NIXL int8"), ("nixl_codes", "NIXL codes")]
+    if a.fabric:
+        cols += [(f"{c}_fabric", f"{h} fab") for c, h in cols[:]]
     print(f"GB/s of fp32 KV (int8: the fp32 bytes it stands for), a request of L layers of each size streamed; "
           f"median of {a.reps} interleaved, receivers in other processes; backends as % of raw TCP;"
           " codes = an int8 cache's codes + scales as they are")
