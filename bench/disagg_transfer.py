@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("tcp_fp32", "TCP fp32"), ("tcp_int8", "TCP int8"), ("tcp_codes", "TCP codes"),
             ("nixl_fp32", "NIXL fp32"), ("nixl_int8", "NIXL int8"), ("nixl_codes", "NIXL codes")]
     if a.fabric:
-        cols += [(f"{c}_fabric", f"{h} fab") for c, h in cols[:]]
+        cols += [(f"{c}_fabric", f"{h} fab") for c, h in cols]
     print(f"GB/s of fp32 KV (int8: the fp32 bytes it stands for), a request of L layers of each size streamed; "
           f"median of {a.reps} interleaved, receivers in other processes; backends as % of raw TCP;"
           " codes = an int8 cache's codes + scales as they are")

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cases = tuple(c for c in transfer_pair.CASES if c[0] in a.cases.split(","))
     out: list[dict[str, Any]] = []
+    same_tree = a.nixl_staged or a.nixl_fabric or a.tcp_fabric  # both sides this tree's: no --rev, no --nixl
     with tempfile.TemporaryDirectory() as tmp:
         if a.nixl_staged:
             first, old = transfer_pair.NIXL, transfer_pair.NIXL + transfer_pair.STAGED
@@ -78,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[transfer_pair.EXTRA_PACKAGES] = tmp  # this process and the spawned receivers load it
         for mib in (int(m) for m in a.sizes_mib.split(",") if m):
             load = os.getloadavg()[0]
-            same_tree = a.nixl_staged or a.nixl_fabric or a.tcp_fabric
             mods = [first, old] + ([transfer_pair.NIXL] if a.nixl and not same_tree else [])
             r = transfer_pair.side_by_side(mib << 20, a.reps, mods, cases)
             r["load"] = (load, os.getloadavg()[0])

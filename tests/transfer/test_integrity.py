@@ -28,18 +28,15 @@ from pdcluster.worker.transfer.frame import (
     parse_preamble,
 )
 from tests.transfer.kvsink import Sink
-from tests.transfer.test_placing import Cache
+from tests.transfer.test_placing import DIM, HEADS, LAYERS, TOKENS, Cache, kv
 
 KEY = FrameKey(b"i" * 32)
 FABRIC = dataclasses.replace(DEFAULT_LIMITS, trust_fabric=True)
 SECRET = b"f" * 32
-LAYERS, TOKENS, HEADS, DIM = 3, 40, 2, 8
 
 
 def layer(compression: str = "none") -> Frame:
-    g = torch.Generator().manual_seed(1)
-    k, v = torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g)
-    return codec.encode_layer("req-f", 1, LAYERS, k, v, compression=compression)
+    return codec.encode_layer("req-f", 1, LAYERS, *kv(1), compression=compression)
 
 
 def payload_at(frame: Frame) -> int:
@@ -116,11 +113,6 @@ def test_only_layer_frames_may_carry_the_flag(kind: Kind) -> None:
     head[6] |= FLAG_TRUSTED
     with pytest.raises(FrameError, match="untagged"):
         parse_header(bytes(head))
-
-
-def kv(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g)
 
 
 async def transfer(send_integrity: str, recv_integrity: str, compression: str = "none",
