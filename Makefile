@@ -41,7 +41,7 @@ bench: setup
 	$(PY) -m pdcluster.bench.fused_step --threads 2 --repeats 8
 	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
 	$(PY) -m pdcluster.bench.disagg_transfer
-	$(PY) -m pdcluster.bench.transfer_bound --sizes-mib 1,16 --reps 15   # a Python frame loop's ceiling
+	$(PY) -m pdcluster.bench.transfer_bound --sizes-mib 1,16 --reps 15   # a Python frame loop's ceiling, and the floor a payload GMAC sets
 	$(PY) -m pdcluster.bench.transfer_ab --nixl-staged --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32   # NIXL cache to cache vs staging
 	$(PY) -m pdcluster.bench.transfer_ab --nixl-fabric --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32,int8   # NIXL without the MAC
 	$(PY) -m pdcluster.bench.transfer_ab --tcp-fabric --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32,int8   # TCP without the payload tags

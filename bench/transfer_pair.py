@@ -55,7 +55,7 @@ STAGED = "+staged"  # a module suffix: its caches are not registered (NIXL throu
 FABRIC = "+fabric"  # a module suffix: --kv-transfer-integrity fabric (no MAC over KV bytes on either side)
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
-_HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
+RAW_HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
 EXTRA_PACKAGES = "PDCLUSTER_BENCH_PACKAGES"  # a folder of packages (an older transport, transfer_ab.py)
 
 
@@ -137,10 +137,10 @@ def raw_sink(srv: socket.socket, caches: dict[bool, LayerCache]) -> None:
     conn, _ = srv.accept()
     dst = caches[False].kv.view(torch.uint8).numpy()
     while True:
-        head = conn.recv(_HEAD.size, socket.MSG_WAITALL)
-        if len(head) < _HEAD.size:
+        head = conn.recv(RAW_HEAD.size, socket.MSG_WAITALL)
+        if len(head) < RAW_HEAD.size:
             break
-        layers, n = _HEAD.unpack(head)
+        layers, n = RAW_HEAD.unpack(head)
         for layer in range(layers):
             view, got = memoryview(dst[layer]).cast("B")[:n], 0
             while got < n:
@@ -211,7 +211,7 @@ def _receiver(pipe: Any, module: str, nbytes: int) -> None:
 
 def raw_once(sock: socket.socket, layers: list[memoryview]) -> float:
     t0 = time.perf_counter()
-    sock.sendall(_HEAD.pack(len(layers), len(layers[0])))
+    sock.sendall(RAW_HEAD.pack(len(layers), len(layers[0])))
     for data in layers:
         sock.sendall(data)
     if sock.recv(1) != b"k":
