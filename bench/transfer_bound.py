@@ -41,6 +41,7 @@ from pdcluster.bench.transfer_pair import (
     RAW_HEAD,
     LayerCache,
     raw_once,
+    raw_requests,
     raw_sink,
     request_layers,
     tokens_of,
@@ -101,11 +102,7 @@ def mac_sink(srv: socket.socket, cache: LayerCache) -> None:
     dst, key, seq = cache.kv.view(torch.uint8).numpy(), FrameKey(KEY_DATA), 0
     tag = memoryview(bytearray(16))
     with conn:
-        while True:
-            head = conn.recv(RAW_HEAD.size, socket.MSG_WAITALL)
-            if len(head) < RAW_HEAD.size:
-                return
-            layers, n = RAW_HEAD.unpack(head)
+        for layers, n in raw_requests(conn):
             for layer in range(layers):
                 view = memoryview(dst[layer]).cast("B")[:n]
                 recv_parts(conn, [view, tag])

@@ -42,6 +42,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +132,18 @@ def _nothing() -> None:
     pass
 
 
+def raw_requests(conn: socket.socket) -> Iterator[tuple[int, int]]:
+    """(layers, bytes per layer) of each raw request announced on `conn`, until the peer closes."""
+    while len(head := conn.recv(RAW_HEAD.size, socket.MSG_WAITALL)) == RAW_HEAD.size:
+        yield RAW_HEAD.unpack(head)
+
+
 def raw_sink(srv: socket.socket, caches: dict[bool, LayerCache]) -> None:
     """Child thread: each raw request announces (layers, bytes per layer); each layer is received whole straight
     into that layer of the fp32 cache; one byte back when the request is in."""
     conn, _ = srv.accept()
     dst = caches[False].kv.view(torch.uint8).numpy()
-    while True:
-        head = conn.recv(RAW_HEAD.size, socket.MSG_WAITALL)
-        if len(head) < RAW_HEAD.size:
-            break
-        layers, n = RAW_HEAD.unpack(head)
+    for layers, n in raw_requests(conn):
         for layer in range(layers):
             view, got = memoryview(dst[layer]).cast("B")[:n], 0
             while got < n:
