@@ -179,7 +179,7 @@ def paths_row(nbytes: int, reps: int, fabric: bool = False) -> dict[str, Any]:
         row[f"nixl_{name}"] = pair.get(f"{name}@{nixl}")
         if fabric:
             row[f"tcp_{name}_fabric"] = pair.get(f"{name}@{transfer_pair.MODULE}{transfer_pair.FABRIC}")
-            row[f"nixl_{name}_fabric"] = pair.get(f"{name}@{nixl}{transfer_pair.FABRIC}") if nixl else None
+            row[f"nixl_{name}_fabric"] = pair.get(f"{name}@{nixl}{transfer_pair.FABRIC}")
     row["nixl"] = transfer_paths.nixl_write(nbytes, reps)
     return row
 

@@ -48,6 +48,7 @@ from pdcluster.bench.transfer_pair import (
 )
 from pdcluster.worker.transfer.frame import (
     PREAMBLE_SIZE,
+    TAG_SIZE,
     TRAILER_SIZE,
     DType,
     Frame,
@@ -100,7 +101,7 @@ def mac_sink(srv: socket.socket, cache: LayerCache) -> None:
     landed; a bad tag closes the connection (the sender's wait for the request's byte then fails)."""
     conn, _ = srv.accept()
     dst, key, seq = cache.kv.view(torch.uint8).numpy(), FrameKey(KEY_DATA), 0
-    tag = memoryview(bytearray(16))
+    tag = memoryview(bytearray(TAG_SIZE))
     with conn:
         for layers, n in raw_requests(conn):
             for layer in range(layers):

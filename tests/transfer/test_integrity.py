@@ -116,57 +116,51 @@ def test_only_layer_frames_may_carry_the_flag(kind: Kind) -> None:
 
 
 async def transfer(send_integrity: str, recv_integrity: str, compression: str = "none",
-                   placed: bool = False) -> tuple[Sink, Cache, TCPConnector, TCPConnector, str]:
+                   placed: bool = False) -> tuple[Sink, Cache, str, int]:
+    """One request of LAYERS layers between two connectors, both closed after: what the receiver imported
+    (sink) or placed (cache), "ok" or the sender's error, and the frames the receiver rejected."""
     sink, cache = Sink(), Cache()
     recv = TCPConnector(SECRET, importer=sink, integrity=recv_integrity,
                         destination=cache.destination if placed else None)
-    port = await recv.listen()
     send = TCPConnector(SECRET, compression=compression, integrity=send_integrity, max_retries=0, timeout=5)
-    recv.start_load_kv(LoadSpec("r", LAYERS, TOKENS, HEADS, DIM))
-    send.start_save("r", TransferTarget("127.0.0.1", port), LAYERS)
-    for i in range(LAYERS):
-        send.save_kv_layer("r", i, *kv(i))
     try:
-        await send.wait_for_save("r")
-        await recv.wait_for_load("r", timeout=5)
-        outcome = "ok"
-    except TransferError as e:
-        outcome = str(e)
-    return sink, cache, send, recv, outcome
+        port = await recv.listen()
+        recv.start_load_kv(LoadSpec("r", LAYERS, TOKENS, HEADS, DIM))
+        send.start_save("r", TransferTarget("127.0.0.1", port), LAYERS)
+        for i in range(LAYERS):
+            send.save_kv_layer("r", i, *kv(i))
+        try:
+            await send.wait_for_save("r")
+            await recv.wait_for_load("r", timeout=5)
+            outcome = "ok"
+        except TransferError as e:
+            outcome = str(e)
+        return sink, cache, outcome, recv.stats.frames_rejected
+    finally:
+        await send.close()
+        await recv.close()
 
 
 @pytest.mark.parametrize("compression,placed", [("none", False), ("none", True), ("int8", False)])
 async def test_fabric_to_fabric_moves_every_layer_exactly(compression: str, placed: bool) -> None:
-    sink, cache, send, recv, outcome = await transfer("fabric", "fabric", compression, placed)
-    try:
-        assert outcome == "ok"
-        for i in range(LAYERS):
-            k, v = cache.kv[i] if placed else sink[("r", i)]
-            tol = 0.05 if compression == "int8" else 0.0
-            assert torch.allclose(k, kv(i)[0], atol=tol) and torch.allclose(v, kv(i)[1], atol=tol)
-    finally:
-        await send.close()
-        await recv.close()
+    sink, cache, outcome, _ = await transfer("fabric", "fabric", compression, placed)
+    assert outcome == "ok"
+    for i in range(LAYERS):
+        k, v = cache.kv[i] if placed else sink[("r", i)]
+        tol = 0.05 if compression == "int8" else 0.0
+        assert torch.allclose(k, kv(i)[0], atol=tol) and torch.allclose(v, kv(i)[1], atol=tol)
 
 
 async def test_a_mac_sender_is_served_by_a_fabric_receiver() -> None:
-    sink, _, send, recv, outcome = await transfer("mac", "fabric")
-    try:
-        assert outcome == "ok" and torch.equal(sink[("r", 2)][0], kv(2)[0])
-    finally:
-        await send.close()
-        await recv.close()
+    sink, _, outcome, _ = await transfer("mac", "fabric")
+    assert outcome == "ok" and torch.equal(sink[("r", 2)][0], kv(2)[0])
 
 
 async def test_a_fabric_sender_fails_at_a_mac_receiver_naming_the_flag() -> None:
-    sink, _, send, recv, outcome = await transfer("fabric", "mac")
-    try:
-        assert "kv-transfer-integrity" in outcome and "UNSUPPORTED" in outcome
-        assert len(sink) == 0  # nothing imported
-        assert recv.server is not None and recv.server.stats.frames_rejected >= 1
-    finally:
-        await send.close()
-        await recv.close()
+    sink, _, outcome, rejected = await transfer("fabric", "mac")
+    assert "kv-transfer-integrity" in outcome and "UNSUPPORTED" in outcome
+    assert len(sink) == 0  # nothing imported
+    assert rejected >= 1
 
 
 def test_an_unknown_integrity_is_refused() -> None:
