@@ -28,8 +28,8 @@ test: setup-test
 	$(PYTEST) -q -p no:cacheprovider tests
 
 lint: setup
-	$(VENV)/bin/ruff check src operator worker kernels bench tests e2e
-	$(VENV)/bin/mypy src operator worker kernels bench
+	$(VENV)/bin/ruff check src tests e2e benchmarks scripts
+	$(VENV)/bin/mypy
 
 # Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
 bench: setup

@@ -31,10 +31,6 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 COPY pyproject.toml uv.lock ./
 COPY README.md ./
 COPY src ./src
-COPY operator ./operator
-COPY worker ./worker
-COPY kernels ./kernels
-COPY bench ./bench
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     uv pip install --python /opt/pdcluster/bin/python --no-deps . \

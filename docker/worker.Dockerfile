@@ -45,10 +45,6 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 COPY pyproject.toml uv.lock ./
 COPY README.md ./
 COPY src ./src
-COPY operator ./operator
-COPY worker ./worker
-COPY kernels ./kernels
-COPY bench ./bench
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     uv pip install --python /opt/pdcluster/bin/python --no-deps . \
@@ -72,7 +68,7 @@ FROM worker
 # only what a pod loads: each build folder's marker and module (native.py's _built)
 COPY --from=kernels /kernels/native-kernels /opt/pdcluster/native-kernels
 # The tiny demo model at /models/demo (random weights, fixed seed): examples/pdcluster-cpu.yaml serves
-# file:///models/demo. (Run from /tmp: in /src, the project's operator/ folder would shadow the stdlib's.
+# file:///models/demo. (Built from /tmp so the working directory holds nothing importable.
 # The model is built in a mkdtemp folder (0700, root): chmod, or the pods' uid 65532 cannot read it.)
 RUN cd /tmp && /opt/pdcluster/bin/python -c "from pathlib import Path; import shutil; \
 from pdcluster.worker.local.launcher import ensure_demo_model; \

@@ -79,7 +79,7 @@ ARTEFACTS: dict[str, Callable[[], str]] = {
     "observability/grafana-dashboard.json": _dashboard,
     f"{CHART}/files/grafana-dashboard.json": _dashboard,
     f"{CHART}/files/prometheus-rules.yaml": _copy("observability/prometheus-rules.yaml"),
-    f"{CHART}/files/operator-rbac.yaml": _copy("operator/rbac.yaml"),
+    f"{CHART}/files/operator-rbac.yaml": _copy("src/pdcluster/operator/rbac.yaml"),
 }
 
 

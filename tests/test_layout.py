@@ -13,10 +13,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {  # folder -> import name
-    "operator": "pdcluster.operator",
-    "worker": "pdcluster.worker",
-    "kernels": "pdcluster.kernels",
-    "bench": "pdcluster.bench",
     "src/pdcluster": "pdcluster",
 }
 
@@ -29,7 +25,8 @@ PACKAGES = {  # folder -> import name
 ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret"),
            ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash"),
            ("pdcluster.operator", "pdcluster.worker.engine.parallel.heads")}
-STDLIB_ONLY = ["worker/transfer/secret.py", "worker/engine/block_hash.py", "worker/engine/parallel/heads.py"]
+STDLIB_ONLY = ["src/pdcluster/worker/transfer/secret.py", "src/pdcluster/worker/engine/block_hash.py",
+               "src/pdcluster/worker/engine/parallel/heads.py"]
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [

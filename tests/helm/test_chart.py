@@ -222,7 +222,7 @@ def _expand(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 def _operator_rules() -> list[dict]:
-    path = ROOT / "operator" / "rbac.yaml"
+    path = ROOT / "src" / "pdcluster" / "operator" / "rbac.yaml"
     rules: list[dict] = []
     for doc in yaml.safe_load_all(path.read_text()):
         if not doc:

@@ -32,7 +32,7 @@ def _prom_meta(label: str) -> str:
 
 
 def _operator_rules() -> list[dict]:
-    return yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text())["rules"]
+    return yaml.safe_load((ROOT / "src" / "pdcluster" / "operator" / "rbac.yaml").read_text())["rules"]
 
 
 # ------------------------------------------------------------------------------------------------ HA
@@ -130,7 +130,7 @@ def test_pod_monitor_selects_the_operators_pods_and_relabels_pdcluster_and_role(
         (ctr,) = dep["spec"]["template"]["spec"]["containers"]
         assert ep["port"] in {p["name"] for p in ctr["ports"]}
     # ... and they are the labels the autoscaler and the dashboard query by
-    assert 'pdcluster="{cluster}",role="{role}"' in (ROOT / "operator" / "promsource.py").read_text()
+    assert 'pdcluster="{cluster}",role="{role}"' in (ROOT / "src" / "pdcluster" / "operator" / "promsource.py").read_text()
     assert "SEL = 'pdcluster=~\"$pdcluster\"'" in (ROOT / "observability" / "build_dashboard.py").read_text()
     namespaced = render_chart("-f", str(FULL))
     (pm,) = by_kind(namespaced, "PodMonitor")

@@ -51,7 +51,7 @@ async def operator(resync: float = 60.0) -> AsyncIterator[KopfRunner]:
         handlers.RUNTIME.resync_seconds = 60.0
 
 
-RBAC_RULES = yaml.safe_load((Path(__file__).resolve().parents[2] / "operator" / "rbac.yaml").read_text())["rules"]
+RBAC_RULES = yaml.safe_load((Path(__file__).resolve().parents[2] / "src" / "pdcluster" / "operator" / "rbac.yaml").read_text())["rules"]
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
 
 
