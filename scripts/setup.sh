@@ -4,13 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_system=${1:-python}   # python | test (adds the system tools the suite drives)
+want_system=${1:-python}   # python | test (adds the system tools the suite drives) | vllm
 
 UV=(uv)
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install --quiet --user uv || python3 -m pip install --quiet uv
   # Wherever pip put the binary, the package runs as a module (no PATH or pyenv-shim assumptions).
   UV=(python3 -m uv)
+fi
+
+if [ "$want_system" = "vllm" ]; then
+  # vLLM gets its own environment outside the repo: its wheel pins a torch the project's .venv does not use.
+  exec scripts/setup-vllm.sh
 fi
 
 # uv.lock pins every version; --frozen refuses to silently re-resolve.

@@ -8,16 +8,28 @@ Field names are the camelCase names of the CRD. Every cross-field CEL rule
 (`x-kubernetes-validations`) is mirrored by a pydantic validator, so a cluster whose API server does
 not run CEL (or a spec applied before the CRD was updated) is still checked by the operator, which
 reports a `Degraded` condition instead of crashing.
+
+Long because the spec is one schema, read top to bottom; its pod-level parts live in `pod_spec` and what
+`spec.engine` changes in `engines`, both re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pdcluster import __version__
 from pdcluster.operator import parallel
+from pdcluster.operator.engines import (  # noqa: F401  (re-exported)
+    DEFAULT_VLLM_IMAGE,
+    ENGINE_ARGS_RULE,
+    NIXL_SIDE_CHANNEL_PORT,
+    VLLM_CEL_RULES,
+    VLLM_IMAGE_REPOSITORY,
+    engine_args_error,
+    vllm_error,
+)
 from pdcluster.operator.pod_spec import (
     POD_OPTION_RULES,
     RESERVED_ENV,
@@ -82,6 +94,7 @@ _POOL_RULES: Any = [
     ),
     # An explicit GPU count must be one GPU per rank. Compared as text: a resource value is an int or a
     # quantity string ("4"), and string() of either is what the user wrote (parallel.gpu_count_error).
+    ENGINE_ARGS_RULE,
     *(_cel(f"!has(self.resources) || !has(self.resources.{kind}) || "
            f"!('{parallel.GPU_RESOURCE}' in self.resources.{kind}) || "
            f"string(self.resources.{kind}['{parallel.GPU_RESOURCE}']) == string(self.tensorParallelSize)",
@@ -110,6 +123,15 @@ class _Pool(PodOptions):
             _cel("self in " + str(list(parallel.TP_SIZES)), parallel.TP_RULE_MESSAGE)]},
     )
 
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description="Image of this pool's workers (default: spec.image for engine pdcluster, "
+        f"{VLLM_IMAGE_REPOSITORY}:<version> for engine vllm).")
+    engineArgs: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64,
+        description="Extra command-line arguments appended to the engine's server (`pdcluster serve`, or "
+        "vLLM's OpenAI server, e.g. [\"--enforce-eager\"]); the flags the operator renders itself are refused.")
+
     @model_validator(mode="after")
     def _bounds(self) -> _Pool:
         if self.minReplicas > self.maxReplicas:
@@ -118,6 +140,8 @@ class _Pool(PodOptions):
             raise ValueError("replicas must be within [minReplicas, maxReplicas]")
         error = parallel.gpu_count_error(self.resources.requests, self.resources.limits, self.tensorParallelSize)
         if error:
+            raise ValueError(error)
+        if error := engine_args_error(self.engineArgs):
             raise ValueError(error)
         return self
 
@@ -319,10 +343,16 @@ class PDClusterSpec(SpecModel):
                     "self.autoscaling.maxTotalReplicas >= self.prefill.minReplicas + self.decode.minReplicas",
                     "autoscaling.maxTotalReplicas must be >= prefill.minReplicas + decode.minReplicas",
                 ),
+                *VLLM_CEL_RULES,
             ]
         }
     )
     model: Model = Field(description="The model every worker serves.")
+    engine: Literal["pdcluster", "vllm"] = Field(
+        default="pdcluster",
+        description="What the prefill and decode pods run: pdcluster (this project's engine: layer-wise KV "
+        "push over its TCP or NIXL transport) or vllm (vLLM's OpenAI server with its NixlConnector; the router "
+        "drives vLLM's kv_transfer_params handshake). The router, autoscaler and drain serve both.")
     image: str | None = Field(
         default=None, min_length=1,
         description="Image with the `pdcluster` CLI (worker extra installed) for workers and router. "
@@ -345,6 +375,13 @@ class PDClusterSpec(SpecModel):
     def worker_image(self) -> str:
         return self.image or DEFAULT_WORKER_IMAGE
 
+    def pool_image(self, role: str) -> str:
+        """The image of one pool's workers: its own, else the engine's default (the router keeps worker_image)."""
+        own = self.pool(role).image
+        if own:
+            return own
+        return (self.image or DEFAULT_WORKER_IMAGE) if self.engine == "pdcluster" else DEFAULT_VLLM_IMAGE
+
     def pool(self, role: str) -> PrefillPool | DecodePool:
         return self.prefill if role == "prefill" else self.decode
 
@@ -363,6 +400,8 @@ class PDClusterSpec(SpecModel):
             raise ValueError(
                 "autoscaling.maxTotalReplicas must be >= prefill.minReplicas + decode.minReplicas"
             )
+        if error := vllm_error(self):
+            raise ValueError(error)
         return self
 
 

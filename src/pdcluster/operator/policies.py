@@ -30,10 +30,16 @@ def render_pdb(owner: Owner, role: str) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, role)}}}
 
 
-def render_network_policy(owner: Owner, kv_ports: int = 1) -> dict[str, Any]:
+def render_network_policy(owner: Owner, kv_ports: int = 1,
+                          worker_rules: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Workers accept HTTP only from this instance's router (and the operator, for /drain, and
     Prometheus in any namespace for /metrics scraping), and KV transfers only from prefill to decode: on
-    ``kv_ports`` consecutive ports (a TP worker's rank r listens on KV_TRANSFER_PORT + r)."""
+    ``kv_ports`` consecutive ports (a TP worker's rank r listens on KV_TRANSFER_PORT + r). ``worker_rules``
+    replaces that KV rule for another engine's transfer (render_vllm.network_policy_rules)."""
+    kv_rules = worker_rules if worker_rules is not None else [
+        {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "prefill")}}],
+         "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT,
+                    **({"endPort": KV_TRANSFER_PORT + kv_ports - 1} if kv_ports > 1 else {})}]}]
     router_peer = {"podSelector": {"matchLabels": selector_labels(owner, "router")}}
     operator_peer = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
     prometheus_peer = {"namespaceSelector": {},
@@ -52,9 +58,7 @@ def render_network_policy(owner: Owner, kv_ports: int = 1) -> dict[str, Any]:
             "ingress": [
                 {"from": [router_peer, operator_peer, prometheus_peer],
                  "ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
-                {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "prefill")}}],
-                 "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT,
-                            **({"endPort": KV_TRANSFER_PORT + kv_ports - 1} if kv_ports > 1 else {})}]},
+                *kv_rules,
             ],
         },
     }

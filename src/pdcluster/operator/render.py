@@ -3,6 +3,9 @@
 No I/O. Every object carries the standard labels and a controller owner reference to the PDCluster, so
 Kubernetes garbage-collects children when the PDCluster is deleted. The operator applies these with
 server-side apply; fields it does not render (status, defaults the API server fills in) stay untouched.
+
+Long because it renders every child, and the pod pieces both engines share; what differs for `engine: vllm`
+is in `render_vllm`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import math
 import secrets
 from typing import Any
 
-from pdcluster.operator import models
+from pdcluster.operator import (  # render_vllm builds on this module's pieces (at call time)
+    models,
+    render_vllm,
+)
 from pdcluster.operator.models import KV_TRANSFER_PORT, WORKER_PORT, PDClusterSpec
 from pdcluster.operator.naming import (
     WORKER_ROLES,
@@ -84,6 +90,7 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "pdcluster", "serve",
         "--model", model_dir,
         "--role", role,
+        "--served-model-name", spec.model.name,  # the name clients send, not the mounted folder's
         # Both servers default to loopback for local use; in a pod they must listen on all interfaces.
         "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
@@ -111,7 +118,7 @@ def worker_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         cmd += ["--full-precision-layers", ",".join(str(i) for i in kv.fullPrecisionLayers)]
     if pool.tensorParallelSize > 1:  # TP 1 renders as before: no rollout of existing pools on upgrade
         cmd += ["--tensor-parallel-size", str(pool.tensorParallelSize)]
-    return cmd
+    return cmd + list(pool.engineArgs)
 
 
 def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
@@ -128,6 +135,8 @@ def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
         "--disaggregation-threshold", str(r.disaggregationThreshold),
         # the workers' KV secret also authenticates the router's /internal/* calls (derived bearer token)
         "--internal-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}",
+        # vLLM pools: the router speaks vLLM's kv_transfer_params handshake (pdcluster pools: unchanged flags)
+        *(["--engine", spec.engine] if spec.engine != "pdcluster" else []),
     ]
 
 
@@ -237,8 +246,22 @@ def _deployment(owner: Owner, role: str, replicas: int, pod_spec: dict[str, Any]
     }
 
 
+# Gateway API Inference Extension / llm-d endpoint pickers tell prefill from decode pods by this label.
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+
+
 def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, replicas: int,
                              kv_secret_fingerprint: str) -> dict[str, Any]:
+    if spec.engine == "vllm":
+        dep = render_vllm.render_worker_deployment(owner, spec, role, replicas)
+    else:
+        dep = _pdcluster_worker_deployment(owner, spec, role, replicas, kv_secret_fingerprint)
+    dep["spec"]["template"]["metadata"]["labels"][LLMD_ROLE_LABEL] = role
+    return dep
+
+
+def _pdcluster_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, replicas: int,
+                                 kv_secret_fingerprint: str) -> dict[str, Any]:
     model_dir, model_volume, _ = model_source(spec.model.uri)
     pool = spec.prefill if role == "prefill" else spec.decode
     command = worker_command(spec, role, model_dir)
@@ -262,7 +285,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
         resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     container = {
         "name": "worker",
-        "image": spec.worker_image,
+        "image": spec.pool_image(role),
         "imagePullPolicy": spec.imagePullPolicy,
         "command": command,
         "ports": [
@@ -346,8 +369,11 @@ def render_service(owner: Owner, spec: PDClusterSpec, role: str) -> dict[str, An
     if role in WORKER_ROLES:
         # Headless: DNS returns every ready worker, which is how the router discovers endpoints.
         svc_spec["clusterIP"] = "None"
-        svc_spec["ports"].append({"name": "kv-transfer", "port": KV_TRANSFER_PORT,
-                                  "targetPort": "kv-transfer", "protocol": "TCP"})
+        if spec.engine == "vllm":
+            svc_spec["ports"] += render_vllm.service_ports()
+        else:
+            svc_spec["ports"].append({"name": "kv-transfer", "port": KV_TRANSFER_PORT,
+                                      "targetPort": "kv-transfer", "protocol": "TCP"})
     else:
         svc_spec["type"] = spec.router.serviceType
     return {"apiVersion": "v1", "kind": "Service",
@@ -395,6 +421,9 @@ def render_children(owner: Owner, spec: PDClusterSpec, replicas: dict[str, int],
     objs.append(render_router_deployment(owner, spec, kv_secret_fingerprint))
     for role in ROLES:
         objs.append(render_pdb(owner, role))
-    if spec.networkPolicy.enabled:
+    if spec.networkPolicy.enabled and spec.engine == "vllm":
+        tp = max(spec.prefill.tensorParallelSize, spec.decode.tensorParallelSize)
+        objs.append(render_network_policy(owner, worker_rules=render_vllm.network_policy_rules(owner, tp)))
+    elif spec.networkPolicy.enabled:
         objs.append(render_network_policy(owner, spec.decode.tensorParallelSize))  # every decode rank receives
     return objs

