@@ -1,6 +1,7 @@
 """Real-node scenario 2b: a PDCluster whose model is `hostpath:///DIR` is served: the kubelet mounts the
 node's folder (a demo model built here with another seed than the image's /models/demo) at /models, the
-pods serve it, and a completion through the router Service equals `pdcluster serve` here on that folder."""
+pods serve it under the CRD's `spec.model.name` (not the mounted folder's name), and a completion through the
+router Service sent with that name equals `pdcluster serve` here on that folder."""
 
 from __future__ import annotations
 
@@ -52,9 +53,12 @@ def test_hostpath_model_is_mounted_and_served(kube: Kube, app_ns: str, host_mode
         with local_serve(host_model) as lport:
             model = http_json(f"http://127.0.0.1:{lport}/v1/models")["data"][0]["id"]
             want = http_json(f"http://127.0.0.1:{lport}/v1/completions", {**body, "model": model})["choices"][0]
+        served = doc["spec"]["model"]["name"]
+        assert served != "models"  # the folder mounted at /models: what the pods served before the fix
         with port_forward(kube, app_ns, f"svc/{NAME}-router", 8000) as port:
-            model = http_json(f"http://127.0.0.1:{port}/v1/models")["data"][0]["id"]
-            got = http_json(f"http://127.0.0.1:{port}/v1/completions", {**body, "model": model})["choices"][0]
+            listed = [m["id"] for m in http_json(f"http://127.0.0.1:{port}/v1/models")["data"]]
+            assert listed == [served], listed
+            got = http_json(f"http://127.0.0.1:{port}/v1/completions", {**body, "model": served})["choices"][0]
         assert (got["token_ids"], got["text"]) == (want["token_ids"], want["text"]), (got, want)
     except BaseException:
         print(dump(kube, app_ns))
