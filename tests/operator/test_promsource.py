@@ -47,12 +47,13 @@ class Workload:
                 c.add_metric(labels, value)
             return c
         yield counter("pdcluster_requests_total", "requests", [
-            (["demo", "router", "r0"], RATE * t), (["other", "router", "r0"], 100 * t)])
+            (["demo", "router", "r0"], RATE * t), (["other", "router", "r0"], 100 * t),
+            (["vdemo", "router", "r0"], RATE * t)])
         yield counter("pdcluster_prompt_tokens_total", "prompt tokens", [
-            (["demo", "router", "r0"], RATE * IN * t),
+            (["demo", "router", "r0"], RATE * IN * t), (["vdemo", "router", "r0"], RATE * IN * t),
             (["demo", "prefill", "p0"], RATE * IN * t / 2), (["demo", "prefill", "p1"], RATE * IN * t / 2)])
         yield counter("pdcluster_generation_tokens_total", "generated tokens", [
-            (["demo", "router", "r0"], RATE * OUT * t),
+            (["demo", "router", "r0"], RATE * OUT * t), (["vdemo", "router", "r0"], RATE * OUT * t),
             (["demo", "decode", "d0"], RATE * OUT * t / 2), (["demo", "decode", "d1"], RATE * OUT * t / 2)])
         yield counter("pdcluster_prefix_cache_hit_tokens_total", "prefix hits", [
             (["demo", "prefill", "p0"], HIT * RATE * IN * t / 2), (["demo", "prefill", "p1"], HIT * RATE * IN * t / 2)])
@@ -72,6 +73,34 @@ class Workload:
         for w in ("d0", "d1"):
             g.add_metric(["demo", "decode", w], 0)
         yield g
+        yield from vllm_series(t)
+
+
+def vllm_series(t: float):
+    """PDCluster `vdemo` with `engine: vllm`: our router's series (in Workload's families), and vLLM's own from 2
+    prefill + 2 decode workers (`pdcluster` and `role` as the PodMonitor relabels them from the pod labels). No router TTFT here:
+    the quantile falls back to vLLM's histogram."""
+    labels = ["pdcluster", "role", "worker"]
+    n = RATE * t
+    for name, samples in (
+            ("vllm:prompt_tokens", [(["vdemo", "prefill", w], n * IN / 2) for w in ("p0", "p1")]),
+            ("vllm:generation_tokens", [(["vdemo", "decode", w], n * OUT / 2) for w in ("d0", "d1")]),
+            ("vllm:prefix_cache_hits", [(["vdemo", "prefill", w], HIT * n * IN / 2) for w in ("p0", "p1")])):
+        c = CounterMetricFamily(name.removesuffix("_total"), name, labels=labels)
+        for lv, v in samples:
+            c.add_metric(lv, v)
+        yield c
+    g = GaugeMetricFamily("vllm:num_requests_waiting", "queue", labels=labels)
+    for w in ("p0", "p1"):
+        g.add_metric(["vdemo", "prefill", w], 0)
+    for w in ("d0", "d1"):
+        g.add_metric(["vdemo", "decode", w], 2)  # decode's queue never empties: saturated
+    yield g
+    h = HistogramMetricFamily("vllm:time_to_first_token_seconds", "ttft", labels=labels)
+    for w in ("d0", "d1"):
+        h.add_metric(["vdemo", "decode", w], [(str(le), share * n / 2) for le, share in TTFT] + [("+Inf", n / 2)],
+                     sum_value=n / 2)
+    yield h
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +210,22 @@ def test_missing_series_and_unreachable_server(prometheus: str) -> None:
     with pytest.raises(MetricsUnavailable) as e:
         PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout=2).observe("demo", window_seconds=10)
     assert e.value.reason == "PrometheusUnreachable"
+
+
+def test_vllm_workers_read_through_the_same_contract(prometheus: str) -> None:
+    """engine vllm: the same Observation from vLLM's series (router series first, vLLM's per worker)."""
+    source = PrometheusSource(prometheus)
+    _observe_when_ready(source)
+    o = source.observe("vdemo", window_seconds=WINDOW, percentile=0.95, engine="vllm")
+    assert o.request_rate == pytest.approx(RATE, rel=0.1)
+    assert o.mean_input_tokens == pytest.approx(IN, rel=0.05) and o.mean_output_tokens == pytest.approx(OUT, rel=0.05)
+    assert o.prefill_tokens_per_instance == pytest.approx(RATE * IN / 2, rel=0.1)
+    assert o.decode_tokens_per_instance == pytest.approx(RATE * OUT / 2, rel=0.1)
+    assert o.decode_saturated is True and o.prefill_saturated is False
+    assert o.decode_queue_mean == pytest.approx(4.0)
+    assert o.prefix_hit_rate == pytest.approx(HIT, rel=0.05)
+    assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)  # vLLM's histogram, the router having none here
+    assert o.decode_join_seconds is None  # vLLM exports no join series: the term is left out
+    # read as our engine, the same cluster has no worker series: nothing per instance is invented
+    o = source.observe("vdemo", window_seconds=WINDOW)
+    assert o.prefill_tokens_per_instance is None and o.decode_tokens_per_instance is None

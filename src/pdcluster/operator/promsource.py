@@ -25,6 +25,12 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
 - TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
   (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
+One contract, two engines (`engine`): the router's series are ours whatever the workers run, and the workers'
+series are read under their engine's names (`SERIES`): for `vllm` the vLLM server's own (`vllm:prompt_tokens`,
+`vllm:generation_tokens`, `vllm:num_requests_waiting`, `vllm:prefix_cache_hits`, TTFT and inter-token latency
+histograms), relabelled with `pdcluster` and `role` from the pod labels like ours. vLLM has no decode-join
+series: its term is left out of the formula (docs/vllm.md).
+
 The client is synchronous (requests); call `observe` from a thread.
 """
 
@@ -45,6 +51,42 @@ class MetricsUnavailable(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+# The workers' series the autoscaler reads, per engine (None: the engine exports no equivalent).
+SERIES: dict[str, dict[str, str | None]] = {
+    "pdcluster": {
+        "requests": "pdcluster_requests_total",
+        "prompt_tokens": "pdcluster_prompt_tokens_total",
+        "generation_tokens": "pdcluster_generation_tokens_total",
+        "waiting": "pdcluster_requests_waiting",
+        "prefix_hit_tokens": "pdcluster_prefix_cache_hit_tokens_total",
+        "ttft": "pdcluster_time_to_first_token_seconds",
+        "tpot": "pdcluster_time_per_output_token_seconds",
+        "join": "pdcluster_decode_join_seconds",
+    },
+    "vllm": {
+        # vLLM names its series `vllm:...`; prometheus_client serves them as `vllm_...` to a scraper that
+        # negotiates OpenMetrics without `escaping=allow-utf-8` (Prometheus 2.x): match either spelling.
+        "requests": "vllm[:_]request_success_total",
+        "prompt_tokens": "vllm[:_]prompt_tokens_total",
+        "generation_tokens": "vllm[:_]generation_tokens_total",
+        "waiting": "vllm[:_]num_requests_waiting",
+        "prefix_hit_tokens": "vllm[:_]prefix_cache_hits_total",
+        "ttft": "vllm[:_]time_to_first_token_seconds",
+        "tpot": "vllm[:_]inter_token_latency_seconds",
+        "join": None,
+    },
+}
+# The router is ours with either engine.
+ROUTER = SERIES["pdcluster"]
+
+
+def _series(name: str | None, sel: str) -> str:
+    """`name{labels}`, or for a name pattern (SERIES of vllm) `{__name__=~"pattern",labels}`."""
+    if name is not None and "[" in name:
+        return '{__name__=~"' + name + '",' + sel[1:]
+    return f"{name}{sel}"
 
 
 def _sel(cluster: str, role: str) -> str:
@@ -98,26 +140,28 @@ class PrometheusSource:
         return None
 
     def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None, *,
-                percentile: float | None = None, burst_seconds: int = 0) -> Observation:
+                percentile: float | None = None, burst_seconds: int = 0, engine: str = "pdcluster") -> Observation:
+        wk = SERIES[engine]  # the workers' names; the router's are ROUTER's
         w = f"{int(window_seconds)}s"
         step = f"{max(1, min(15, int(window_seconds) // 10))}s"
         router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
         rate = self._first(
-            f"sum(rate(pdcluster_requests_total{router}[{w}]))",
-            f"sum(rate(pdcluster_requests_total{decode}[{w}]))",
+            f"sum(rate({_series(ROUTER['requests'], router)}[{w}]))",
+            f"sum(rate({_series(wk['requests'], decode)}[{w}]))",
         )
         if rate is None:
             raise MetricsUnavailable(
                 "SeriesMissing",
-                f"no pdcluster_requests_total series for pdcluster={cluster!r} (router or decode) in Prometheus",
+                f"no {ROUTER['requests']} (router) or {wk['requests']} (decode) series for pdcluster={cluster!r} "
+                "in Prometheus",
             )
         prompt_rate = self._first(
-            f"sum(rate(pdcluster_prompt_tokens_total{router}[{w}]))",
-            f"sum(rate(pdcluster_prompt_tokens_total{prefill}[{w}]))",
+            f"sum(rate({_series(ROUTER['prompt_tokens'], router)}[{w}]))",
+            f"sum(rate({_series(wk['prompt_tokens'], prefill)}[{w}]))",
         )
         gen_rate = self._first(
-            f"sum(rate(pdcluster_generation_tokens_total{router}[{w}]))",
-            f"sum(rate(pdcluster_generation_tokens_total{decode}[{w}]))",
+            f"sum(rate({_series(ROUTER['generation_tokens'], router)}[{w}]))",
+            f"sum(rate({_series(wk['generation_tokens'], decode)}[{w}]))",
         )
         if rate > 0 and (prompt_rate is None or gen_rate is None):
             raise MetricsUnavailable(
@@ -128,8 +172,8 @@ class PrometheusSource:
         mean_out = gen_rate / rate if rate > 0 and gen_rate is not None else None
 
         def per_instance(counter: str, sel: str, role: str) -> float | None:
-            total = self.scalar(f"sum(rate({counter}{sel}[{w}]))")
-            n = self.scalar(f"count(pdcluster_requests_waiting{sel})")
+            total = self.scalar(f"sum(rate({_series(counter, sel)}[{w}]))")
+            n = self.scalar(f"count({_series(wk['waiting'], sel)})")
             if not n and ready:
                 n = ready.get(role)
             if total is None or not n:
@@ -137,14 +181,14 @@ class PrometheusSource:
             return total / n
 
         def queue_mean(sel: str) -> float | None:
-            return self.scalar(f"avg_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
+            return self.scalar(f"avg_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
 
         def saturated(sel: str) -> bool:
-            v = self.scalar(f"min_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
+            v = self.scalar(f"min_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
             return bool(v is not None and v > 0)
 
-        prefix_hits = self.scalar(f"sum(rate(pdcluster_prefix_cache_hit_tokens_total{prefill}[{w}]))")
-        prefill_prompts = self.scalar(f"sum(rate(pdcluster_prompt_tokens_total{prefill}[{w}]))")
+        prefix_hits = self.scalar(f"sum(rate({_series(wk['prefix_hit_tokens'], prefill)}[{w}]))")
+        prefill_prompts = self.scalar(f"sum(rate({_series(wk['prompt_tokens'], prefill)}[{w}]))")
         hit_rate = (min(1.0, prefix_hits / prefill_prompts)
                     if prefix_hits is not None and prefill_prompts else None)
         peak = None
@@ -154,35 +198,39 @@ class PrometheusSource:
                 continue
             b, sub = f"{bs}s", f"{max(1, bs // 2)}s"
             peak = self._first(
-                f"max_over_time(sum(rate(pdcluster_requests_total{router}[{b}]))[{w}:{sub}])",
-                f"max_over_time(sum(rate(pdcluster_requests_total{decode}[{b}]))[{w}:{sub}])",
+                f"max_over_time(sum(rate({_series(ROUTER['requests'], router)}[{b}]))[{w}:{sub}])",
+                f"max_over_time(sum(rate({_series(wk['requests'], decode)}[{b}]))[{w}:{sub}])",
             )
 
-        join_sum = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_sum{decode}[{w}]))")
-        join_count = self.scalar(f"sum(rate(pdcluster_decode_join_seconds_count{decode}[{w}]))")
-        step_sum = self.scalar(f"sum(rate(pdcluster_time_per_output_token_seconds_sum{decode}[{w}]))")
-        step_count = self.scalar(f"sum(rate(pdcluster_time_per_output_token_seconds_count{decode}[{w}]))")
-        join = join_cost(join_sum / join_count if join_sum is not None and join_count else None,
-                         step_sum / step_count if step_sum is not None and step_count else None)
+        join = None
+        if wk["join"] is not None:
+            join_h, step_h = wk["join"], wk["tpot"]
+            join_sum = self.scalar(f"sum(rate({_series(f'{join_h}_sum', decode)}[{w}]))")
+            join_count = self.scalar(f"sum(rate({_series(f'{join_h}_count', decode)}[{w}]))")
+            step_sum = self.scalar(f"sum(rate({_series(f'{step_h}_sum', decode)}[{w}]))")
+            step_count = self.scalar(f"sum(rate({_series(f'{step_h}_count', decode)}[{w}]))")
+            join = join_cost(join_sum / join_count if join_sum is not None and join_count else None,
+                             step_sum / step_count if step_sum is not None and step_count else None)
 
-        def quantile(hist: str) -> float | None:
+        def quantile(kind: str) -> float | None:
             if percentile is None:
                 return None
-            return self._first(*(f"histogram_quantile({percentile:g}, sum by (le) (rate({hist}_bucket{sel}[{w}])))"
-                                 for sel in (router, decode)))
+            return self._first(*(
+                f"histogram_quantile({percentile:g}, sum by (le) (rate({_series(f'{hist}_bucket', sel)}[{w}])))"
+                for hist, sel in ((ROUTER[kind], router), (wk[kind], decode)) if hist))
 
         return Observation(
             request_rate=rate,
             mean_input_tokens=mean_in,
             mean_output_tokens=mean_out,
-            prefill_tokens_per_instance=per_instance("pdcluster_prompt_tokens_total", prefill, "prefill"),
-            decode_tokens_per_instance=per_instance("pdcluster_generation_tokens_total", decode, "decode"),
+            prefill_tokens_per_instance=per_instance(str(wk["prompt_tokens"]), prefill, "prefill"),
+            decode_tokens_per_instance=per_instance(str(wk["generation_tokens"]), decode, "decode"),
             prefill_saturated=saturated(prefill),
             decode_saturated=saturated(decode),
             prefix_hit_rate=hit_rate,
             peak_request_rate=peak,
-            ttft_seconds=quantile("pdcluster_time_to_first_token_seconds"),
-            tpot_seconds=quantile("pdcluster_time_per_output_token_seconds"),
+            ttft_seconds=quantile("ttft"),
+            tpot_seconds=quantile("tpot"),
             prefill_queue_mean=queue_mean(prefill),
             decode_queue_mean=queue_mean(decode),
             decode_join_seconds=join,

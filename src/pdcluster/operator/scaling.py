@@ -30,7 +30,8 @@ WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimite
 
 class MetricsSource(Protocol):
     def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None, *,
-                percentile: float | None = None, burst_seconds: int = 0) -> asc.Observation: ...
+                percentile: float | None = None, burst_seconds: int = 0,
+                engine: str = "pdcluster") -> asc.Observation: ...
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec
         slo_on = auto.slo.ttftSeconds is not None or auto.slo.tpotSeconds is not None
         obs = await asyncio.to_thread(source.observe, cluster, auto.windowSeconds, ready,
                                       percentile=auto.slo.percentile if slo_on else None,
-                                      burst_seconds=auto.burstWindowSeconds)
+                                      burst_seconds=auto.burstWindowSeconds, engine=spec.engine)
         return Observed(obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={cluster}")
     except MetricsUnavailable as e:
         opmetrics.ERRORS.labels("metrics").inc()
