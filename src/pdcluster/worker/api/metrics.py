@@ -269,6 +269,10 @@ class WorkerMetrics:
             PlatformCollector(registry=reg)
         if stats_fn is not None:
             self.bind_stats(stats_fn)
+        if role in ("prefill", "decode", "both"):  # model servers, for a GIE / llm-d endpoint picker
+            from pdcluster.worker.api.gie_metrics import GIECollector
+
+            reg.register(GIECollector(self._engine_state._stats, model_name))
 
     # ------------------------------------------------------------------ feeding
     def bind_stats(self, stats_fn: StatsFn) -> None:

@@ -358,6 +358,7 @@ class LLMEngine(KVTransferMixin):
             "requests_running": len(self.scheduler.running),
             "requests_swapped": len(self.scheduler.swapped),
             "kv_cache_total_blocks": bm.num_blocks,
+            "kv_cache_block_size": bm.block_size,
             "kv_cache_used_blocks": bm.num_used_blocks,
             "kv_cache_usage_ratio": bm.num_used_blocks / bm.num_blocks,
             "preemptions_total": self.scheduler.num_preemptions,
