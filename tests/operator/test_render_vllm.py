@@ -54,6 +54,7 @@ def test_vllm_cpu_pods_run_the_openai_server_with_the_nixl_connector() -> None:
         assert _flag(cmd, "--max-model-len") == "4096"
         assert _flag(cmd, "--tensor-parallel-size") == "1"
         assert "--gpu-memory-utilization" not in cmd  # a CPU pool sizes KV from VLLM_CPU_KVCACHE_SPACE
+        assert "--block-size" not in cmd  # vLLM's CPU attention picks its own (multiples of 32)
         assert c["image"] == models.DEFAULT_VLLM_IMAGE
         env = _env(c)
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
@@ -86,6 +87,7 @@ def test_vllm_gpu_pools_put_kv_on_cuda_and_shard_per_pool() -> None:
     assert json.loads(_flag(p["command"], "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
     assert _flag(p["command"], "--tensor-parallel-size") == "2" and _flag(d["command"], "--tensor-parallel-size") == "1"
     assert _flag(p["command"], "--gpu-memory-utilization") == "0.85"
+    assert _flag(p["command"], "--block-size") == "16"
     assert p["command"][-1] == "--enforce-eager" and "--enforce-eager" not in d["command"]
     assert p["image"] == "vllm/vllm-openai:v0.11.0" and d["image"] == models.DEFAULT_VLLM_IMAGE
     assert p["resources"]["limits"]["nvidia.com/gpu"] == 2

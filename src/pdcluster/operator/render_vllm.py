@@ -47,13 +47,15 @@ def vllm_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
         "--kv-transfer-config", json.dumps(kv_transfer_config(on_gpus), separators=(",", ":")),
-        "--block-size", str(spec.kvCache.blockSize),
         "--max-num-seqs", str(pool.maxBatchSize),
         "--max-num-batched-tokens", str(pool.maxBatchTokens),
         "--tensor-parallel-size", str(pool.tensorParallelSize),
     ]
-    if on_gpus:  # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead
-        cmd += ["--gpu-memory-utilization", render._num(spec.kvCache.gpuMemoryUtilization)]
+    if on_gpus:
+        # CPU pools keep vLLM's own block size (its CPU attention takes multiples of 32 only) and size their KV
+        # cache from VLLM_CPU_KVCACHE_SPACE instead of a memory fraction
+        cmd += ["--block-size", str(spec.kvCache.blockSize),
+                "--gpu-memory-utilization", render._num(spec.kvCache.gpuMemoryUtilization)]
     if spec.model.maxModelLen:
         cmd += ["--max-model-len", str(spec.model.maxModelLen)]
     if spec.model.dtype != "auto":
