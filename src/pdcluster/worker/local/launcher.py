@@ -35,6 +35,11 @@ START_TIMEOUT = 180.0  # seconds; `--start-timeout`
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: a built-in demo model)")
+    a("--engine", choices=["pdcluster", "vllm"], default="pdcluster",
+      help="what the workers run: pdcluster, or vllm (vLLM's OpenAI server with the NixlConnector, from the "
+           "environment `scripts/setup.sh vllm` builds; docs/vllm.md)")
+    a("--max-model-len", type=types.positive_int, default=None, metavar="N",
+      help="with --engine vllm: the longest sequence (vLLM sizes its KV profiling by it)")
     a("--prefill", type=types.non_negative_int, default=1, metavar="N",
       help="prefill workers (0: decode workers prefill everything)")
     a("--decode", type=types.positive_int, default=1, metavar="M", help="decode workers (>= 1)")
@@ -136,6 +141,8 @@ def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) 
            "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
            "--decode-wait", str(args.decode_wait), "--routing", args.routing,
            "--health-interval", "0.5", "--log-level", "warning", *_otlp(args), *_tool_calls(args)]
+    if getattr(args, "engine", "pdcluster") == "vllm":
+        cmd += ["--engine", "vllm"]
     if prefill:
         cmd += ["--prefill", *prefill]
     return cmd + ["--decode", *decode]
@@ -208,6 +215,14 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"pdcluster up: error: {problem}", file=sys.stderr)
         return 2
+    vllm = getattr(args, "engine", "pdcluster") == "vllm"
+    if vllm:
+        from pdcluster.worker.local import vllm_workers
+
+        if (why := vllm_workers.missing_reason()) is not None:
+            print(f"pdcluster up: error: --engine vllm: {why}", file=sys.stderr)
+            return 2
+
     cache = cache_dir(args.cache_dir)
     model = Path(args.model) if args.model else ensure_demo_model(cache)
     if not (model / "config.json").is_file():
@@ -231,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
               f"choose another --port (the router takes it, the workers the {n_p + n_d} after it)", file=sys.stderr)
         return 2
     sup = Supervisor(run_dir)
+    def worker(role: str, port: int) -> tuple[list[str], dict[str, str]]:
+        if vllm:
+            return vllm_workers.worker_cmd(args, model, role, port), {**env, **vllm_workers.worker_env(args, port)}
+        return worker_cmd(args, model, role, port), env
 
     def on_signal(signum: int, _: Any) -> None:
         raise _Stop(signal.Signals(signum).name)
@@ -238,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i, port in enumerate(prefill_ports):
-            sup.add(f"prefill-{i}", worker_cmd(args, model, "prefill", port), env, start=i < args.prefill)
+            sup.add(f"prefill-{i}", *worker("prefill", port), start=i < args.prefill)
         for i, port in enumerate(decode_ports):
-            sup.add(f"decode-{i}", worker_cmd(args, model, "decode", port), env, start=i < args.decode)
+            sup.add(f"decode-{i}", *worker("decode", port), start=i < args.decode)
         prefill_urls = [f"{base}:{p}" for p in prefill_ports]
         decode_urls = [f"{base}:{p}" for p in decode_ports]
         sup.add("router", router_cmd(args, prefill_urls, decode_urls), env)

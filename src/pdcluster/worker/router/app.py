@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.background import BackgroundTask
 
 from pdcluster import __version__
 from pdcluster.worker.api import errors, tracing
@@ -72,6 +73,11 @@ class RouterState:
         self.metrics = WorkerMetrics("router", cluster=cluster)
         self.metrics.bind_stats(self._stats)
         self.flow.metrics = self.metrics
+        self.vllm: Any = None  # --engine vllm: the vLLM handshake (router/vllm_pd.py) instead of `flow`
+        if pool.engine == "vllm":
+            from pdcluster.worker.router.vllm_pd import VLLMFlow
+
+            self.vllm = VLLMFlow(pool, threshold=threshold, max_retries=max_retries)
         self.metrics.registry.register(_StageCollector(self))
         self.waiting = 0  # admitted, no first token yet: the router's queue
         self.in_flight = 0
@@ -174,6 +180,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
             yield
         finally:
             await state.flow.close()
+            if state.vllm is not None:
+                await state.vllm.close()
             await state.public_client.aclose()
             await state.pool.stop()
 
@@ -190,6 +198,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         body = await json_object(request)  # capped while reading; hostile JSON is a 400 here, not a 500 later
         st.admit()
         tracker = Tracker(st, arrival)
+        if st.vllm is not None:
+            return await _vllm_handle(st, kind, body, tracker)
         span = tracing.span_of(request)  # its traceparent goes on every /internal/* call made for this request
         try:
             try:
@@ -273,6 +283,9 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
                           "prefix_routed_tokens": st.flow.prefix_routed_tokens,
                           "prefix_expected_tokens": st.flow.prefix_expected_tokens,
                           "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
+        if st.vllm is not None:  # --engine vllm: the handshake's own counts
+            snap["router"].update(engine="vllm", vllm_disaggregated=st.vllm.disaggregated,
+                                  retries=st.flow.retries + st.vllm.retries)
         return JSONResponse(snap)
 
     @app.get("/health")
@@ -296,6 +309,27 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _vllm_handle(st: RouterState, kind: str, body: dict[str, Any], tracker: Tracker) -> Response:
+    """One request to vLLM workers: admission and metrics here, the handshake in router/vllm_pd.py."""
+    owned = True
+    try:
+        prompt = await st.vllm.tokenize(kind, body)
+        st.metrics.request_accepted(len(prompt))
+        try:  # bounded up to the reply's start (all of a non-streamed reply)
+            async with asyncio.timeout(st.request_timeout):
+                resp = await st.vllm.run(kind, body, prompt, lambda n: tracker.saw(Chunk([0] * n, "")))
+        except TimeoutError:
+            st.metrics.rejected("timeout")
+            raise errors.timeout(st.request_timeout or 0.0) from None
+        if isinstance(resp, StreamingResponse):
+            owned = False  # the stream's end releases the request's place
+            resp.background = BackgroundTask(tracker.done)
+        return resp
+    finally:
+        if owned:
+            tracker.done()
 
 
 async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,

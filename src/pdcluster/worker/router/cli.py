@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-wait", type=cli_args.non_negative_float, default=30.0, metavar="S",
       help="how long a request waits for any healthy decode worker (e.g. the only one restarting) before it "
            "ends with a 503 / error event; keep it well under --request-timeout")
+    a("--engine", choices=["pdcluster", "vllm"], default="pdcluster",
+      help="what the workers run: pdcluster (our /internal/* disaggregation) or vllm (vLLM OpenAI servers with "
+           "the NixlConnector: the router drives vLLM's kv_transfer_params handshake; docs/vllm.md)")
     a("--routing", choices=["prefix", "least-loaded"], default="prefix",
       help="prefix: prefer the worker believed to hold the prompt's longest cached prefix, within a load cap; "
            "least-loaded: ignore prefix caches (default: %(default)s)")
@@ -60,7 +63,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
                 prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),
                 interval=args.health_interval, prefix_routing=getattr(args, "routing", "prefix") == "prefix",
-                secret=optional_secret(getattr(args, "internal_secret_file", None)))
+                secret=optional_secret(getattr(args, "internal_secret_file", None)),
+                engine=getattr(args, "engine", "pdcluster"))
     state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
                         request_timeout=args.request_timeout or None, max_retries=args.max_retries,
                         cluster=args.cluster_name, decode_wait=args.decode_wait,

@@ -114,6 +114,7 @@ class Pool:
     prefix_routing: bool = True  # prefer workers believed to hold the prompt's prefix (see prefix_index)
     # seconds between whole-set reports from each worker (eviction reports come every probe round)
     prefix_resync: float = 30.0
+    engine: str = "pdcluster"  # what the workers run: pdcluster | vllm (how they are probed)
 
     def __post_init__(self) -> None:
         self.workers: dict[tuple[str, str], Worker] = {}
@@ -174,8 +175,8 @@ class Pool:
         the last poll, or the whole set it holds (first contact, a restart, a lost position, or every
         `prefix_resync` seconds). Best effort: a worker that cannot answer keeps its (approximate) entry, and
         this never affects its health. True when a report was applied."""
-        if not self.prefix_routing or not w.healthy:
-            return False
+        if not self.prefix_routing or not w.healthy or self.engine != "pdcluster":
+            return False  # vLLM publishes its evictions over ZMQ KV events, not HTTP: the index stays approximate
         sent = time.monotonic()
         whole = w.prefix_epoch is None or sent - w.prefix_synced >= self.prefix_resync
         params = {} if whole else {"epoch": w.prefix_epoch, "since": str(w.prefix_seq)}
@@ -209,6 +210,12 @@ class Pool:
 
     async def probe(self, w: Worker) -> None:
         ok, err = False, None
+        if self.engine == "vllm":  # vLLM workers: /health and their Prometheus series (router/vllm_pd.py)
+            from pdcluster.worker.router import vllm_pd
+
+            ok, err = await vllm_pd.probe(self.client, w)
+            self._probed(w, ok, err)
+            return
         try:
             r = await self.client.get(f"{w.url}/internal/load")
             if r.status_code == 200:
@@ -225,6 +232,9 @@ class Pool:
                 err = f"HTTP {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
+        self._probed(w, ok, err)
+
+    def _probed(self, w: Worker, ok: bool, err: str | None) -> None:
         was = w.healthy
         w.healthy, w.failures = health_transition(w.healthy, w.failures, ok)
         w.last_error, w.last_probe = err, time.monotonic()

@@ -1,0 +1,289 @@
+"""The router in front of vLLM workers (`pdcluster router --engine vllm`): vLLM's own P/D handshake.
+
+vLLM's NixlConnector is driven per request by `kv_transfer_params` in the OpenAI body:
+
+1. prefill leg: the client's body to a prefill worker with `max_tokens: 1`, `stream: false` and
+   `kv_transfer_params: {"do_remote_decode": true, ...}`; the worker computes the prompt's KV, keeps the blocks
+   for a decode worker to read, and answers with the `kv_transfer_params` that locate them (its engine id,
+   side-channel host and port, block ids, request id, TP size);
+2. decode leg: the client's body, unchanged but for those `kv_transfer_params`, to a decode worker, which
+   pulls the KV over NIXL and generates; its reply (a stream or one JSON) goes to the client as it is.
+
+The router's own parts stay what they are for our engine: admission and the queue, the disaggregation
+threshold (prompts below it go straight to a decode worker), prefix-aware and least-loaded picking (prompt
+token ids from the worker's `/tokenize`; block size and KV blocks from its `vllm:cache_config_info`), and
+retries on another pair while nothing has reached the client. What does not carry over (docs/vllm.md): a
+decode worker dying mid-stream ends that stream with an error event (our engine resumes it elsewhere; vLLM's
+reply carries text, not the token ids a resume needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdcluster.worker.api import errors
+from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
+from pdcluster.worker.router.pool import Pool, Worker
+from pdcluster.worker.router.upstream import describe
+
+log = logging.getLogger(__name__)
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# What a prefill leg asks for: the KV kept for a remote decode, nothing else (one token, no stream).
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _Failed(Exception):
+    """A worker broke this attempt (transport error, 5xx, a reply without what the handshake needs)."""
+
+    def __init__(self, w: Worker, message: str) -> None:
+        super().__init__(f"{w.role} worker {w.url}: {message}")
+        self.worker = w
+
+
+# ---- probing: /health for readiness, /metrics for load ---------------------------------------------
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The few vLLM series the router picks by: running, waiting, KV use, block size and KV blocks."""
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.rpartition("}") if rest else ("", "", line.split()[-1])
+        if not rest:
+            name = line.split()[0]
+        try:
+            v = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name == "vllm:num_requests_running":
+            out["running"] = out.get("running", 0) + int(v)
+        elif name == "vllm:num_requests_waiting":
+            out["waiting"] = out.get("waiting", 0) + int(v)
+        elif name == "vllm:kv_cache_usage_perc":
+            out["kv_usage"] = v
+        elif name == "vllm:cache_config_info":
+            info = dict(kv.split("=", 1) for kv in _label_pairs(labels))
+            for key, field in (("block_size", "block_size"), ("num_gpu_blocks", "total_blocks"),
+                               ("num_cpu_blocks", "cpu_blocks")):
+                with contextlib.suppress(KeyError, ValueError):
+                    out[field] = int(info[key].strip('"'))
+    return out
+
+
+def _label_pairs(labels: str) -> list[str]:
+    pairs, cur, quoted = [], "", False
+    for ch in labels:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            pairs.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        pairs.append(cur)
+    return [p for p in pairs if "=" in p]
+
+
+async def probe(client: httpx.AsyncClient, w: Worker) -> tuple[bool, str | None]:
+    """(ready, error) of a vLLM worker, filling in its load: the pool's probe for `--engine vllm`."""
+    try:
+        r = await client.get(f"{w.url}/health")
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}"
+        m = await client.get(f"{w.url}/metrics")
+    except httpx.HTTPError as e:
+        return False, describe(e)
+    if m.status_code == 200:
+        d = parse_metrics(m.text)
+        w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
+        w.block_size = d.get("block_size") or w.block_size
+        total = d.get("total_blocks") or d.get("cpu_blocks")
+        if total:
+            w.total_blocks = total
+            if "kv_usage" in d:
+                w.used_blocks = int(round(d["kv_usage"] * total))
+                w.free_blocks = total - w.used_blocks
+    return True, None
+
+
+# ---- one request -------------------------------------------------------------------------------------
+
+class VLLMFlow:
+    """Tokenize (for picking), then prefill leg + decode leg, or the decode worker alone below the threshold."""
+
+    def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0) -> None:
+        self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
+        self.retries = 0
+        self.disaggregated = 0
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids from a worker's /tokenize (its answer to bad input is the client's answer)."""
+        req: dict[str, Any] = {"model": body.get("model")}
+        if kind == "chat":
+            req.update(messages=body.get("messages"), add_generation_prompt=True)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            req["prompt"] = prompt
+        for w in sorted((w for w in self.pool.workers.values() if w.healthy), key=lambda w: w.in_flight):
+            try:
+                r = await self.client.post(f"{w.url}/tokenize", json=req)
+            except httpx.TransportError as e:
+                self.pool.mark_failed(w.role, w.url, describe(e))
+                continue
+            if r.status_code == 200:
+                tokens = r.json().get("tokens")
+                if isinstance(tokens, list):
+                    return [int(t) for t in tokens]
+            if 400 <= r.status_code < 500:
+                raise _api_error(r)
+            self.pool.mark_failed(w.role, w.url, f"/tokenize: HTTP {r.status_code}")
+        raise errors.unavailable("no healthy worker could take the request", code="no_workers")
+
+    async def _prefill(self, p: Worker, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The prefill leg: the kv_transfer_params locating the prompt's KV on `p` (None: nothing to hand over,
+        e.g. the request ended within its first token)."""
+        leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        leg.update(stream=False, max_tokens=1, n=1, kv_transfer_params=dict(REMOTE_DECODE))
+        if kind == "chat" and "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        try:
+            r = await self.client.post(f"{p.url}{PATHS[kind]}", json=leg)
+        except httpx.TransportError as e:
+            self.pool.mark_failed("prefill", p.url, describe(e))
+            raise _Failed(p, describe(e)) from e
+        if 400 <= r.status_code < 500:
+            raise _api_error(r)
+        if r.status_code != 200:
+            self.pool.mark_failed("prefill", p.url, f"HTTP {r.status_code}")
+            raise _Failed(p, f"HTTP {r.status_code}")
+        params = r.json().get("kv_transfer_params")
+        return params if isinstance(params, dict) and params else None
+
+    async def _open(self, d: Worker, kind: str, body: dict[str, Any]) -> httpx.Response:
+        """The decode leg, opened: status and headers read, the body still to stream."""
+        req = self.client.build_request("POST", f"{d.url}{PATHS[kind]}", json=body)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.TransportError as e:
+            self.pool.mark_failed("decode", d.url, describe(e))
+            raise _Failed(d, describe(e)) from e
+        if resp.status_code != 200:
+            await resp.aread()
+            await resp.aclose()
+            if 400 <= resp.status_code < 500:
+                raise _api_error(resp)
+            self.pool.mark_failed("decode", d.url, f"HTTP {resp.status_code}")
+            raise _Failed(d, f"HTTP {resp.status_code}")
+        return resp
+
+    async def _attempt(self, kind: str, body: dict[str, Any], prompt: list[int],
+                       excluded: set[str]) -> tuple[Worker, httpx.Response]:
+        """One pair: prefill (when the prompt is long enough and a prefill worker is healthy), then decode."""
+        leg = body
+        prefer_node = None
+        if should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
+            cached = self.pool.cached_tokens("prefill", prompt)
+            pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
+            if pv is not None:
+                p = self.pool.get("prefill", pv.url)
+                p.in_flight += 1
+                p.outstanding_prompt_tokens += len(prompt)
+                try:
+                    params = await self._prefill(p, kind, body)
+                finally:
+                    p.in_flight -= 1
+                    p.outstanding_prompt_tokens -= len(prompt)
+                self.pool.remember(p, prompt)
+                if params is not None:
+                    leg = {**body, "kv_transfer_params": params}
+                    prefer_node = p.node
+                    self.disaggregated += 1
+        cached = {} if leg is not body else self.pool.cached_tokens("decode", prompt)
+        ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded, cached=cached)
+        if not ranked:
+            raise errors.unavailable("no healthy decode worker behind the router", code="no_decode_worker")
+        d = self.pool.get("decode", ranked[0].url)
+        if leg is body:
+            self.pool.remember(d, prompt)
+        return d, await self._open(d, kind, leg)
+
+    async def run(self, kind: str, body: dict[str, Any], prompt: list[int], on_tokens: Any) -> Response:
+        """The client's response: retried on another pair until a decode worker answers 200 (nothing has reached
+        the client before that). `on_tokens(n)` is told of output tokens as they stream (TTFT/TPOT metrics)."""
+        excluded: set[str] = set()
+        failures = 0
+        while True:
+            try:
+                d, resp = await self._attempt(kind, body, prompt, excluded)
+                break
+            except _Failed as e:
+                failures += 1
+                self.retries += 1
+                excluded.add(e.worker.url)
+                log.warning("vLLM request attempt %d failed: %s", failures, e)
+                if failures > self.max_retries:
+                    raise errors.APIError(502, f"request failed on {failures} worker pairs; last error: {e}",
+                                          code="workers_failed") from None
+        d.in_flight += 1
+        if body.get("stream"):
+            return StreamingResponse(_relay(resp, d, on_tokens), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        try:
+            data = json.loads(await resp.aread())
+        except ValueError:
+            raise errors.APIError(502, f"decode worker {d.url}: malformed reply", code="workers_failed") from None
+        finally:
+            d.in_flight -= 1
+            await resp.aclose()
+        usage = data.get("usage") if isinstance(data, dict) else None
+        on_tokens(int(usage.get("completion_tokens", 0)) if isinstance(usage, dict) else 0)
+        return JSONResponse(data)
+
+
+async def _relay(resp: httpx.Response, d: Worker, on_tokens: Any) -> AsyncIterator[bytes]:
+    """The decode worker's SSE, line by line to the client; each `data:` event with output counts as a token
+    (vLLM streams one token per event). A broken stream ends with an OpenAI error event."""
+    try:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                on_tokens(1)
+            yield (line + "\n").encode()
+    except httpx.HTTPError as e:
+        err = errors.APIError(502, f"decode worker {d.url} failed mid-stream: {describe(e)}", code="workers_failed")
+        yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        d.in_flight -= 1
+        await resp.aclose()
+
+
+def _api_error(r: httpx.Response) -> errors.APIError:
+    """A worker's 4xx, relayed with its OpenAI error body (vLLM's are OpenAI-shaped too)."""
+    try:
+        err = r.json().get("error") or {}
+        if isinstance(err, str):
+            err = {"message": err}
+    except (ValueError, AttributeError):
+        err = {"message": r.text[:500]}
+    status = 400 if r.status_code == 422 else r.status_code  # the house rule: invalid input is a 400
+    code, param = err.get("code"), err.get("param")
+    return errors.APIError(status, str(err.get("message", "invalid request")),
+                           code=None if code is None else str(code), param=None if param is None else str(param))

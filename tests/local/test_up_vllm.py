@@ -1,0 +1,149 @@
+"""`pdcluster up --engine vllm` for real: vLLM prefill and decode workers (vLLM's OpenAI server, NixlConnector
+over UCX on loopback) from the vLLM environment, behind our router speaking vLLM's kv_transfer_params
+handshake. Greedy output through the router equals one plain vLLM server on the same tiny random Llama, the
+prompts above the disaggregation threshold really went prefill -> decode (the decode worker's NIXL transfer
+counter and the router's count say so), and SIGTERM stops every process.
+
+Skipped only when the vLLM environment is absent (`scripts/setup.sh vllm` builds it; `make test` does). Two
+vLLM workers take ~10 GiB and minutes to start on a small machine: this is the slowest test of the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdcluster.worker.local import vllm_workers
+from pdcluster.worker.local.launcher import port_in_use
+
+from ..netutil import free_block
+
+needs_vllm = pytest.mark.skipif(vllm_workers.missing_reason() is not None, reason=str(vllm_workers.missing_reason()))
+
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
+           "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n" * 2,
+           "x = 1"]  # the last is below the threshold: decode alone
+THRESHOLD = 16
+MAX_TOKENS = 24
+
+
+def _free_ports() -> int:
+    """A block for the router and two workers whose NIXL side-channel ports are free too."""
+    while True:
+        port = free_block(3)
+        if not any(port_in_use("127.0.0.1", port + i + vllm_workers.SIDE_CHANNEL_OFFSET) for i in (1, 2)):
+            return port
+
+
+class Up:
+    def __init__(self, model: Path, port: int) -> None:
+        self.port = port
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdcluster", "up", "--engine", "vllm", "--model", str(model), "--prefill", "1",
+             "--decode", "1", "--port", str(port), "--disaggregation-threshold", str(THRESHOLD),
+             "--max-model-len", "512", "--start-timeout", str(vllm_workers.START_TIMEOUT)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines: list[str] = []
+
+    def wait_line(self, pattern: str) -> bool:
+        """Reads `up`'s output until a line matches or `up` exits (its own --start-timeout bounds the wait)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return True
+        return False
+
+    def pids(self) -> dict[str, int]:
+        return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)", "".join(self.lines), re.M)}
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    from pdcluster.worker.local.demo_model import build_demo_model
+
+    model = build_demo_model(tmp_path_factory.mktemp("vllm") / "tiny", num_hidden_layers=2, hidden_size=128,
+                             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512)
+    u = Up(model, _free_ports())
+    try:
+        yield u
+    finally:
+        if u.proc.poll() is None:
+            u.proc.send_signal(signal.SIGTERM)
+            u.proc.wait(120)
+
+
+def _completion(url: str, model: str, prompt: str, **kw: object) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **kw}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and " " in line)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> None:
+    assert up.wait_line(r"^ready: "), "".join(up.lines)
+    router = f"http://127.0.0.1:{up.port}"
+    prefill, decode = (f"http://127.0.0.1:{up.port + i}" for i in (1, 2))
+    model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
+    assert model == "tiny"  # the folder's name, as our engine serves it
+    pids = up.pids()
+    argv = open(f"/proc/{pids['prefill-0']}/cmdline").read().split("\0")
+    assert vllm_workers.VLLM_MODULE in argv and "NixlConnector" in argv[argv.index("--kv-transfer-config") + 1]
+
+    # the reference: one plain vLLM server (the prefill worker, asked directly: no kv_transfer_params). The decode
+    # worker has not seen the prompts, so through the router it computes nothing of them but what NIXL brings.
+    want = [_completion(prefill, model, p)["choices"][0]["text"] for p in PROMPTS]
+    before = httpx.get(f"{router}/cluster", timeout=10).json()
+    got = [_completion(router, model, p)["choices"][0]["text"] for p in PROMPTS]
+    assert got == want
+    # streamed through the router: the same text, event by event
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=300,
+                      json={"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: {"))
+    assert text == want[0]
+    # the two long prompts (and the streamed one) went prefill -> decode; the short one did not
+    after = httpx.get(f"{router}/cluster", timeout=10).json()
+    assert after["router"]["vllm_disaggregated"] - before["router"]["vllm_disaggregated"] == 3
+    assert _counter(decode, "vllm:nixl_num_failed_transfers") == 0
+    assert _counter(prefill, "vllm:prompt_tokens_total") > 0
+    # bad input is the client's 400, not a 500
+    r = httpx.post(f"{router}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=60)
+    assert r.status_code == 400, r.text
+
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(120) == 0
+    for pid in pids.values():
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_missing_environment_is_a_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, "PDCLUSTER_VLLM_PYTHON": str(tmp_path / "nope" / "python")}
+    r = subprocess.run([sys.executable, "-m", "pdcluster", "up", "--engine", "vllm", "--port", str(free_block(3))],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "scripts/setup.sh vllm" in r.stderr, r.stderr
