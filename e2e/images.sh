@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the project's images without a Docker daemon or a registry: buildah, on a Debian base made here.
 #
-#   e2e/images.sh [all|base|uv|pause|operator|worker]...   (default: all)
+#   e2e/images.sh [all|base|uv|pause|operator|worker|worker-vllm]...   (default: all; worker-vllm is not in all)
 #   e2e/images.sh archive NAME FILE     write image NAME (e.g. pdcluster/worker:0.1.0) as an OCI archive
 #   e2e/images.sh names                 print the operator, worker and pause image names, one a line
 #
@@ -32,6 +32,7 @@ MIRROR="${PDCLUSTER_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml" | head -1)"
 OPERATOR_IMAGE="pdcluster/operator:$VERSION"
 WORKER_IMAGE="pdcluster/worker:$VERSION"
+WORKER_VLLM_IMAGE="pdcluster/worker-vllm:$VERSION"   # engine: vllm pools (docker/worker-vllm.Dockerfile)
 PAUSE_IMAGE="pdcluster/pause:$K8S_VERSION"
 BASE_PACKAGES="python3.11"
 BASE_KEY="$(printf '%s\n' "bookworm minbase $BASE_PACKAGES $MIRROR v1" | sha256sum | cut -c1-12)"
@@ -151,6 +152,7 @@ for t in "${targets[@]}"; do
     pause) build_pause ;;
     operator) build_dockerfile operator "$OPERATOR_IMAGE" ;;
     worker) build_dockerfile worker "$WORKER_IMAGE" ;;
+    worker-vllm) build_dockerfile worker-vllm "$WORKER_VLLM_IMAGE" ;;
     *) die "unknown target $t" ;;
   esac
 done

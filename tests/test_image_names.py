@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 OPERATOR = f"pdcluster/operator:{VERSION}"
 WORKER = f"pdcluster/worker:{VERSION}"
+WORKER_VLLM = f"pdcluster/worker-vllm:{VERSION}"
 
 
 def test_chart_default_is_the_operator_image():
@@ -31,19 +32,26 @@ def test_examples_use_the_worker_image():
 
 
 def test_dockerfiles_name_their_image_and_nothing_else():
-    for name, image in (("operator", OPERATOR), ("worker", WORKER)):
+    for name, image in (("operator", OPERATOR), ("worker", WORKER), ("worker-vllm", WORKER_VLLM)):
         text = (ROOT / f"docker/{name}.Dockerfile").read_text()
         assert f"docker build -f docker/{name}.Dockerfile -t {image} ." in text
         others = set(re.findall(r"pdcluster/[a-z-]+:[\w.-]+", text)) - {image}
         assert not others, (name, others)
     assert sorted(p.name for p in (ROOT / "docker").glob("*.Dockerfile")) == [
-        "operator.Dockerfile", "worker.Dockerfile"]
+        "operator.Dockerfile", "worker-vllm.Dockerfile", "worker.Dockerfile"]
 
 
 def test_e2e_paths_build_the_same_files():
     images = (ROOT / "e2e/images.sh").read_text()
     assert 'OPERATOR_IMAGE="pdcluster/operator:$VERSION"' in images
     assert 'WORKER_IMAGE="pdcluster/worker:$VERSION"' in images
+    assert 'WORKER_VLLM_IMAGE="pdcluster/worker-vllm:$VERSION"' in images
+
+
+def test_the_operator_defaults_vllm_pools_to_the_worker_vllm_image():
+    from pdcluster.operator.models import DEFAULT_VLLM_IMAGE
+
+    assert DEFAULT_VLLM_IMAGE == WORKER_VLLM
     kind = (ROOT / "e2e/kind/run.sh").read_text()
     assert "docker/operator.Dockerfile" in kind and "docker/worker.Dockerfile" in kind
     assert not re.search(r"ghcr\.io/pdcluster", "\n".join(
