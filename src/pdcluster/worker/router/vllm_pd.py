@@ -224,7 +224,12 @@ class VLLMFlow:
         d = self.pool.get("decode", ranked[0].url)
         if leg is body:
             self.pool.remember(d, prompt)
-        return d, await self._open(d, kind, leg)
+        d.in_flight += 1  # from the pick on, so concurrent picks see it; the reply's end gives it back
+        try:
+            return d, await self._open(d, kind, leg)
+        except BaseException:
+            d.in_flight -= 1
+            raise
 
     async def run(self, kind: str, body: dict[str, Any], prompt: list[int], on_tokens: Any) -> Response:
         """The client's response: retried on another pair until a decode worker answers 200 (nothing has reached
@@ -243,7 +248,6 @@ class VLLMFlow:
                 if failures > self.max_retries:
                     raise errors.APIError(502, f"request failed on {failures} worker pairs; last error: {e}",
                                           code="workers_failed") from None
-        d.in_flight += 1
         if body.get("stream"):
             return StreamingResponse(_relay(resp, d, on_tokens), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
