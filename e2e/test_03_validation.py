@@ -26,6 +26,11 @@ CASES = [
      ["spec.prefill.tensorParallelSize", "must be 1, 2, 4, 8 or 16"]),
     ("gpus-not-tp", {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
      ["spec.decode", "must equal tensorParallelSize"]),
+    # engine vllm: pdcluster's own KV formats and transfer knobs, and the unauthenticated NIXL data plane
+    ("vllm-int8-wire", {"engine": "vllm", "kvTransfer": {"integrity": "fabric", "compression": "int8"}},
+     ["engine vllm", "int8 is pdcluster's wire format"]),
+    ("vllm-mac", {"engine": "vllm"}, ["engine vllm", "integrity: fabric"]),
+    ("engine-args-port", {"decode": {"engineArgs": ["--port=9"]}}, ["spec.decode", "engineArgs must not repeat"]),
 ]
 
 
