@@ -62,6 +62,7 @@ def test_vllm_cpu_pods_run_the_openai_server_with_the_nixl_connector() -> None:
         assert env["UCX_TLS"] == "tcp,sm,self" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert env["PDCLUSTER_ROLE"] == role
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "nixl": NIXL_SIDE_CHANNEL_PORT}
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == render_vllm.drain_command(parse_spec(VLLM))
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
         labels = dep["spec"]["template"]["metadata"]["labels"]

@@ -33,6 +33,35 @@ UCX_PORTS = (5700, 5799)
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 
+# preStop of vLLM pods: the drain. A terminating pod leaves its Service's endpoints at once, so no new work
+# arrives; this waits until the engine holds no request and no KV block (a prefill pod keeps a finished
+# prompt's blocks until the decode pod has read them over NIXL), read from vLLM's /metrics (argv[2]) twice in a
+# row, at most argv[1] seconds. Exit 0: drained; 1: gave up (time, or the server stopped answering). Then the
+# kubelet's SIGTERM stops the server.
+DRAIN_SCRIPT = r"""
+import re, sys, time, urllib.request
+limit = float(sys.argv[1]); end = time.monotonic() + limit; idle = 0
+names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+while time.monotonic() < end and idle < 2:
+    try:
+        text = urllib.request.urlopen(sys.argv[2], timeout=5).read().decode()
+        busy = sum(float(m.group(2)) for m in re.finditer(r"^vllm[:_](\w+)(?:\{[^}]*\})? (\S+)$", text, re.M)
+                   if m.group(1) in names)
+    except Exception:
+        break
+    idle = idle + 1 if busy == 0 else 0
+    if idle < 2:
+        time.sleep(1)
+sys.exit(0 if idle >= 2 else 1)
+"""
+
+
+def drain_command(spec: PDClusterSpec) -> list[str]:
+    # the grace period is the request timeout + 30 s: leave the server 10 s of it to stop after the drain
+    limit = int(math.ceil(spec.router.requestTimeoutSeconds)) + 20
+    return ["python3", "-c", DRAIN_SCRIPT, str(limit), f"http://127.0.0.1:{WORKER_PORT}/metrics"]
+
+
 def kv_transfer_config(on_gpus: bool) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda" if on_gpus else "cpu"}
 
@@ -117,6 +146,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
         "volumeMounts": mounts,
         "securityContext": render._container_security(),
         **render._probes(),
+        "lifecycle": {"preStop": {"exec": {"command": drain_command(spec)}}},
     }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
