@@ -2,7 +2,8 @@
 over UCX on loopback) from the vLLM environment, behind our router speaking vLLM's kv_transfer_params
 handshake. Greedy output through the router equals one plain vLLM server on the same tiny random Llama, the
 prompts above the disaggregation threshold really went prefill -> decode (the decode worker's NIXL transfer
-counter and the router's count say so), and SIGTERM stops every process.
+counter and the router's count say so), the pods' preStop drain reads both workers idle afterwards (no KV left
+held for a decode read), and SIGTERM stops every process.
 
 Skipped only when the vLLM environment is absent (`scripts/setup.sh vllm` builds it; `make test` does). Two
 vLLM workers take ~10 GiB and minutes to start on a small machine: this is the slowest test of the suite."""
@@ -129,6 +130,12 @@ def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> 
     # and the decode worker pulled their KV over NIXL (one read per request), none failed
     assert _sample(decode, "vllm:nixl_xfer_time_seconds_count") >= 3
     assert _sample(decode, "vllm:nixl_num_failed_transfers_total") == 0
+    # the pods' preStop drain reads both live workers as idle now: no request and no KV block held
+    from pdcluster.operator.render_vllm import DRAIN_SCRIPT
+
+    for worker in (prefill, decode):
+        drained = subprocess.run([sys.executable, "-c", DRAIN_SCRIPT, "120", f"{worker}/metrics"], timeout=180)
+        assert drained.returncode == 0, worker
     # bad input is the client's 400, not a 500
     r = httpx.post(f"{router}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=60)
     assert r.status_code == 400, r.text

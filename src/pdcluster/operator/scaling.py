@@ -12,6 +12,7 @@ Everything here is pure except `observe` (asks Prometheus, off the event loop) a
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -193,9 +194,12 @@ async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec
         source = source_for(url)
         auto = spec.autoscaling
         slo_on = auto.slo.ttftSeconds is not None or auto.slo.tpotSeconds is not None
-        obs = await asyncio.to_thread(source.observe, cluster, auto.windowSeconds, ready,
+        # the workers' series by engine (promsource.SERIES); pdcluster's call stays as it was
+        observe = source.observe if spec.engine == "pdcluster" else functools.partial(source.observe,
+                                                                                      engine=spec.engine)
+        obs = await asyncio.to_thread(observe, cluster, auto.windowSeconds, ready,
                                       percentile=auto.slo.percentile if slo_on else None,
-                                      burst_seconds=auto.burstWindowSeconds, engine=spec.engine)
+                                      burst_seconds=auto.burstWindowSeconds)
         return Observed(obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={cluster}")
     except MetricsUnavailable as e:
         opmetrics.ERRORS.labels("metrics").inc()

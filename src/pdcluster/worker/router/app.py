@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from starlette.background import BackgroundTask
 
 from pdcluster import __version__
 from pdcluster.worker.api import errors, tracing
@@ -198,8 +197,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         body = await json_object(request)  # capped while reading; hostile JSON is a 400 here, not a 500 later
         st.admit()
         tracker = Tracker(st, arrival)
-        if st.vllm is not None:
-            return await _vllm_handle(st, kind, body, tracker)
+        if st.vllm is not None:  # admitted here; the rest is router/vllm_pd.py's
+            return await st.vllm.respond(st, kind, body, tracker)  # type: ignore[no-any-return]
         span = tracing.span_of(request)  # its traceparent goes on every /internal/* call made for this request
         try:
             try:
@@ -309,27 +308,6 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-async def _vllm_handle(st: RouterState, kind: str, body: dict[str, Any], tracker: Tracker) -> Response:
-    """One request to vLLM workers: admission and metrics here, the handshake in router/vllm_pd.py."""
-    owned = True
-    try:
-        prompt = await st.vllm.tokenize(kind, body)
-        st.metrics.request_accepted(len(prompt))
-        try:  # bounded up to the reply's start (all of a non-streamed reply)
-            async with asyncio.timeout(st.request_timeout):
-                resp = await st.vllm.run(kind, body, prompt, lambda n: tracker.saw(Chunk([0] * n, "")))
-        except TimeoutError:
-            st.metrics.rejected("timeout")
-            raise errors.timeout(st.request_timeout or 0.0) from None
-        if isinstance(resp, StreamingResponse):
-            owned = False  # the stream's end releases the request's place
-            resp.background = BackgroundTask(tracker.done)
-        return resp
-    finally:
-        if owned:
-            tracker.done()
 
 
 async def _collect(request: Request, kind: str, rid: str, tok: Tokenized,

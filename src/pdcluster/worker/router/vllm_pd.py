@@ -19,6 +19,7 @@ reply carries text, not the token ids a resume needs).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,8 +29,10 @@ from typing import Any
 import httpx
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.router.flow import Chunk
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker
 from pdcluster.worker.router.upstream import describe
@@ -230,6 +233,27 @@ class VLLMFlow:
         except BaseException:
             d.in_flight -= 1
             raise
+
+    async def respond(self, st: Any, kind: str, body: dict[str, Any], tracker: Any) -> Response:
+        """One admitted request (app.py's RouterState `st`, its Tracker): metrics, the deadline up to the reply's
+        start (all of a non-streamed reply), and the Tracker released when the reply has been sent."""
+        owned = True
+        try:
+            prompt = await self.tokenize(kind, body)
+            st.metrics.request_accepted(len(prompt))
+            try:
+                async with asyncio.timeout(st.request_timeout):
+                    resp = await self.run(kind, body, prompt, lambda n: tracker.saw(Chunk([0] * n, "")))
+            except TimeoutError:
+                st.metrics.rejected("timeout")
+                raise errors.timeout(st.request_timeout or 0.0) from None
+            if isinstance(resp, StreamingResponse):
+                owned = False  # the stream's end releases the request's place
+                resp.background = BackgroundTask(tracker.done)
+            return resp
+        finally:
+            if owned:
+                tracker.done()
 
     async def run(self, kind: str, body: dict[str, Any], prompt: list[int], on_tokens: Any) -> Response:
         """The client's response: retried on another pair until a decode worker answers 200 (nothing has reached
