@@ -3,7 +3,7 @@ over UCX on loopback) from the vLLM environment, behind our router speaking vLLM
 handshake. Greedy output through the router equals one plain vLLM server on the same tiny random Llama, the
 prompts above the disaggregation threshold really went prefill -> decode (the decode worker's NIXL transfer
 counter and the router's count say so), the pods' preStop drain reads both workers idle afterwards (no KV left
-held for a decode read), and SIGTERM stops every process.
+held for a decode read), a killed prefill worker costs no request, and SIGTERM stops every process.
 
 Skipped only when the vLLM environment is absent (`scripts/setup.sh vllm` builds it; `make test` does). Two
 vLLM workers take ~10 GiB and minutes to start on a small machine: this is the slowest test of the suite."""
@@ -140,10 +140,15 @@ def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> 
     r = httpx.post(f"{router}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=60)
     assert r.status_code == 400, r.text
 
+    # a prefill worker that dies costs no request: its leg fails over (or the router already dropped it), and the
+    # prompt is served by the decode worker alone, still greedy-equal
+    os.killpg(os.getpgid(pids["prefill-0"]), signal.SIGKILL)  # the worker and its engine processes, as a pod dies
+    assert _completion(router, model, PROMPTS[1])["choices"][0]["text"] == want[1]
+
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(120) == 0
-    for pid in pids.values():
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    for name, pid in pids.items():
+        assert name == "prefill-0" or not os.path.exists(f"/proc/{pid}") or _zombie(pid)
 
 
 def _zombie(pid: int) -> bool:
