@@ -22,11 +22,16 @@ PACKAGES = {  # folder -> import name
 # names blocks exactly as the engine's prefix cache does.
 # And the operator may import the engine's tensor-parallel head rule (stdlib only), so `kv-budget` and the
 # engine's sharded cache cannot disagree on which KV heads a rank holds.
+# And the operator reads the transfer's and the router's option declarations (stdlib only), so that the spec's
+# defaults are the flags' (one default per knob: a rendered pod and a hand-run process agree).
 ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret"),
            ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash"),
-           ("pdcluster.operator", "pdcluster.worker.engine.parallel.heads")}
+           ("pdcluster.operator", "pdcluster.worker.engine.parallel.heads"),
+           ("pdcluster.operator", "pdcluster.worker.transfer.options"),
+           ("pdcluster.operator", "pdcluster.worker.router.options")}
 STDLIB_ONLY = ["src/pdcluster/worker/transfer/secret.py", "src/pdcluster/worker/engine/block_hash.py",
-               "src/pdcluster/worker/engine/parallel/heads.py"]
+               "src/pdcluster/worker/engine/parallel/heads.py", "src/pdcluster/worker/options.py",
+               "src/pdcluster/worker/transfer/options.py", "src/pdcluster/worker/router/options.py"]
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -119,6 +124,11 @@ def test_modules_shared_across_the_layout_are_stdlib_only(rel: str) -> None:
     import sys
 
     path = ROOT / rel
-    third_party = [m for _, m, _ in _imports(path)
-                   if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "__future__"]
+    shared = [".".join(pathlib.Path(r).with_suffix("").parts[1:]) for r in STDLIB_ONLY]  # stdlib only too
+
+    def ok(m: str) -> bool:  # stdlib, or another of these modules (a name in it, the package it comes from)
+        return m.split(".")[0] in sys.stdlib_module_names or m.split(".")[0] == "__future__" or any(
+            m == s or m.startswith(s + ".") or s.startswith(m + ".") for s in shared)
+
+    third_party = [m for _, m, _ in _imports(path) if not ok(m)]
     assert not third_party, third_party

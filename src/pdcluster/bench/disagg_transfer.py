@@ -34,6 +34,7 @@ import torch
 
 from pdcluster.bench import transfer_pair, transfer_paths
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 
 SECRET = b"bench-secret-0123456789abcdef"
 
@@ -72,9 +73,9 @@ async def raw_tcp(total_bytes: int, chunk: int = 1 << 20) -> float:
 
 async def kv_transfer(layers: int, tokens: int, heads: int, dim: int, compression: str,
                       dtype: torch.dtype) -> dict[str, Any]:
-    recv = TCPConnector(SECRET, importer=transfer_paths._Cache())
+    recv = TCPConnector(SECRET, TransferOptions(), importer=transfer_paths._Cache())
     port = await recv.listen()
-    send = TCPConnector(SECRET, compression=compression)
+    send = TCPConnector(SECRET, TransferOptions(compression=compression))
     g = torch.Generator().manual_seed(0)
     kv = [(torch.randn(tokens, heads, dim, generator=g).to(dtype), torch.randn(tokens, heads, dim, generator=g).to(dtype))
           for _ in range(layers)]

@@ -29,6 +29,7 @@ from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 from pdcluster.worker.transfer import head_slice, reshard
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.transport import TransferError
 
 SECRET = b"r" * 32
@@ -43,13 +44,13 @@ def full_kv(case: Case, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def connector(cfg: dict[str, Any]) -> TCPConnector:
-    kw: dict[str, Any] = {"compression": cfg.get("compression", "none"), "timeout": cfg.get("timeout", 20.0),
-                          "max_retries": 1, "encoder_threads": 1}
+    options = TransferOptions(compression=cfg.get("compression", "none"), timeout_s=cfg.get("timeout", 20.0),
+                              max_retries=1)
     if cfg["backend"] == "nixl":
         from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-        return NixlConnector(SECRET, staging_bytes=cfg.get("staging_bytes", 64 << 20), **kw)
-    return TCPConnector(SECRET, **kw)
+        return NixlConnector(SECRET, options, staging_bytes=cfg.get("staging_bytes", 64 << 20), encoder_threads=1)
+    return TCPConnector(SECRET, options, encoder_threads=1)
 
 
 class Rank:

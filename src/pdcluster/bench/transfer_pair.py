@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import inspect
 import multiprocessing as mp
 import os
 import socket
@@ -82,7 +83,14 @@ def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
         kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
     if FABRIC in module:
         kw["integrity"] = "fabric"
-    conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
+    make = getattr(load_module(name), cls or "TCPConnector")
+    if "options" in inspect.signature(make).parameters:  # today's: the knobs as one TransferOptions
+        from pdcluster.worker.transfer.options import TransferOptions
+
+        knobs = {k: kw.pop(k) for k in ("compression", "integrity") if k in kw}
+        conn = make(SECRET, TransferOptions(**knobs), **kw)
+    else:  # an older revision's copy (transfer_ab.py): keyword knobs
+        conn = make(SECRET, **kw)
     return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 
 SECRET = b"bench-secret-0123456789abcdef"
 HEADS, DIM = 8, 128
@@ -60,12 +61,13 @@ def raw_tcp(nbytes: int, reps: int) -> float:
     return nbytes * reps / dt / 1e9
 
 
-def _connector(backend: str, nbytes: int, **kw: Any) -> TCPConnector:
+def _connector(backend: str, nbytes: int, compression: str = "none", **kw: Any) -> TCPConnector:
+    options = TransferOptions(compression=compression)
     if backend == "tcp":
-        return TCPConnector(SECRET, **kw)
+        return TCPConnector(SECRET, options, **kw)
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    return NixlConnector(SECRET, staging_bytes=nbytes + (1 << 20), **kw)
+    return NixlConnector(SECRET, options, staging_bytes=nbytes + (1 << 20), **kw)
 
 
 class _Cache:

@@ -17,6 +17,7 @@ import torch
 
 from pdcluster.kernels.cpu import quant as cpu_quant
 from pdcluster.kernels.kv_quant import QMAX, quantize_kv
+from pdcluster.worker.transfer import options as transfer_options
 from pdcluster.worker.transfer.frame import (
     FLAG_QUANT,
     DType,
@@ -32,7 +33,7 @@ TORCH_OF = {DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torc
             DType.I4: torch.uint8}
 WIRE_OF = {v: k for k, v in TORCH_OF.items()}
 BITS_OF = {torch.int8: 8, torch.uint8: 4}  # code dtype -> bits (uint8 = int4 packed two per byte)
-COMPRESSIONS = ("none", "int8")
+COMPRESSIONS = transfer_options.COMPRESSIONS  # declared with --kv-transfer-compression
 Scales = tuple[torch.Tensor, torch.Tensor]
 
 

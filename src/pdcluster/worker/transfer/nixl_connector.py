@@ -42,6 +42,7 @@ from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.staging import Staging
 from pdcluster.worker.transfer.transport import TransferError
 
@@ -65,12 +66,12 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
     _streams = False  # a layer is staged whole (one region, one descriptor)
     _sends_views = False  # layers go through the registered staging buffer, never straight from the cache
 
-    def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
-                 integrity: str = "mac", **kw: Any) -> None:
-        # mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is not authenticated);
-        # fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated RDMA/NVLink fabric),
-        # and so are the payloads of layers that go over the channel (TCPConnector)
-        super().__init__(secret, integrity=integrity, **kw)
+    def __init__(self, secret: bytes, options: TransferOptions, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 agent_name: str | None = None, **kw: Any) -> None:
+        # options.integrity mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is
+        # not authenticated); fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated
+        # RDMA/NVLink fabric), and so are the payloads of layers that go over the channel (TCPConnector)
+        super().__init__(secret, options, **kw)
         self.agent = Agent(agent_name or f"pdkv-{uuid.uuid4().hex[:12]}", staging_bytes)
         self.staging = Staging(staging_bytes)
         self._metadata = self.agent.metadata()
