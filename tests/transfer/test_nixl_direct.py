@@ -118,7 +118,7 @@ def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g)
 
 
-async def direct_pair(recv_block: int = 16, register_recv: bool = True, **recv_kw: Any
+async def direct_pair(recv_block: int = 16, register_recv: bool = True, integrity: str = "mac"
                       ) -> tuple[Any, Any, Cache, Cache, Sink, TransferTarget]:
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
@@ -128,7 +128,8 @@ async def direct_pair(recv_block: int = 16, register_recv: bool = True, **recv_k
         return (dst.views(layer, start, n), lambda: None) if dtype == torch.float32 else None
 
     send = NixlConnector(SECRET, TransferOptions(), staging_bytes=1 << 20)
-    recv = NixlConnector(SECRET, TransferOptions(), staging_bytes=1 << 20, importer=sink, destination=destination, **recv_kw)
+    recv = NixlConnector(SECRET, TransferOptions(integrity=integrity), staging_bytes=1 << 20, importer=sink,
+                         destination=destination)
     send.register_cache([src.kv])
     if register_recv:
         recv.register_cache([dst.kv])

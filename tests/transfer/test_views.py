@@ -60,7 +60,7 @@ class Recorder(TCPConnector):
     """What the engine hands over, without a transport: gathered ranges and ranges of views."""
 
     def __init__(self) -> None:
-        super().__init__(SECRET)
+        super().__init__(SECRET, TransferOptions())
         self.calls: list[tuple[str, int, int, Any]] = []
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
