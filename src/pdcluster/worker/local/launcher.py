@@ -26,6 +26,7 @@ from pdcluster.worker import options as declared
 from pdcluster.worker.api import cli_args as types
 from pdcluster.worker.api import tracing
 from pdcluster.worker.api.tool_calls import PARSERS
+from pdcluster.worker.engine import options as engine_options
 from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
 from pdcluster.worker.router import options as router_options
 from pdcluster.worker.transfer import options as kv_options
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--port", type=types.port, default=8080, help="router port; workers take the ports after it")
     a("--host", default="127.0.0.1")
     a("--threads", type=types.positive_int, default=1, help="torch threads per worker")
-    a("--block-size", type=int, choices=[8, 16, 32], default=16)
+    declared.add_arguments(parser, [engine_options.BY_NAME["block_size"]])  # serve's own flag, passed on
     # the same declarations (and so the same defaults) as `pdcluster serve` and `pdcluster router`
     kv_options.add_arguments(parser.add_argument_group("KV transfer (passed to every worker)"), UP_TRANSFER)
     router_options.add_arguments(parser.add_argument_group("router (passed to the router)"), UP_ROUTER)
