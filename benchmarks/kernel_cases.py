@@ -1,4 +1,4 @@
-"""Building blocks for bench/kernels.py: sizes, timers, random paged caches, the correctness sweep.
+"""Building blocks for benchmarks/kernels.py: sizes, timers, random paged caches, the correctness sweep.
 
 Kept apart from the CLI so the unit test can drive the same code with tiny sizes on CPU.
 """

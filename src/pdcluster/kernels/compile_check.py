@@ -5,7 +5,7 @@ compiler rejects (and vice versa); this catches compile errors for the GPU on a 
 asserts two properties of the generated PTX that the quantizer's bit-exactness relies on: IEEE division
 (``div.rn.f32``) and the round-half-even trick's two adds surviving optimisation.
 
-    python -m pdcluster.bench.compile_check [--arch 90]
+    python -m pdcluster.kernels.compile_check [--arch 90]
 
 Must run in a process where ``TRITON_INTERPRET`` is unset before triton is imported.
 """

@@ -2,7 +2,7 @@
 (colocated 0:N included), the same trace slice replayed open-loop through each (`pdcluster bench
 --trace`), goodput (requests/s within SLO) per split, and where the planner's formula falls among them.
 
-    python -m pdcluster.bench.ratio_sweep --trace ../shared/traces/azure2023_code.csv --out DIR
+    python -m benchmarks.ratio_sweep --trace ../shared/traces/azure2023_code.csv --out DIR
 
 With --scan-speedups, one run of --scan-split per speedup picks the load first: the highest speedup at which
 that split still answers --scan-attainment of the requests within SLO (below it every split meets the SLO,
@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdcluster.bench import cpu_limits, local_stack
-from pdcluster.bench import ratio_plan as rp
+from benchmarks import cpu_limits, local_stack
+from benchmarks import ratio_plan as rp
 from pdcluster.bench import trace as tr
 from pdcluster.bench.stats import percentile
 
@@ -54,7 +54,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pdcluster.bench.ratio_sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ratio_sweep", description=__doc__.split("\n")[0])
     add_common(p)
     p.add_argument("--start", type=float, default=1320.0, help="slice start in the trace (seconds)")
     p.add_argument("--duration", type=float, default=30.0, help="slice length in trace seconds")

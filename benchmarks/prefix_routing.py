@@ -8,7 +8,7 @@ under the same machine load. Measured per stack: the workers' prefix-cache hit r
 `pdcluster_prefix_cache_{hit,query}_tokens` counters, prefill workers and all workers), the router's
 expected-hit tokens, and TTFT/TPOT percentiles as the client sees them.
 
-    python -m pdcluster.bench.prefix_routing --out DIR [--trace FILE] [--duration S] [--speedup X] ...
+    python -m benchmarks.prefix_routing --out DIR [--trace FILE] [--duration S] [--speedup X] ...
 
 Writes DIR/summary.json, prints a markdown table, and leaves the per-request results (requests.jsonl) and
 the stacks' logs in a scratch folder it names.
@@ -241,7 +241,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdcluster.bench.prefix_routing", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_routing", description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL (hash_ids) trace")
     p.add_argument("--start", type=types.non_negative_float, default=0.0, help="trace seconds to skip")
     p.add_argument("--duration", type=types.positive_float, default=240.0, help="trace seconds to replay")

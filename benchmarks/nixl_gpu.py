@@ -1,6 +1,6 @@
 """NIXL with GPU memory (run by scripts/gpu-bench.sh on a CUDA host; imports and exits cleanly without one).
 
-    python -m pdcluster.bench.nixl_gpu [--sizes-mib 16,64,256] [--out FILE.json]
+    python -m benchmarks.nixl_gpu [--sizes-mib 16,64,256] [--out FILE.json]
 
 1. VRAM staging: two agents, each with one registered VRAM buffer (VRAM descriptors), READ of 16-256 MiB
    from the peer's buffer into ours: what a decode worker with a GPU staging area would do. Byte-exact check.
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() or not availability().ok:
         print(f"nixl_gpu: skipped (cuda: {torch.cuda.is_available()}; nixl: {availability().reason})")
         return 0
-    from pdcluster.bench import transfer_paths
+    from benchmarks import transfer_paths
 
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
     sizes = [int(m) for m in a.sizes_mib.split(",") if m]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from pdcluster.bench import cpu_limits as cl
+from benchmarks import cpu_limits as cl
 
 PDCLUSTER = [sys.executable, "-m", "pdcluster"]
 
@@ -59,7 +59,7 @@ class Usage:
 @dataclass(frozen=True)
 class CpuLimit:
     """A CPU limit per process of the stack (a pod's `limits.cpu`): each worker and the router in a cgroup of
-    their own (bench/cpu_limits.py)."""
+    their own (benchmarks/cpu_limits.py)."""
 
     worker: float
     router: float

@@ -1,8 +1,8 @@
 """Kernel benchmark: correctness on the device, then decode-attention time and achieved bandwidth.
 
-    python -m pdcluster.bench.kernels --out bench.json        # CUDA machine (make bench-kernels); < 5 min on an H200
-    python -m pdcluster.bench.kernels --cpu-smoke --out x.json  # same code paths, tiny sizes, Triton interpreter
-    python -m pdcluster.bench.kernels --cpu-figures            # torch CPU path vs a naive per-sequence loop
+    python -m benchmarks.kernels --out bench.json        # CUDA machine (make bench-kernels); < 5 min on an H200
+    python -m benchmarks.kernels --cpu-smoke --out x.json  # same code paths, tiny sizes, Triton interpreter
+    python -m benchmarks.kernels --cpu-figures            # torch CPU path vs a naive per-sequence loop
 
 Bandwidth = bytes read (KV codes + scales + q) / kernel time, reported as a fraction of the device-to-device
 copy bandwidth (read + write) measured in the same run: decode attention is a streaming read, so copy speed
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.bench.kernel_cases import (
+from benchmarks.kernel_cases import (
     GPU_SIZES,
     SMOKE_SIZES,
     Case,

@@ -15,7 +15,7 @@ layers for generated tokens only. Perplexity is scored on the continuation: the 
 reimplementation against the real engine: greedy decode with `kv_cache_dtype=int8/int4` and
 `debug_logits`, compared logit by logit.
 
-Run: python -m pdcluster.bench.kv_quality [--model DIR] [--out results.json]
+Run: python -m benchmarks.kv_quality [--model DIR] [--out results.json]
 (default model: the trained demo model, `make demo-model`; a random model cannot show quality loss).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -291,6 +292,14 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def trained_demo_model() -> Path:
+    """The trained demo model's folder, trained first if it is not cached (`scripts/train_demo_model.py`,
+    run as a script: it lives outside the package and prints the folder last)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_demo_model.py"
+    proc = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, check=True)
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KV-cache quantization quality (perplexity, per-layer sensitivity)")
     ap.add_argument("--model", default=None, help="HF Llama folder with tokenizer.json and heldout.txt "
@@ -308,9 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model_dir = a.model
     if model_dir is None:
-        from pdcluster.bench.train_demo_model import ensure_demo_model
-
-        model_dir = ensure_demo_model(log=lambda m: print(m, file=sys.stderr))
+        model_dir = trained_demo_model()
     r = measure(model_dir, a.seq_len, a.windows, a.bits, a.prefill_len, log=lambda m: print(m, file=sys.stderr))
     if a.check_engine:
         r["engine_check"] = [check_engine(model_dir, b) for b in (8, 4)]

@@ -1,13 +1,13 @@
 """KV-transfer benchmarks: throughput vs raw TCP in the same run, fp32/fp16 vs int8, and layer-wise overlap.
 
-    python -m pdcluster.bench.disagg_transfer [--layers 32 --tokens 2048 --kv-heads 8 --head-dim 128]
+    python -m benchmarks.disagg_transfer [--layers 32 --tokens 2048 --kv-heads 8 --head-dim 128]
         [--overlap-model-layers 8] [--json OUT]
 
-1. Paths side by side, per layer size (default 1, 16, 64, 256 MiB; `bench/transfer_pair.py`): one request
+1. Paths side by side, per layer size (default 1, 16, 64, 256 MiB; `benchmarks/transfer_pair.py`): one request
    of L such layers (32 down to 2) streamed into another process's cache, timed until the sender holds the
    final acknowledgement — raw loopback TCP (sendall / recv_into straight into the cache, one reply), the TCP
    backend and the NIXL backend (the real connectors: handshake, GMAC, ACKs) with fp32, int8 compression and
-   an int8 cache's codes; plus a NIXL/UCX agent WRITE into another process (`bench/transfer_paths.py`).
+   an int8 cache's codes; plus a NIXL/UCX agent WRITE into another process (`benchmarks/transfer_paths.py`).
    Goals (issue 12): TCP backend >= 70 % of raw TCP, NIXL >= raw TCP.
 2. KV transfer: a synthetic model's whole KV (`layers` x [tokens, kv_heads, head_dim] for K and V) through
    the real connector, in fp32, fp16 and int8 on the wire.
@@ -16,7 +16,7 @@
 3. Overlap: a real engine prefills a long prompt with the layer hook shipping each layer as it is written;
    tail = time from the end of prefill to the last ACK, whole = first frame to last ACK. Also measured with
    the hook disabled and the KV sent after prefill (what pipelining saves). TCP and NIXL backends.
-4. End to end (`bench/disagg_ttft.py`): TTFT, second token and whole request of a 2,048-token prompt through
+4. End to end (`benchmarks/disagg_ttft.py`): TTFT, second token and whole request of a 2,048-token prompt through
    `pdcluster up` (router -> prefill -> transfer -> decode), per backend.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.bench import transfer_pair, transfer_paths
+from benchmarks import transfer_pair, transfer_paths
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 
 SECRET = b"bench-secret-0123456789abcdef"
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['transfer_s'] * 1000:.1f} ms, tail after prefill {r['tail_s'] * 1000:.1f} ms "
               f"(tail/transfer {r['tail_over_transfer']:.2f})")
     if a.ttft_requests and not a.paths_only:
-        from pdcluster.bench import disagg_ttft
+        from benchmarks import disagg_ttft
 
         disagg_ttft.main(["--requests", str(a.ttft_requests)] + (["--json", a.json + ".ttft.json"] if a.json else []))
     if a.json:

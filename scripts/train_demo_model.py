@@ -1,4 +1,5 @@
-"""Train the small demo Llama on the Python standard library's own source (`make demo-model`).
+"""Train the small demo Llama on the Python standard library's own source (`make demo-model`, or
+`python scripts/train_demo_model.py`; prints the model folder).
 
 Why: a randomly initialised model cannot show quality loss, so KV-cache quantization would look free.
 A few-million-parameter Llama trained for a few minutes on text that is available offline everywhere
@@ -203,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.print_path:
         print(cached_model(cfg) or "")
         return 0
-    path = train(cfg, model_dir(cfg)) if a.force else ensure_demo_model(cfg)
+    def log(m: str) -> None:  # progress on stderr: stdout is the folder alone (benchmarks/kv_quality.py reads it)
+        print(m, file=sys.stderr)
+
+    path = train(cfg, model_dir(cfg), log=log) if a.force else ensure_demo_model(cfg, log=log)
     print(path)
     return 0
 

@@ -1,6 +1,6 @@
 """Decode throughput of LLMEngine vs Hugging Face `generate`, side by side in one process.
 
-    python -m pdcluster.bench.engine_vs_hf [--threads 2] [--batches 1,16] [--repeats 3] [--profile]
+    python -m benchmarks.engine_vs_hf [--threads 2] [--batches 1,16] [--repeats 3] [--profile]
 
 The model is a random ~56M-parameter Llama (hidden 512, 8 layers, 8 heads over 4 KV heads, vocab 32000),
 fp32 on CPU. Both sides get the same prompts (128 tokens) and produce exactly 64 new tokens per request

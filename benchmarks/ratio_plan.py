@@ -1,4 +1,4 @@
-"""Pure decisions of the ratio sweep (`bench/ratio_sweep.py`): which P:D splits a worker budget allows,
+"""Pure decisions of the ratio sweep (`benchmarks/ratio_sweep.py`): which P:D splits a worker budget allows,
 the split the planner's formula picks, and goodput (requests/s that met the SLOs) from a replay's records.
 
 Why goodput and not throughput: every split finishes the same requests eventually (the replay is open

@@ -1,6 +1,6 @@
 """End-to-end latency of a long prompt through router -> prefill -> KV transfer -> decode, per transfer backend.
 
-    python -m pdcluster.bench.disagg_ttft [--prompt-len 2048] [--requests 5] [--backends tcp,nixl] [--json OUT]
+    python -m benchmarks.disagg_ttft [--prompt-len 2048] [--requests 5] [--backends tcp,nixl] [--json OUT]
 
 A backend may say `+fabric` (`tcp+fabric`, `nixl+fabric`): its workers run `--kv-transfer-integrity fabric`.
 

@@ -1,6 +1,6 @@
 """`pdcluster serve` over HTTP vs the same engine in process vs Hugging Face `generate`, in one run.
 
-    python -m pdcluster.bench.served_vs_hf [--threads 2] [--batches 1,16] [--repeats 3] [--no-stream]
+    python -m benchmarks.served_vs_hf [--threads 2] [--batches 1,16] [--repeats 3] [--no-stream]
         [--client aiohttp|httpx] [--py-spy PATH] [--json out.json]
 
 The model is engine_vs_hf's random ~56M Llama (fp32, CPU). The server is a real `pdcluster serve` subprocess
@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 import torch
 
-from pdcluster.bench.engine_vs_hf import MODEL, _Clock, workload_arguments
-from pdcluster.bench.served_client import served_run
+from benchmarks.engine_vs_hf import MODEL, _Clock, workload_arguments
+from benchmarks.served_client import served_run
 
 
 def read_bandwidth(threads: int, mib: int = 512, tries: int = 5) -> float:

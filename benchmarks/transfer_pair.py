@@ -25,25 +25,21 @@ every cell alike.
   dequantizes, as a float cache must), int8 codes + scales for the codes case (stored as they are). GB/s of
   the fp32 KV the request stands for (int8 and codes: a quarter of the bytes on the wire).
 
-`modules` names the modules whose `TCPConnector` both sides use: a copy of an older transport (`transfer_ab.py`
-builds one from a git revision) runs in the same harness, its own receiver process, for before/after.
+`modules` names the connectors both sides use (the TCP backend, the NIXL backend, each optionally with
+`--kv-transfer-integrity fabric`); each gets its own receiver process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import struct
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,26 +48,10 @@ SECRET = b"bench-secret-0123456789abcdef"
 HEADS, DIM = 8, 128
 MODULE = "pdcluster.worker.transfer.connector"
 NIXL = "pdcluster.worker.transfer.nixl_connector:NixlConnector"  # the NIXL backend, as a further "module"
-STAGED = "+staged"  # a module suffix: its caches are not registered (NIXL through staging, the path before)
 FABRIC = "+fabric"  # a module suffix: --kv-transfer-integrity fabric (no MAC over KV bytes on either side)
 CASES = (("fp32", "none", False), ("int8", "int8", False), ("codes", "none", True))
 REQUEST_BYTES = 512 << 20  # cap on one request's fp32 KV (memory: the sender's cache + the receiver's)
 RAW_HEAD = struct.Struct(">QQ")  # raw request: layers, bytes per layer
-EXTRA_PACKAGES = "PDCLUSTER_BENCH_PACKAGES"  # a folder of packages (an older transport, transfer_ab.py)
-
-
-def load_module(name: str) -> Any:
-    """`importlib.import_module`, also finding the packages in $PDCLUSTER_BENCH_PACKAGES (spawned children
-    get the parent's module search path as it started: each process loads them itself)."""
-    top = name.split(".")[0]
-    folder = Path(os.environ.get(EXTRA_PACKAGES, "")) / top
-    if top not in sys.modules and os.environ.get(EXTRA_PACKAGES) and (folder / "__init__.py").is_file():
-        spec = importlib.util.spec_from_file_location(top, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
-        assert spec is not None and spec.loader is not None
-        sys.modules[top] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[top])
-    return importlib.import_module(name)
 
 
 def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
@@ -82,15 +62,15 @@ def connector(module: str, nbytes: int, **kw: Any) -> tuple[Any, Any]:
         kw["staging_bytes"] = request_layers(nbytes) * (nbytes + (1 << 20))
     if FABRIC in module:
         kw["integrity"] = "fabric"
-    conn = getattr(load_module(name), cls or "TCPConnector")(SECRET, **kw)
-    return conn, load_module(name.rsplit(".", 1)[0] + ".connector")
+    conn = getattr(importlib.import_module(name), cls or "TCPConnector")(SECRET, **kw)
+    return conn, importlib.import_module(name.rsplit(".", 1)[0] + ".connector")
 
 
 def register(conn: Any, module: str, caches: list[torch.Tensor]) -> None:
     """Register the side's float cache with a connector that takes it (NIXL: cache to cache), as the worker
-    registers its engine's pools; not for a module named with STAGED."""
+    registers its engine's pools."""
     reg = getattr(conn, "register_cache", None)
-    if reg is not None and STAGED not in module:
+    if reg is not None:
         reg(caches)
 
 

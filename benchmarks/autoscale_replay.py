@@ -2,7 +2,7 @@
 (healthy prefill and decode workers behind the router, sampled every second) against the load, the
 autoscaler's own events, and every failed request, with those in flight when a worker was stopped named.
 
-    python -m pdcluster.bench.autoscale_replay --trace ../shared/traces/azure2023_code.csv --out DIR
+    python -m benchmarks.autoscale_replay --trace ../shared/traces/azure2023_code.csv --out DIR
 
 `up --autoscale` runs the operator's `decide`; its scale-down stabilization (the CRD's 300 s) is shortened
 with `up --scale-down-stabilization` (default here 30 s) so a time-scaled slice can show the fall.
@@ -19,14 +19,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pdcluster.bench import local_stack
+from benchmarks import local_stack
+from benchmarks.ratio_plan import goodput
+from benchmarks.ratio_sweep import add_common, load_slice
 from pdcluster.bench import trace as tr
-from pdcluster.bench.ratio_plan import goodput
-from pdcluster.bench.ratio_sweep import add_common, load_slice
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pdcluster.bench.autoscale_replay", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.autoscale_replay", description=__doc__.split("\n")[0])
     add_common(p)
     p.set_defaults(max_model_len=512, port=18700)
     p.add_argument("--start", type=float, default=2160.0, help="slice start in the trace (seconds)")

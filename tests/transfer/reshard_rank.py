@@ -1,6 +1,6 @@
 """One tensor-parallel rank slot of re-sharded KV transfers, as its own OS process (`child`, started by
-`reshard_transfer.run` from a forkserver that imported this module, and so torch, once; the benchmark and
-tests/transfer/test_reshard_procs.py use it). It talks to the parent over a pipe.
+`reshard_procs.run` from a forkserver that imported this module, and so torch, once; for
+tests/transfer/test_reshard_procs.py). It talks to the parent over a pipe.
 
 A process is one slot (prefill rank r, or decode rank r) with one connector, and plays that rank in every
 case (one request each: heads, prefill TP a, decode TP b) whose layout has it. Every rank builds the case's
