@@ -38,7 +38,7 @@ bench: setup
 	$(PY) -m benchmarks.served_vs_hf --threads 2 --repeats 3 --native-off-too
 	$(PY) -m benchmarks.disagg_transfer
 
-# Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).
+# Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, docs/benchmarks.md).
 TRACES ?= ../shared/traces
 bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
@@ -47,11 +47,11 @@ bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --cold --out docs/benchmarks/sim/mooncake_conversation-cold
 
 # Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~17 min;
-# docs/benchmarks/prefix_routing.md).
+# docs/benchmarks.md).
 bench-prefix: setup
 	$(PY) -m benchmarks.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing
 
-# The P:D ratio on the real stack (about 30 min on the shared 2-core VM; see docs/benchmarks/ratio_sweep.md):
+# The P:D ratio on the real stack (about 30 min on the shared 2-core VM; docs/benchmarks.md):
 # scan the load (one colocated run at 2x, 3x, 4x: the highest speed it still mostly meets the SLO at), profile
 # a 1:1 `pdcluster up` (C_p, C_d, t_join; C_p and t_join under a stream at the sweep's rate), replay one Azure slice (prompts shrunk to fit, outputs at
 # their real lengths up to 256) through every split of 4 workers (2 rounds), each worker under its own CPU

@@ -4,7 +4,7 @@ the split the planner's formula picks, and goodput (requests/s that met the SLOs
 Why goodput and not throughput: every split finishes the same requests eventually (the replay is open
 loop), so what separates a good split from a bad one is how many requests it answers *in time*. A request
 counts when it succeeded, its TTFT is within the TTFT objective and, when it produced two tokens or more,
-its TPOT is within the TPOT objective (one-token answers have no TPOT, as in `bench/stats.py`).
+its TPOT is within the TPOT objective (one-token answers have no TPOT, as in `pdcluster.bench.stats`).
 """
 
 from __future__ import annotations

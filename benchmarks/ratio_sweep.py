@@ -43,7 +43,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--kv-transfer-backend", choices=("auto", "nixl", "tcp"), default="tcp",
                    help="passed to `pdcluster up`; tcp by default: on a CPU box an idle worker whose NIXL loads "
-                        "(auto) spends ~1 core in a native thread (measured 18:19, docs/benchmarks/ratio_sweep.md)")
+                        "(auto) spends ~1 core in a native thread (measured 18:19, docs/benchmarks/ratio_sweep.md at 5f904a5)")
     p.add_argument("--port", type=int, default=18600, help="router port of the stacks started")
     p.add_argument("--out", type=Path, required=True, help="summary.json and the plot go here")
     p.add_argument("--worker-cpu", type=float, default=0.4,
@@ -118,7 +118,7 @@ def measure_capacity(args: argparse.Namespace, stream_rate: float | None = None,
     """`pdcluster profile --url` on a 1:1 stack whose two workers run under the sweep's CPU limit, so C_p, C_d
     and t_join are one limited instance's figures, as the formula means them. With `stream_rate` (req/s, the
     sweep's arrival rate scaled to the pair) and the slice's mean `lengths`, C_p and t_join are the stream
-    step's (bench/profile_stream.py); the closed-batch figures are kept beside them."""
+    step's (pdcluster.bench.profile_stream); the closed-batch figures are kept beside them."""
     work = args.work / "profile"
     work.mkdir(parents=True, exist_ok=True)
     up = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads),

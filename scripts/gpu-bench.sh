@@ -10,7 +10,7 @@
 #      NIXL backend fed from a CUDA export (device-to-host into registered staging, READ, MAC, import).
 #   6. Tensor parallelism on the GPUs (NCCL): the 1.1B model of step 3 served at TP 1 and TP 2 (and 4 when
 #      there are 4 GPUs), the same short benchmark against each; skipped with a line on a one-GPU machine.
-# Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the tables into docs/benchmarks/.
+# Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the figures into docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-bench-out}

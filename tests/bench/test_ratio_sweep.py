@@ -187,7 +187,7 @@ def test_cores_received_is_cpu_seconds_over_wall_time():
 
 
 def test_formula_split_is_colocated_when_a_prefill_fits_within_the_tpot_objective():
-    """The quiet 6x sweep (docs/benchmarks/ratio_sweep.md §00): I 228, O 20, C_p 2427, C_d 1152, t_join 5 ms.
+    """The quiet 6x sweep (docs/benchmarks/ratio_sweep.md at 5f904a5 §00): I 228, O 20, C_p 2427, C_d 1152, t_join 5 ms.
     Without an objective the formula said 3:1 (colocated won, 3:1 reached 40 % of it); a prefill of 0.094 s
     fits within the 0.5 s TPOT objective, so the planner's answer for the budget is colocated."""
     f = rp.formula_split(4, 228, 20, 2427, 1152, 0.005)
