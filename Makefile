@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test generate demo test lint bench bench-sim bench-prefix bench-ratio bench-kernels bench-quality demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
+.PHONY: setup setup-test generate demo test test-quick lint bench bench-sim bench-prefix bench-ratio bench-kernels bench-quality demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
@@ -26,6 +26,11 @@ demo: setup
 
 test: setup-test
 	$(PYTEST) -q -p no:cacheprovider tests
+
+# The loop while you work: everything but the tests that start stacks of processes (marker `stack`,
+# tests/conftest.py) and the `slow` ones; `make test` still runs all of them.
+test-quick: setup-test
+	$(PYTEST) -q -p no:cacheprovider -m "not stack and not slow" tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests e2e benchmarks scripts
