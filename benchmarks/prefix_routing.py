@@ -41,7 +41,7 @@ from pdcluster.bench.stats import RequestResult, percentile
 from pdcluster.worker.api import cli_args as types
 
 POLICIES = ("prefix", "least-loaded")
-TRACE = Path(__file__).resolve().parents[4] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 SHAPE = {"ids": True, "ext": True}  # token-id prompts, ignore_eos: exact lengths on both stacks
 
 
