@@ -35,6 +35,8 @@ STDLIB_ONLY = ["src/pdcluster/worker/transfer/secret.py", "src/pdcluster/worker/
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
+    # the benchmarks (benchmarks/) and the tests live outside the wheel: nothing shipped may import them
+    ("pdcluster", ("benchmarks", "tests")),
     ("pdcluster.operator", ("torch", "triton", "pdcluster.worker.engine.", "pdcluster.worker.server",
                             "pdcluster.worker.router", "pdcluster.worker.transfer", "pdcluster.kernels",
                             "pdcluster.bench")),

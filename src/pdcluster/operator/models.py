@@ -195,7 +195,7 @@ class KVTransfer(SpecModel):
         "mTLS/IPsec/WireGuard between nodes; the transfer connection, frame headers and request ids stay "
         "authenticated).")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
-    # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
+    # streams layer by layer (whole-request shipping exists only as a baseline in benchmarks/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.
     layerwise: Literal[True] = Field(
         default=True,

@@ -23,7 +23,7 @@ ENV_SWITCH = "PDCLUSTER_NATIVE_ATTENTION"  # "0": the torch path for decode atte
 # Work (positions x KV heads) below which the kernel stays on the calling thread. Shared through the step's
 # pool (pool.h), whose helpers are awake during a step, one layer at batch 16 @190 took 310 us vs 442 us alone
 # and batch 1 @1024 58 vs 85 us (2026-12-02, load 0.8); at batch 1 @190 (760) the two are equal (15-16 us).
-# (With at::parallel_for's fork/join it never paid below 65,536: docs/benchmarks/engine.md.)
+# (With at::parallel_for's fork/join it never paid below 65,536: docs/benchmarks/engine.md at 5f904a5.)
 PARALLEL_MIN = 1024
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)

@@ -28,7 +28,7 @@ PANELS_PER_ITEM = 16  # items of the shared product (pool.h): ~32 for a 32k voca
 # multiply-adds to VFMADD231PS's 16, and where it retires about as often (Zen 4: rate ratio 1.0) the screen
 # wins at every row count measured (1.5-1.9x at 8 to 64 rows); where it retires at a quarter of the rate
 # (Emerald Rapids: 1.3 vs 5.2 G instructions/s) it wins only while the head is bound by its bytes, up to 6
-# rows (one register block), and loses from 8 (0.85-0.98x). docs/benchmarks/engine.md, "Eleventh pass" and
+# rows (one register block), and loses from 8 (0.85-0.98x). docs/benchmarks/engine.md at 5f904a5, "Eleventh pass" and
 # "Twelfth pass". The ratio is probed once per process (screen.cpp, a few ms, registers only);
 # PDCLUSTER_NATIVE_SCREEN_MAX_ROWS overrides the limit.
 MAX_ROWS_ENV = "PDCLUSTER_NATIVE_SCREEN_MAX_ROWS"

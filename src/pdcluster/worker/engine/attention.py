@@ -84,7 +84,7 @@ def gather_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[tor
     """K and V at ``slots`` ``[seqs, L]`` as ``[seqs, L, kv_heads, head_dim]`` in the model dtype."""
     kvh, d, bits = cache.kv_heads, cache.head_dim, cache.layer_bits[layer]
     # index_select over the flattened slots: a row copy per slot, ~40 % cheaper than advanced indexing
-    # (`x[slots]`) for the same bits (docs/benchmarks/engine.md)
+    # (`x[slots]`) for the same bits (docs/benchmarks/engine.md at 5f904a5)
     flat = slots.reshape(-1)
     out = []
     for codes, scale in ((cache.k[layer], cache.k_scale[layer]), (cache.v[layer], cache.v_scale[layer])):

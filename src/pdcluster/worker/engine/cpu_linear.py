@@ -2,7 +2,7 @@
 
 Why: a decode step is a chain of small-M products (M = the batch). MKL's GEMV streams the weights at 46-63 %
 of the read bandwidth on this AMD EPYC, and its 16-row sgemm runs far below the core's AVX-512 FMA peak
-(docs/benchmarks/engine.md, fourth and fifth passes). The kernel streams 64-column panels packed once here.
+(docs/benchmarks/engine.md at 5f904a5, fourth and fifth passes). The kernel streams 64-column panels packed once here.
 
 What changes: every ``nn.Linear`` of the decoder (fused QKV, O, fused gate/up, down, LM head) becomes a
 ``PackedLinear`` holding only the packed panels; a tied input embedding becomes a ``PackedEmbedding`` that
@@ -30,7 +30,7 @@ LINEAR_SWITCH = "PDCLUSTER_NATIVE_LINEAR"
 # Rows above which the product goes to MKL (batched GEMM on the panels) instead of the kernel. No crossover was
 # found up to here: the kernel beat MKL at every row count measured, 1 to 1024 ("Fifth pass"), and shared over
 # the step's pool 1.36x MKL on the panels at 2048 rows and 1.58x at 4096 (2026-12-02, "Sixth pass" in
-# docs/benchmarks/engine.md), so prefill chunks up to 4096 tokens take it; past that MKL (unmeasured).
+# docs/benchmarks/engine.md at 5f904a5), so prefill chunks up to 4096 tokens take it; past that MKL (unmeasured).
 MAX_KERNEL_ROWS = 4096
 
 
