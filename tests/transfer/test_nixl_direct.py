@@ -308,11 +308,11 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
                                                                                 ) -> None:
     """int8 on the wire over NIXL from the cache's views: quantized where the bytes lie, in pieces (each
     staged and READ as soon as it is quantized), the codes those of the whole layer's quantization."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native
     from pdcluster.worker.transfer import chunking, codec
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    if cpu_quant.module() is None:
+    if not native.quant_ready():
         pytest.skip("no native int8 quantizer here (the views are gathered for the torch one instead)")
     monkeypatch.setattr(chunking, "PIPE_BYTES", 7 * 2 * HEADS * (DIM + 4))  # 7 tokens a piece: 6 pieces a layer
     src, sink = Cache(8, fill=True), Sink()

@@ -157,14 +157,14 @@ async def test_int8_compression_of_a_big_layer_without_the_native_kernel_keeps_t
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over INLINE_MAX the torch quantizer would hold the engine's thread: the gather and the encoder thread's
     pipeline (chunking.py) take it. With the native kernel the views are quantized in frames of PIPE_BYTES."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native as kernels
 
     tokens = 4096  # 2 x 4096 x 2 x 128 x 4 B = 8 MiB of fp32
     mv = memoryview(bytearray(2 * tokens * 2 * 128 * 4))
     for native in (False, True):
         if not native:
-            monkeypatch.setattr(cpu_quant, "module", lambda: None)
-        elif cpu_quant.module() is None:
+            monkeypatch.setenv(kernels.SWITCH, "-quant")
+        elif not kernels.quant_ready():
             continue
         send = TCPConnector(SECRET, compression="int8")
         send.start_save("r", TransferTarget("127.0.0.1", 9), 1)

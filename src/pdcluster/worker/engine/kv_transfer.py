@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcluster.kernels import quantize_kv
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native, quantize_kv
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus
@@ -41,7 +40,7 @@ def store_layer(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
     if bits == cache.layer_bits[layer]:
         cache.write_codes(layer, k, v, scales, slots)  # the sender's bytes, untouched
         return
-    k, v = (cpu_quant.dequantize(x.to(dev), s.to(dev), bits, dtype) for x, s in zip((k, v), scales, strict=True))
+    k, v = (native.dequantize(x.to(dev), s.to(dev), bits, dtype) for x, s in zip((k, v), scales, strict=True))
     cache.write(layer, k, v, slots)
 
 
@@ -59,7 +58,7 @@ def store_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
         raise ValueError("KV codes need their scales")
     if got is not None and got != bits:
         assert scales is not None
-        k, v = (cpu_quant.dequantize(x, s, got, torch.float32) for x, s in zip((k, v), scales, strict=True))
+        k, v = (native.dequantize(x, s, got, torch.float32) for x, s in zip((k, v), scales, strict=True))
         got, scales = None, None
     if bits is None:
         pairs = [(cache.k[layer], k), (cache.v[layer], v)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.kernels.kv_quant import QMAX, quantize_kv
 from pdcluster.worker.transfer.frame import (
     FLAG_QUANT,
@@ -156,9 +156,9 @@ def quantize8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     aminmax pass instead of abs then amax. Other devices and dtypes go to the kernel."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or not x.shape[-1]:
         return quantize_kv(x, bits=8)
-    native = cpu_quant.quantize8(x)  # the AVX-512 kernel, same bits, one pass per vector
-    if native is not None:
-        return native
+    fast = native.quantize8(x)  # the AVX-512 kernel, same bits, one pass per vector
+    if fast is not None:
+        return fast
     dim = x.shape[-1]
     flat = x.reshape(-1, dim)
     rows = flat.shape[0]
@@ -204,7 +204,7 @@ def to_float(k: torch.Tensor, v: torch.Tensor, scales: Scales | None,
         return k.to(out_dtype), v.to(out_dtype)
     if scales is None:
         raise ValueError("codes without scales")
-    return cpu_quant.dequantize(k, scales[0], bits, out_dtype), cpu_quant.dequantize(v, scales[1], bits, out_dtype)
+    return native.dequantize(k, scales[0], bits, out_dtype), native.dequantize(v, scales[1], bits, out_dtype)
 
 
 def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

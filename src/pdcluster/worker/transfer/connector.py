@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
 from pdcluster.worker.transfer.channel import Placement
@@ -194,7 +194,7 @@ class TCPConnector(KVConnector):
         shape = dict(token_start=token_start, num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim)
         if self.compression == "int8":  # quantized here, from the views: with the native kernel, any size
             if dtype != torch.float32 or (2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX
-                                          and cpu_quant.module() is None):
+                                          and not native.quant_ready()):
                 return False  # the torch quantizer is ~14x slower: a big layer pipelines on an encoder thread
             frames = views.quantized_frames(request_id, layer, num_layers, parts, **shape,
                                             frame_bytes=min(chunking.PIPE_BYTES, self.chunk_bytes))

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, nixl_direct, nixl_wire, views
 from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
@@ -155,7 +155,7 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
         codes and scales staged and described at once, so that the receiver READs and imports piece n while
         piece n+1 is quantized. False (gather it for save_kv_layer) without the native quantizer: the torch
         one is ~14x slower and belongs on an encoder thread."""
-        if dtype != torch.float32 or cpu_quant.module() is None:
+        if dtype != torch.float32 or not native.quant_ready():
             return False
         loop = self._loop
         assert loop is not None
