@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pdcluster.worker.api import errors
-from pdcluster.worker.api.protocol import (
+from pdcluster.worker.api.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -19,8 +19,8 @@ import httpx
 from pdcluster.worker.api import tracing
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
-from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
-from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
+from pdcluster.worker.router.progress import Stages, Timeline
+from pdcluster.worker.router.upstream import (
     NoCapacity,
     NoHealthyDecode,
     NoTransferPath,
