@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
+from pdcluster.worker.engine.kv_transfer import store_layer
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.parallel import group, step
 from pdcluster.worker.engine.parallel.control import Control
@@ -55,8 +56,6 @@ def agree_num_blocks(runner: ModelRunner) -> int:
 
 def store_own(runner: ModelRunner, msg: step.ImportMsg, part: Views) -> None:
     """Write this rank's heads of a relayed layer into its cache (any rank)."""
-    from pdcluster.worker.engine.kv_transfer import store_layer  # kv_transfer imports the engine's pieces
-
     store_layer(runner.cache, msg.layer, part[0], part[1], part[2], msg.slots, runner.device, runner.dtype)
 
 
