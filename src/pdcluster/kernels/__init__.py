@@ -1,6 +1,8 @@
 """pdcluster.kernels: paged decode attention and KV cache quantization (Triton kernels + torch paths).
 
 Contract: the "Kernels" section of docs/architecture.md. Importing this package never imports triton.
+The native C++ CPU kernels (`cpu/`) are reached through `pdcluster.kernels.native` only: their one entry and
+their one switch, `PDCLUSTER_NATIVE_KERNELS`.
 Benchmarks and the AOT compile check live in `pdcluster.bench` (never imported from here).
 """
 
