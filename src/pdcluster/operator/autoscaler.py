@@ -379,7 +379,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
-    raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
+    raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {
         "prefill": clamped_p if need["prefill"] is not None else None,

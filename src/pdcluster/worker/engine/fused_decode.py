@@ -43,8 +43,8 @@ class FusedDecode:
         first = cast("DecoderLayer", model.layers[0])
         mlp = cast(MLP, first.mlp)
         # (K, panels) of the four products of a layer: every layer has the same shapes (checked by build)
-        self._shapes = [(int(p.wp.shape[1]), int(p.wp.shape[0])) for p in (
-            first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        self._shapes = [(int(p.wp.shape[1]), int(p.wp.shape[0])) for p in (cast(PackedLinear, q) for q in (
+            first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
         self._grains: dict[int, list[int]] = {}  # row count -> panels per shared item of each product
 
     def usable(self, x: torch.Tensor, md: AttnMetadata) -> bool:

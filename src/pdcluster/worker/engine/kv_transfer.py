@@ -54,9 +54,9 @@ def store_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
         if got is None:
             (k, sk), (v, sv) = quantize_kv(k.float(), bits), quantize_kv(v.float(), bits)
             scales = (sk, sv)
-        assert scales is not None and cache.k_scale[layer] is not None and cache.v_scale[layer] is not None
-        pairs = [(cache.k[layer], k), (cache.v[layer], v), (cache.k_scale[layer], scales[0]),
-                 (cache.v_scale[layer], scales[1])]
+        k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
+        assert scales is not None and k_scale is not None and v_scale is not None
+        pairs = [(cache.k[layer], k), (cache.v[layer], v), (k_scale, scales[0]), (v_scale, scales[1])]
     slots = slots.to(cache.device)
     for pool, new in pairs:
         flat = pool.view(-1, *pool.shape[2:])  # [slots, heads(, width)]
@@ -75,7 +75,7 @@ def slot_views(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> list[mem
             raise ValueError("slot_views needs a contiguous pool (a reshape would copy)")
         flat = pool.view(-1, cache.kv_heads * cache.head_dim)
         arr = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
-        views += [memoryview(arr[starts[a]:starts[a] + b - a]).cast("B") for a, b in bounds]
+        views += [arr[starts[a]:starts[a] + b - a].data.cast("B") for a, b in bounds]
     return views
 
 

@@ -21,7 +21,7 @@ from pdcluster.worker.engine.kv_cache import layer_kv_dtypes
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.kv_transfer import hold_nothing, slot_views, store_heads, store_layer
 from pdcluster.worker.engine.model_runner import ModelRunner
-from pdcluster.worker.engine.outputs import RequestOutput
+from pdcluster.worker.engine.outputs import FinishReason, RequestOutput
 from pdcluster.worker.engine.parallel.runner import TPModelRunner
 from pdcluster.worker.engine.sampler import History, logprobs_of, sample
 from pdcluster.worker.engine.sampling_params import SamplingParams
@@ -186,8 +186,8 @@ class LLMEngine:
         exports = self._exports(batch)
         hook = (lambda layer: self._save_layer(layer, exports)) if exports else None  # noqa: E731
         t0 = time.perf_counter()
-        greedy = self._greedy_only(batch)
-        logits_or_ids = self.runner.execute_greedy(batch, hook) if greedy else self.runner.execute(batch, hook)
+        greedy = self._greedy_runner(batch)
+        logits_or_ids = greedy.execute_greedy(batch, hook) if greedy is not None else self.runner.execute(batch, hook)
         for seq, _, end in exports:
             seq.num_exported_tokens = end
         nd = batch.num_decode if batch.is_prefill else len(batch.seqs)  # decoding seqs lead a mixed step
@@ -205,7 +205,7 @@ class LLMEngine:
             ]
         if not done:
             return outputs
-        if greedy:
+        if greedy is not None:
             ids: list[int | None] = logits_or_ids.tolist()
             tokens, logits = ids, None
         else:
@@ -236,12 +236,15 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _greedy_only(self, batch: Batch) -> bool:
-        """Every row of the step takes its plain argmax and nothing reads the logits: the runner may answer
-        with token ids alone (greedy_head.py), never with a different token."""
-        return (isinstance(self.runner, ModelRunner) and not self.config.debug_logits
+    def _greedy_runner(self, batch: Batch) -> ModelRunner | None:
+        """The runner, when every row of the step takes its plain argmax and nothing reads the logits: it may
+        answer with token ids alone (greedy_head.py), never with a different token. None: sample the logits."""
+        runner = self.runner
+        if (isinstance(runner, ModelRunner) and not self.config.debug_logits
                 and all(s.params.greedy and not s.params.shapes_logits and s.params.logprobs is None
-                        for s in batch.seqs))
+                        for s in batch.seqs)):
+            return runner
+        return None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling raises gets None (the others still sample).
@@ -323,10 +326,10 @@ class LLMEngine:
             out.finished, out.finish_reason = True, reason
         return out
 
-    def _finish(self, seq: Sequence, reason: str | None) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason | None) -> None:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.finish_reason = reason
         self.seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         self._grammars.pop(seq.request_id, None)
@@ -353,8 +356,7 @@ class LLMEngine:
         for seq, start, end in exports:
             if end > start and not self._send_views(seq, layer, start, end):
                 k, v, scales = self.export_kv_range(seq.request_id, layer, start, end)
-                codes = {"scales": scales} if scales is not None else {}  # float layers: the original call
-                self.kv_connector.save_kv_layer(seq.request_id, layer, k, v, token_start=start, **codes)
+                self.kv_connector.save_kv_layer(seq.request_id, layer, k, v, token_start=start, scales=scales)
 
     def _send_views(self, seq: Sequence, layer: int, start: int, end: int) -> bool:
         """Hand the connector the cache's own bytes of tokens ``[start, end)`` instead of a gathered copy
@@ -431,8 +433,8 @@ class LLMEngine:
         if head_offset is not None:  # this rank's heads only: the followers receive theirs themselves
             store_heads(self.runner.cache, layer, k, v, slots, head_offset, scales)
             return
-        if self.config.tensor_parallel_size > 1:  # every rank writes its heads (parallel/kv_relay.py)
-            self.runner.import_layer(layer, k, v, scales, slots)  # type: ignore[union-attr]
+        if isinstance(self.runner, TPModelRunner):  # every rank writes its heads (parallel/kv_relay.py)
+            self.runner.import_layer(layer, k, v, scales, slots)
             return
         store_layer(self.runner.cache, layer, k, v, scales, slots, self.runner.device, self.runner.dtype)
 

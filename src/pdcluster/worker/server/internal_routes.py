@@ -198,7 +198,8 @@ class Disaggregation:
         @r.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, TokenizeBody)
-            req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
+            req: CompletionRequest | ChatCompletionRequest = (
+                validate(ChatCompletionRequest, data.body) if data.kind == "chat" else validate(CompletionRequest, data.body))
             tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
             subs = await w.prepare_all(req)  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),

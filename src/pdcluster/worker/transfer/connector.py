@@ -138,14 +138,15 @@ class TCPConnector(KVConnector):
         loop = self._loop
 
         def encode() -> list[tuple[Outbox, Frame]]:
+            to = box  # a local, which isinstance narrows (the closure's `box` it does not)
+            if isinstance(to, Fanout):
+                return to.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
+                                                                 s, head_start=h), k, v, scales)
             if stream:  # each frame to the loop as soon as it is built: the next one is encoded meanwhile
                 for f in self._frame_iter(request_id, layer, num_layers, k, v, token_start, scales):
-                    loop.call_soon_threadsafe(put, handoff.done([(box, f)]))
+                    loop.call_soon_threadsafe(put, handoff.done([(to, f)]))
                 return []
-            if isinstance(box, Fanout):
-                return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
-                                                                  s, head_start=h), k, v, scales)
-            return [(box, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
+            return [(to, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
 
         def enqueue(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:
             loop.call_soon_threadsafe(put, fut)
