@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pdcluster.worker.transfer import nixl_direct, nixl_wire
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TransferTarget
 from pdcluster.worker.transfer.nixl_agent import availability
-from pdcluster.worker.transfer.transport import TransferError
 from tests.transfer.kvsink import Sink
 
 SECRET = b"d" * 32

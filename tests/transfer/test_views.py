@@ -15,10 +15,10 @@ from pdcluster.worker.engine.kv_transfer import slot_views
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import views
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.codec import encode_layer
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import FrameKey, encode_frame
-from pdcluster.worker.transfer.transport import TransferError
 
 SECRET = b"v" * 32
 P = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -44,9 +44,9 @@ from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import TCPConnector, TransferTarget
 from pdcluster.worker.transfer.secret import check_internal_auth, worker_secret
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"

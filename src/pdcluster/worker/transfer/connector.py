@@ -28,13 +28,14 @@ import torch
 from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
-from pdcluster.worker.transfer.channel import Placement
+from pdcluster.worker.transfer.channel import FATAL, Placement, TransferError, TransportStats
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Header, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.specs import LoadSpec, Received, SaveResult, TransferTarget, _Load
-from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
+from pdcluster.worker.transfer.transport import KVServer
 
 log = logging.getLogger(__name__)
 INTEGRITY = ("mac", "fabric")  # --kv-transfer-integrity, spec.kvTransfer.integrity

@@ -38,13 +38,13 @@ import torch
 
 from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, nixl_direct, nixl_wire, views
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
 from pdcluster.worker.transfer.gmac import Gathered
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
 from pdcluster.worker.transfer.staging import Staging
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 
