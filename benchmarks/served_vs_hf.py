@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--native-off-too", action="store_true",
                     help="also serve with PDCLUSTER_NATIVE_KERNELS=0 (a second server) and compare, interleaved")
     ap.add_argument("--off-env", default="PDCLUSTER_NATIVE_KERNELS=0",
-                    help="NAME=VALUE[,NAME=VALUE...] the second server runs with (e.g. PDCLUSTER_NATIVE_LINEAR=0: only "
-                         "the linear off)")
+                    help="NAME=VALUE[,NAME=VALUE...] the second server runs with (e.g. PDCLUSTER_NATIVE_KERNELS=-linear: "
+                         "only the linear off; a value may hold commas: -linear,-screen)")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the load-generating HTTP client (it runs on the server's cores; its CPU is reported)")
     ap.add_argument("--py-spy", metavar="PATH", help="sample the served process with this py-spy binary")
@@ -209,7 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         port = _free_port()
         server = start_server(folder, port, a.threads, a.server_arg)
         port_off = _free_port() if a.native_off_too else None
-        off_env = dict(item.partition("=")[::2] for item in a.off_env.split(",") if item)
+        off_env: dict[str, str] = {}
+        for item in filter(None, a.off_env.split(",")):  # an item without "=" continues the last value
+            if "=" in item or not off_env:
+                name, _, value = item.partition("=")
+                off_env[name] = value
+            else:
+                off_env[name] += "," + item
         server_off = start_server(folder, port_off, a.threads, a.server_arg, off_env) if port_off else None
         results: dict[str, Any] = {}
         try:

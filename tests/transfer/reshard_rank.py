@@ -28,9 +28,9 @@ from pdcluster.worker.engine.block_manager import BlockManager
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 from pdcluster.worker.transfer import head_slice, reshard
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 
 SECRET = b"r" * 32
 BLOCK = 8

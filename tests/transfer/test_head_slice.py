@@ -10,11 +10,11 @@ import torch
 
 from pdcluster.kernels.kv_quant import quantize_kv
 from pdcluster.worker.engine.kv_cache import PagedKVCache
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import Frame
 from pdcluster.worker.transfer.head_slice import HeadRoute, slice_heads, write_heads
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 from tests.transfer.kvsink import Sink
 
 SECRET = b"s" * 32

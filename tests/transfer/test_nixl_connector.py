@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import Frame, Kind
 from pdcluster.worker.transfer.nixl_agent import availability
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 from tests.transfer.kvsink import Sink
 
 AVAILABLE = availability()

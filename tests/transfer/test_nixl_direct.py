@@ -13,10 +13,10 @@ import torch
 
 from pdcluster.worker.transfer import nixl_direct, nixl_wire
 from pdcluster.worker.transfer import options as transfer_options
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TransferTarget
 from pdcluster.worker.transfer.nixl_agent import availability
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 from tests.transfer.kvsink import Sink
 
 SECRET = b"d" * 32
@@ -311,11 +311,11 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
                                                                                 ) -> None:
     """int8 on the wire over NIXL from the cache's views: quantized where the bytes lie, in pieces (each
     staged and READ as soon as it is quantized), the codes those of the whole layer's quantization."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native
     from pdcluster.worker.transfer import chunking, codec
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    if cpu_quant.module() is None:
+    if not native.quant_ready():
         pytest.skip("no native int8 quantizer here (the views are gathered for the torch one instead)")
     monkeypatch.setattr(chunking, "PIPE_BYTES", 7 * 2 * HEADS * (DIM + 4))  # 7 tokens a piece: 6 pieces a layer
     src, sink = Cache(8, fill=True), Sink()

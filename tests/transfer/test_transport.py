@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from pdcluster.worker.transfer import codec
-from pdcluster.worker.transfer.channel import open_channel
+from pdcluster.worker.transfer.channel import TransferError, open_channel
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, seal_frame
 from pdcluster.worker.transfer.options import TransferOptions
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.sockio import Conn
-from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError
+from pdcluster.worker.transfer.transport import KVServer
 from tests.transfer.kvsink import Sink
 
 SECRET = b"a" * 32

@@ -15,11 +15,11 @@ from pdcluster.worker.engine.kv_transfer import slot_views
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import views
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.codec import encode_layer
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import FrameKey, encode_frame
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 
 SECRET = b"v" * 32
 P = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -158,14 +158,14 @@ async def test_int8_compression_of_a_big_layer_without_the_native_kernel_keeps_t
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over INLINE_MAX the torch quantizer would hold the engine's thread: the gather and the encoder thread's
     pipeline (chunking.py) take it. With the native kernel the views are quantized in frames of PIPE_BYTES."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native as kernels
 
     tokens = 4096  # 2 x 4096 x 2 x 128 x 4 B = 8 MiB of fp32
     mv = memoryview(bytearray(2 * tokens * 2 * 128 * 4))
     for native in (False, True):
         if not native:
-            monkeypatch.setattr(cpu_quant, "module", lambda: None)
-        elif cpu_quant.module() is None:
+            monkeypatch.setenv(kernels.SWITCH, "-quant")
+        elif not kernels.quant_ready():
             continue
         send = TCPConnector(SECRET, TransferOptions(compression="int8"))
         send.start_save("r", TransferTarget("127.0.0.1", 9), 1)

@@ -28,7 +28,8 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def _madvise() -> Callable[..., int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.madvise  # type: ignore[no-any-return]
+        madvise: Callable[..., int] = libc.madvise  # ctypes hands out untyped foreign functions
+        return madvise
     except (OSError, AttributeError):
         return None
 

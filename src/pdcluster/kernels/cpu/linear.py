@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from pdcluster.kernels import hugepages
-from pdcluster.kernels.cpu import step
+from pdcluster.kernels.cpu import native, step
 
 NR = 64  # output columns per panel (linear.cpp)
 # Multiply-adds an item of a shared product must hold (items are runs of panels claimed through pool.h). With
@@ -59,6 +59,11 @@ def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS, threa
 def module() -> ModuleType | None:
     """The compiled kernel, or None (logged once) where native kernels are off or cannot be built."""
     return step.module()
+
+
+def ready() -> bool:
+    """The kernel can run here now (re-reads the switch each time, so a test can flip it)."""
+    return native.enabled("linear") and native.unrunnable_reason() is None and module() is not None
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

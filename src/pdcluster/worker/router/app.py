@@ -25,13 +25,14 @@ from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
-from pdcluster.worker.api.protocol import new_id
+from pdcluster.worker.api.responses import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tool_calls import ToolPlan
-from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
+from pdcluster.worker.router.flow import Chunk, Flow, Tokenized
 from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
+from pdcluster.worker.router.upstream import NoCapacity, UpstreamError
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pdcluster.worker.api import tracing
 from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
-from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
-from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
+from pdcluster.worker.router.progress import Stages, Timeline
+from pdcluster.worker.router.upstream import (
     NoCapacity,
     NoHealthyDecode,
     NoTransferPath,
@@ -203,7 +203,7 @@ class Flow:
             w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
             ok = False
             try:
-                body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
+                body: dict[str, Any] = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
                 if prefill is not None and direct_pair(prefill, w):  # each TP rank sends its own KV heads
                     body["prefill_tp"] = prefill.tensor_parallel_size
                 r = await self.client.post(f"{w.url}/internal/reserve", headers=headers, json=body)

@@ -44,10 +44,10 @@ from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import TCPConnector, TransferTarget
 from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.secret import check_internal_auth, worker_secret
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
@@ -193,7 +193,8 @@ class Disaggregation:
         @r.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, TokenizeBody)
-            req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
+            req: CompletionRequest | ChatCompletionRequest = (
+                validate(ChatCompletionRequest, data.body) if data.kind == "chat" else validate(CompletionRequest, data.body))
             tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
             subs = await w.prepare_all(req)  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),

@@ -21,8 +21,8 @@ from pdcluster.worker.api import errors
 from pdcluster.worker.engine.parallel import kv_relay
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 from pdcluster.worker.transfer import head_slice, reshard
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, SaveResult, TransferTarget
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0

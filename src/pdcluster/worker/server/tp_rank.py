@@ -27,9 +27,9 @@ import torch
 
 from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer import head_slice, reshard
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec
 from pdcluster.worker.transfer.options import TransferOptions
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger("pdcluster.tp.endpoint")
 KILL_ENV = "PDCLUSTER_TEST_TP_KILL_AFTER_LAYER"

@@ -25,17 +25,18 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
-from pdcluster.worker.transfer.channel import Placement
+from pdcluster.worker.transfer.channel import FATAL, Placement, TransferError, TransportStats
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Header, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
 from pdcluster.worker.transfer.options import TransferOptions
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.specs import LoadSpec, Received, SaveResult, TransferTarget, _Load
-from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
+from pdcluster.worker.transfer.transport import KVServer
 
 log = logging.getLogger(__name__)
 INLINE_MAX = 4 * 1024 * 1024  # bytes of K+V up to which a layer is framed on the caller's thread (`_inline`)
@@ -135,14 +136,15 @@ class TCPConnector(KVConnector):
         loop = self._loop
 
         def encode() -> list[tuple[Outbox, Frame]]:
+            to = box  # a local, which isinstance narrows (the closure's `box` it does not)
+            if isinstance(to, Fanout):
+                return to.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
+                                                                 s, head_start=h), k, v, scales)
             if stream:  # each frame to the loop as soon as it is built: the next one is encoded meanwhile
                 for f in self._frame_iter(request_id, layer, num_layers, k, v, token_start, scales):
-                    loop.call_soon_threadsafe(put, handoff.done([(box, f)]))
+                    loop.call_soon_threadsafe(put, handoff.done([(to, f)]))
                 return []
-            if isinstance(box, Fanout):
-                return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
-                                                                  s, head_start=h), k, v, scales)
-            return [(box, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
+            return [(to, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
 
         def enqueue(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:
             loop.call_soon_threadsafe(put, fut)
@@ -191,7 +193,7 @@ class TCPConnector(KVConnector):
         shape = dict(token_start=token_start, num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim)
         if self.compression == "int8":  # quantized here, from the views: with the native kernel, any size
             if dtype != torch.float32 or (2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX
-                                          and cpu_quant.module() is None):
+                                          and not native.quant_ready()):
                 return False  # the torch quantizer is ~14x slower: a big layer pipelines on an encoder thread
             frames = views.quantized_frames(request_id, layer, num_layers, parts, **shape,
                                             frame_bytes=min(chunking.PIPE_BYTES, self.chunk_bytes))
