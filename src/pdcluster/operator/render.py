@@ -2,10 +2,8 @@
 
 No I/O. Every object carries the standard labels and a controller owner reference to the PDCluster, so
 Kubernetes garbage-collects children when the PDCluster is deleted. The operator applies these with
-server-side apply; fields it does not render (status, defaults the API server fills in) stay untouched.
-
-Long because it renders every child, and the pod pieces both engines share; what differs for `engine: vllm`
-is in `render_vllm`.
+server-side apply; fields it does not render (status, defaults the API server fills in) stay untouched. What
+differs for `engine: vllm` pods is in `render_vllm`.
 """
 
 from __future__ import annotations
