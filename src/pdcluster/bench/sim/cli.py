@@ -18,6 +18,7 @@ from typing import NoReturn
 from pdcluster.bench import trace as tr
 from pdcluster.bench.sim import policies as pol
 from pdcluster.bench.sim.cluster import RunResult, simulate
+from pdcluster.bench.sim.feasibility import feasibility
 from pdcluster.bench.sim.model import SLO, ServiceModel, capacities_from_profile
 from pdcluster.bench.sim.report import (
     attainment,
@@ -118,7 +119,8 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             runs[name] = static(s.prefill, s.decode)
         else:
             runs[name] = run_policy(trace, model, slo, name, primed, headroom)
-    summaries = {n: policy_summary(r, slo) for n, r in runs.items()}
+    feasible = feasibility(trace, model, slo).feasible
+    summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:
         best = runs["static-best"]
         summaries["static-best"]["size"] = f"{best.timeline[0][1]}:{best.timeline[0][2]}"
@@ -151,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom)
     elapsed = time.perf_counter() - t0
     doc = {
-        "trace": trace_summary(trace),
+        "trace": {**trace_summary(trace),
+                  "infeasible_requests": feasibility(trace, model, slo).summary(slo, model)},
         "policies": summaries,
         "goal": goal_check(summaries, slo.target),
         "setup": {"source": str(args.trace), "speedup": args.speedup, "slo_ttft_s": slo.ttft_s,
@@ -174,10 +177,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(policies: dict[str, dict]) -> str:
-    lines = [f"{'policy':<14} {'SLO ok':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} {'D-h':>6} "
+    lines = [f"{'policy':<14} {'SLO ok':>7} {'feasible':>8} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} {'D-h':>6} "
              f"{'events':>6} {'maxP':>5} {'maxD':>5}"]
     for n, p in policies.items():
-        lines.append(f"{n:<14} {100 * p['slo_attainment']:>6.2f}% {p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
+        lines.append(f"{n:<14} {100 * p['slo_attainment']:>6.2f}% {100 * p['slo_attainment_feasible']:>7.2f}% "
+                     f"{p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
                      f"{p['instance_hours']:>7.2f} {p['prefill_instance_hours']:>6.2f} "
                      f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['max_prefill']:>5} "
                      f"{p['max_decode']:>5}")

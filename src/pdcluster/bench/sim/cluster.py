@@ -90,7 +90,8 @@ class Cluster:
                  window_s: float = 120.0) -> None:
         self.reqs = trace.requests
         self.m, self.policy = model, policy
-        self.interval_s, self.window_s = interval_s, window_s
+        # a policy may decide more often than the operator's 30 s (the reactive oracle)
+        self.interval_s, self.window_s = getattr(policy, "interval_s", interval_s), window_s
         self.horizon = trace.duration_s
         n = len(self.reqs)
         self.first: list[float | None] = [None] * n

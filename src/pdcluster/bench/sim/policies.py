@@ -7,6 +7,8 @@
   discount: the defaults a PDCluster gets.
 - `pdcluster-no-prefix`: the same without the prefix-hit discount of I (not in the default set: to show
   what the discount is worth on a trace with prefix reuse).
+- `reactive-oracle`: the same core fed the true arrival rate every 10 s (`oracle.py`): a bound, not a
+  policy one could run (it needs the trace).
 - `no-headroom`: the same core at headroom 1.0.
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
@@ -26,7 +28,7 @@ from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler import PoolView, State, decide
 from pdcluster.operator.planner import Bounds, plan
 
-NAMES = ("pdcluster", "no-headroom", "independent", "static-1:1", "static-best")
+NAMES = ("pdcluster", "reactive-oracle", "no-headroom", "independent", "static-1:1", "static-best")
 EXTRA = ("pdcluster-no-prefix",)
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
 
@@ -86,6 +88,8 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
 
     A trace cut from a longer day does not start from an autoscaler that has never seen the traffic:
     priming with a pass over the same trace stands for "the previous hour looked like this one"."""
+    if hasattr(policy, "carried"):
+        return policy.carried(duration_s, sizes)
     if isinstance(policy, Core):
         state = State(prefill=_shift_pool(policy.state.prefill, duration_s),
                       decode=_shift_pool(policy.state.decode, duration_s))
@@ -170,6 +174,13 @@ def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None
     if name == "pdcluster-no-prefix":
         return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo, use_prefix_hits=False),
                     "pdcluster-no-prefix", start(headroom))
+    if name == "reactive-oracle":
+        from pdcluster.bench.sim.oracle import Arrivals, ReactiveOracle  # oracle builds on Core
+
+        if trace is None:  # a name check (cli validates names before reading the trace)
+            return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name)
+        return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom),
+                              arrivals=Arrivals.of(trace))
     if name == "no-headroom":
         return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0))
     if name == "independent":
