@@ -226,11 +226,22 @@ def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolVie
     # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
     queue = (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
     rate = obs.request_rate if obs else None
-    fires = broken and rules.guard_applies(queue, rate, target) and not rules.warming_up(
+    fires = broken and rules.guard_applies(queue, rate, target) and (not rules.warming_up(
         now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
-    if not broken and ps.capacity_scale < 1.0 and rules.comfortable(observed, target):
+        or rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(queue, rate), target))
+    # ... and while a breach is one more replicas would not cure (no queue that waits): a correction made
+    # for a queue must not outlive it because long prompts keep the percentile broken.
+    curable = broken and rules.guard_applies(queue, rate, target)
+    if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
         ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
     return fires, ps
+
+
+def _wait(obs: Observation | None, role: str) -> float | None:
+    """The wait the pool's queue adds (None: queue or rate unknown)."""
+    if obs is None:
+        return None
+    return rules.queue_wait(obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean, obs.request_rate)
 
 
 def _capacity(configured: float | None, ps: PoolState) -> tuple[float | None, str]:
@@ -263,7 +274,8 @@ def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: 
 
 def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
                    burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool, now: float,
-                   slo: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
+                   slo: tuple[float | None, float | None] = (None, None),
+                   wait: float | None = None) -> tuple[int, str, bool, PoolState]:
     """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
     current, stalled = view.current, False
     if not metrics_ok:
@@ -292,7 +304,7 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # The SLO is broken although the formula says enough: more replicas now (in proportion to the
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
-        target = current + rules.guard_step(current, *slo)
+        target = current + rules.guard_step(current, *slo, wait=wait)
         ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
                      slo_breaches=ps.slo_breaches + 1)
     if target > current:
@@ -377,7 +389,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now, slo[r])
+            metrics_ok, now, slo[r], _wait(obs, r))
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 

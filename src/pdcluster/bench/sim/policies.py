@@ -31,6 +31,7 @@ from pdcluster.operator.planner import Bounds, plan
 NAMES = ("pdcluster", "reactive-oracle", "no-headroom", "independent", "static-1:1", "static-best")
 EXTRA = ("pdcluster-no-prefix",)
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
+WINDOW_S = 120.0  # spec.autoscaling.windowSeconds' default, the Sampler's window (Policy.from_spec sets it)
 
 
 @dataclass
@@ -144,7 +145,7 @@ def core_policy(prefill_tps: float, decode_tps: float, headroom: float = 1.5,
     return CorePolicy(headroom=headroom, bounds=bounds or Bounds(), prefill_capacity=prefill_tps,
                       decode_capacity=decode_tps, slo_ttft_seconds=slo.ttft_s if slo else None,
                       slo_tpot_seconds=slo.tpot_s if slo else None, slo_percentile=slo.target if slo else 0.99,
-                      use_prefix_hits=use_prefix_hits)
+                      use_prefix_hits=use_prefix_hits, window_seconds=WINDOW_S)
 
 
 def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: float,
