@@ -61,3 +61,17 @@ def test_a_backlog_longer_than_the_target_after_the_change_is_ready_is_news() ->
     # pods still starting: never (RolloutInProgress holds the pool)
     assert not rules.backlog_outgrew(4, 3, 20.0, 5.0)
     assert rules.backlog_outgrew(3, 3, 20.0, 5.0) and not rules.backlog_outgrew(3, 3, None, 5.0)
+
+
+def test_a_breach_whose_queue_has_drained_grows_nothing() -> None:
+    # Azure, cold: the first burst's p99 (77 s) and mean queue (84) still fill the window at 390 s while
+    # the queue drained at 330 s; growing 3 -> 7 then bought pods for a burst that was over
+    pol = policy(slo_ttft_seconds=5.0)
+    drained = obs(2.6, ttft_seconds=77.0, prefill_queue_mean=84.0, prefill_queue_now=0.0)
+    dec = asc.decide(pol, asc.State(), drained, asc.PoolView(3, 3), asc.PoolView(1, 1), 1000.0)
+    assert dec.prefill.desired == 3 and dec.prefill.slo_breached and dec.state.prefill.slo_breaches == 0
+    queued = obs(2.6, ttft_seconds=77.0, prefill_queue_mean=84.0, prefill_queue_now=40.0)
+    dec = asc.decide(pol, asc.State(), queued, asc.PoolView(3, 3), asc.PoolView(1, 1), 1000.0)
+    assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired > 3
+    # without the instant series (an older metrics source), the window's mean decides as before
+    assert rules.still_queued(None) and rules.still_queued(float("nan")) and not rules.still_queued(0.0)

@@ -146,6 +146,7 @@ def test_observation_from_a_real_prometheus(prometheus: str) -> None:
     assert o.decode_tokens_per_instance == pytest.approx(RATE * OUT / 2, rel=0.1)
     assert o.prefill_saturated is True
     assert o.decode_saturated is False
+    assert o.prefill_queue_now == 6 and o.decode_queue_now == 0  # the sum over the pool's workers, now
 
 
 def test_decision_learns_the_saturated_pool_from_prometheus(prometheus: str) -> None:

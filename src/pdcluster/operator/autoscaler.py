@@ -12,9 +12,10 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
 - SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
-  a real wait grows it (by current·observed/target, at least one) even when the formula says enough,
-  and cuts its capacity correction (which fades while the SLO is met); once per window after the pool's
-  last change.
+  a real wait, and is still there at the window's end, grows it (by current·min(observed, target +
+  wait)/target, at least one) even when the formula says enough, and cuts its capacity correction (which
+  fades while the SLO is met or the breach has no queue); once per window after the pool's last change,
+  sooner when the queue alone still waits longer than the target once the change is ready.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
   size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
   the sliding window of that length, and not below the need of bursts that broke the SLO within
@@ -72,6 +73,8 @@ class Observation:
     prefill_queue_mean: float | None = None  # requests waiting in the pool, averaged over the window
     decode_queue_mean: float | None = None
     decode_join_seconds: float | None = None  # t_join: mean s from a request's KV complete to its first output
+    prefill_queue_now: float | None = None  # requests waiting in the pool at the end of the window
+    decode_queue_now: float | None = None
 
 
 @dataclass(frozen=True)
@@ -226,15 +229,22 @@ def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolVie
     # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
     queue = (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
     rate = obs.request_rate if obs else None
-    fires = broken and rules.guard_applies(queue, rate, target) and (not rules.warming_up(
+    fires = broken and rules.guard_applies(queue, rate, target) and rules.still_queued(
+        (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None) and (not rules.warming_up(
         now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
-        or rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(queue, rate), target))
+        or rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(_queue_now(obs, role, queue), rate), target))
     # ... and while a breach is one more replicas would not cure (no queue that waits): a correction made
     # for a queue must not outlive it because long prompts keep the percentile broken.
     curable = broken and rules.guard_applies(queue, rate, target)
     if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
         ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
     return fires, ps
+
+
+def _queue_now(obs: Observation | None, role: str, fallback: float | None) -> float | None:
+    """The pool's queue now (the window's mean when the instant series is missing)."""
+    now = (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None
+    return fallback if now is None else now
 
 
 def _wait(obs: Observation | None, role: str) -> float | None:

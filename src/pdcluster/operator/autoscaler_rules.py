@@ -121,6 +121,13 @@ def queue_wait(queue_mean: float | None, rate: float | None) -> float | None:
     return max(0.0, queue_mean) / rate
 
 
+def still_queued(queue_now: float | None) -> bool:
+    """Whether the queue a breach came with is still there (unknown: assume so). The percentile and the
+    mean queue cover the whole window; a queue that has drained by the end of it was a burst the pool has
+    absorbed, and replicas ordered for it now start a pod-start after it is over."""
+    return queue_now is None or not math.isfinite(queue_now) or queue_now > 0
+
+
 def backlog_outgrew(current: int, ready: int, wait: float | None, target: float | None) -> bool:
     """Whether a pool whose last change is ready still has a queue that alone waits longer than the target:
     then its percentile is not an old breach counted twice but one the change did not cure, and waiting a

@@ -13,7 +13,8 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
 - saturated: min over the window of sum(pdcluster_requests_waiting{role=...}) > 0, i.e. the queue never
   emptied.
 - queue mean: avg over the window of sum(pdcluster_requests_waiting{role=...}) (the SLO guard grows a
-  pool only when it had a queue to cure)
+  pool only when it had a queue to cure); queue now: the same sum at the end of the window (a backlog the
+  last change did not cure)
 - prefix hit rate = rate(pdcluster_prefix_cache_hit_tokens_total{role="prefill"}) / rate(prompt tokens of
   the prefill workers) (optional: missing on workers without the counter -> no discount)
 - peak λ (with `burst_seconds`): max over the window of the `burst_seconds` request rate, a subquery
@@ -139,6 +140,9 @@ class PrometheusSource:
         def queue_mean(sel: str) -> float | None:
             return self.scalar(f"avg_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
 
+        def queue_now(sel: str) -> float | None:
+            return self.scalar(f"sum(pdcluster_requests_waiting{sel})")
+
         def saturated(sel: str) -> bool:
             v = self.scalar(f"min_over_time(sum(pdcluster_requests_waiting{sel})[{w}:{step}])")
             return bool(v is not None and v > 0)
@@ -186,4 +190,6 @@ class PrometheusSource:
             prefill_queue_mean=queue_mean(prefill),
             decode_queue_mean=queue_mean(decode),
             decode_join_seconds=join,
+            prefill_queue_now=queue_now(prefill),
+            decode_queue_now=queue_now(decode),
         )
