@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdcluster.operator import autoscaler_rules as rules
+from pdcluster.operator.autoscaler_ratio import RatioBounds, enforce
 from pdcluster.operator.autoscaler_rules import EWMA_ALPHA, learn_capacity  # noqa: F401 (public here)
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
@@ -50,6 +51,7 @@ ROLLOUT = "RolloutInProgress"
 CAPACITY_UNKNOWN = "CapacityUnknown"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 DISABLED = "AutoscalingDisabled"
+RATIO_BOUND = "RatioBound"  # a pool moved to keep spec.autoscaling.ratio
 
 _HOLD_PRIORITY = [METRICS_UNAVAILABLE, ROLLOUT, CAPACITY_UNKNOWN, STABILIZING, NO_HEADROOM, STEADY]
 
@@ -108,6 +110,7 @@ class Policy:
     slo_percentile: float = 0.99
     use_prefix_hits: bool = True  # discount I by the observed prefix-cache hit rate
     adaptive_headroom: bool = True  # headroom follows the window's variability, `headroom` its ceiling
+    ratio: RatioBounds = field(default_factory=RatioBounds)  # spec.autoscaling.ratio (P/D), kept by every decision
 
     @classmethod
     def from_spec(cls, spec: Any) -> Policy:
@@ -129,6 +132,7 @@ class Policy:
             slo_tpot_seconds=a.slo.tpotSeconds,
             slo_percentile=a.slo.percentile,
             adaptive_headroom=a.adaptiveHeadroom,
+            ratio=RatioBounds(a.ratio.min, a.ratio.max),
         )
 
 
@@ -325,6 +329,21 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
     return desired, reason, stalled, ps
 
 
+def _keep_ratio(policy: Policy, out: dict[str, PoolDecision], pool_states: dict[str, PoolState],
+                now: float) -> tuple[bool, list[str]]:
+    """spec.autoscaling.ratio on the decided sizes (autoscaler_ratio.enforce), in place; (moved, limited_by).
+    A pool the bound moves counts as changed now (its next windows are warm-up)."""
+    e = enforce(out["prefill"].desired, out["decode"].desired, policy.ratio, policy.bounds)
+    if not e.moved:
+        return False, list(e.limited_by)
+    for r, n in (("prefill", e.prefill), ("decode", e.decode)):
+        if n != out[r].desired:
+            out[r] = replace(out[r], desired=n, reason=RATIO_BOUND)
+            if n != out[r].current:
+                pool_states[r] = replace(pool_states[r], last_change=now, below_since=None)
+    return True, list(e.limited_by)
+
+
 def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolView, decode: PoolView,
            now: float) -> Decision:
     views = {"prefill": prefill, "decode": decode}
@@ -362,6 +381,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
         "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
         "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0], "decodeJoinSeconds": join,
+        "ratioMin": policy.ratio.min, "ratioMax": policy.ratio.max,
     }
 
     # 4. Raw needs (None = cannot compute: hold this pool). Bursts recur (the Azure code trace: 10 s
@@ -405,10 +425,12 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
 
     if any(out[r].rollout_stalled for r in POOLS):
         limited_by = [*limited_by, "rollout-stalled"]
+    ratio_moved, ratio_limits = _keep_ratio(policy, out, pool_states, now)
+    limited_by = [*limited_by, *ratio_limits]
     return Decision(
         prefill=out["prefill"],
         decode=out["decode"],
-        reason=_overall_reason(out["prefill"], out["decode"]),
+        reason=RATIO_BOUND if ratio_moved else _overall_reason(out["prefill"], out["decode"]),
         limited_by=limited_by,
         inputs=inputs,
         state=State(prefill=pool_states["prefill"], decode=pool_states["decode"]),

@@ -124,7 +124,9 @@ def scaling_condition(decision: asc.Decision) -> dict[str, Any]:
     if not limits:
         return st.condition("ScalingLimited", False, "WithinBounds", "the recommendation fits the bounds")
     reason = ("RolloutStalled" if "rollout-stalled" in limits else
-              "TotalReplicaBudget" if "max-total-replicas" in limits else "AtMaxReplicas")
+              "RatioUnsatisfiable" if "ratio-unsatisfiable" in limits else
+              "TotalReplicaBudget" if "max-total-replicas" in limits else
+              "RatioBound" if any(x.startswith("ratio-") for x in limits) else "AtMaxReplicas")
     return st.condition("ScalingLimited", True, reason, "limited by: " + ", ".join(limits))
 
 

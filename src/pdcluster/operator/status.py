@@ -249,8 +249,19 @@ def decision_record(d: Decision, now: str) -> dict[str, Any]:
         return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
                 "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
 
-    return {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
-            "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+    out = {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
+           "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+    lo, hi = d.inputs.get("ratioMin"), d.inputs.get("ratioMax")
+    if lo is not None or hi is not None:  # spec.autoscaling.ratio, and where the decision stands in it
+        out["ratio"] = {"min": lo, "max": hi, "prefillPerDecode": ratio_pd(d.prefill.desired, d.decode.desired),
+                        "held": any(x.startswith("ratio-") and x != "ratio-unsatisfiable" for x in d.limited_by),
+                        "satisfiable": "ratio-unsatisfiable" not in d.limited_by}
+    return out
+
+
+def ratio_pd(prefill: int, decode: int) -> float | None:
+    """Prefill replicas per decode replica (the orientation of spec.autoscaling.ratio)."""
+    return round(prefill / decode, 3) if decode > 0 else None
 
 
 def autoscaler_status(d: Decision, now: str) -> dict[str, Any]:
