@@ -96,9 +96,12 @@ async def test_due_evaluates_records_state_and_asks_for_a_scaled_event() -> None
                            resync_seconds=60)
     assert source.calls == 1 and s.decision is not None and s.decision.reason == asc.SCALE_UP
     assert s.desired == {"prefill": 3, "decode": 3}
-    assert s.scaled_message and s.scaled_message.startswith("prefill 1->3, decode 2->3 (ScaleUp")
+    # each pool's step carries its cause (autoscaler_explain): here the formula at the mean rate
+    assert s.scaled_message and s.scaled_message.startswith("prefill 1->3 (formula), decode 2->3 (formula) (ScaleUp")
     assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)
-    assert s.autoscaler_status["lastDecision"]["prefill"]["desired"] == 3
+    last = s.autoscaler_status["lastDecision"]
+    assert last["prefill"]["desired"] == 3 and last["prefill"]["cause"] == "formula"
+    assert last["message"] == "prefill 1->3 (formula), decode 2->3 (formula): ScaleUp"
     assert {c["type"]: c["status"] for c in s.conditions} == {"MetricsAvailable": "True", "ScalingLimited": "False",
                                                               "SLOMet": "Unknown"}
     assert s.next_delay == spec.autoscaling.intervalSeconds

@@ -382,6 +382,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
         "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0], "decodeJoinSeconds": join,
         "ratioMin": policy.ratio.min, "ratioMax": policy.ratio.max,
+        "maxScaleUpStep": policy.max_up_step, "maxScaleDownStep": policy.max_down_step,
     }
 
     # 4. Raw needs (None = cannot compute: hold this pool). Bursts recur (the Azure code trace: 10 s
@@ -401,10 +402,13 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             work = lens[r] / capacity[r] + (join if r == "decode" else 0.0)  # type: ignore[operator]
             spread = rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
             need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
+            inputs[f"{r}BurstNeed"] = burst  # explains a step (autoscaler_explain): burst or formula
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
             if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
+    for r in POOLS:
+        inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
     raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {

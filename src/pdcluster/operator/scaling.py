@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_layout, naming, opmetrics
+from pdcluster.operator import autoscaler_explain, autoscaler_layout, naming, opmetrics
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -155,8 +155,9 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 
 def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Mapping[str, int]) -> str:
-    i = decision.inputs
-    return (f"prefill {base['prefill']}->{desired['prefill']}, decode {base['decode']}->{desired['decode']} "
+    i, c = decision.inputs, autoscaler_explain.causes(decision)
+    return (f"prefill {base['prefill']}->{desired['prefill']} ({c['prefill']}), "
+            f"decode {base['decode']}->{desired['decode']} ({c['decode']}) "
             f"({decision.reason}: rate {_fmt(i['requestRate'], ' req/s')}, "
             f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
             f"C_p {_fmt(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
@@ -235,6 +236,9 @@ def record_metrics(owner: naming.Owner, spec: PDClusterSpec, s: Step) -> None:
             opmetrics.CAPACITY_SCALE.labels(owner.namespace, owner.name, r).set(ps.capacity_scale)
             if s.decision.pool(r).reason == asc.SLO_GUARD:
                 opmetrics.SLO_SCALE_UPS.labels(owner.namespace, owner.name, r).inc()
+        for r, cause in autoscaler_explain.causes(s.decision).items():
+            if s.decision.pool(r).desired != s.decision.pool(r).current:
+                opmetrics.SCALING_STEPS.labels(owner.namespace, owner.name, r, cause).inc()
     for r in ROLES:
         opmetrics.DESIRED.labels(owner.namespace, owner.name, r).set(s.desired[r])
     opmetrics.DESIRED.labels(owner.namespace, owner.name, "router").set(spec.router.replicas)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from pdcluster.operator import autoscaler_explain as explain
 from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
 from pdcluster.operator.autoscaler_rules import MAX_NEED_SAMPLES
 
@@ -245,12 +246,14 @@ def autoscaler_state_status(state: State) -> dict[str, Any]:
 
 def decision_record(d: Decision, now: str) -> dict[str, Any]:
     """status.autoscaler.lastDecision: what was decided and from which inputs."""
-    def pool(p: PoolDecision) -> dict[str, Any]:
-        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
-                "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
+    causes = explain.causes(d)
 
-    out = {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
-           "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+    def pool(p: PoolDecision, role: str) -> dict[str, Any]:
+        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
+                "cause": causes[role], "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
+
+    out = {"time": now, "reason": d.reason, "message": explain.message(d), "prefill": pool(d.prefill, "prefill"),
+           "decode": pool(d.decode, "decode"), "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
     lo, hi = d.inputs.get("ratioMin"), d.inputs.get("ratioMax")
     if lo is not None or hi is not None:  # spec.autoscaling.ratio, and where the decision stands in it
         out["ratio"] = {"min": lo, "max": hi, "prefillPerDecode": ratio_pd(d.prefill.desired, d.decode.desired),
