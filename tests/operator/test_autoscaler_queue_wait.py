@@ -75,3 +75,21 @@ def test_a_breach_whose_queue_has_drained_grows_nothing() -> None:
     assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired > 3
     # without the instant series (an older metrics source), the window's mean decides as before
     assert rules.still_queued(None) and rules.still_queued(float("nan")) and not rules.still_queued(0.0)
+
+
+def test_a_decode_queue_that_breaks_ttft_grows_decode() -> None:
+    # the load turns to long outputs: requests wait for a decode slot (TTFT 30 s against 5 s) while TPOT is
+    # met (the batch bound caps the step) and O is capped by what the saturated pool generates: only the
+    # decode queue says decode is short
+    pol = policy(slo_ttft_seconds=5.0, slo_tpot_seconds=0.1)
+    o = obs(4, i=400, o=500, ttft_seconds=30.0, tpot_seconds=0.02, prefill_queue_mean=0.0,
+            decode_queue_mean=40.0, decode_queue_now=30.0)
+    dec = asc.decide(pol, asc.State(), o, asc.PoolView(1, 1), asc.PoolView(2, 2), 1000.0)
+    assert dec.decode.reason == asc.SLO_GUARD and dec.decode.desired > 2
+    assert dec.prefill.desired == 1  # prefill had no queue: not its breach
+    # the step counts the decode queue's wait (10 s): 2 x (5 + 10) / 5 = 6
+    assert dec.decode.desired == 6
+    # the same TTFT with no decode queue is not decode's to cure
+    o = obs(4, i=400, o=500, ttft_seconds=30.0, tpot_seconds=0.02, prefill_queue_mean=0.0, decode_queue_mean=0.0)
+    dec = asc.decide(pol, asc.State(), o, asc.PoolView(1, 1), asc.PoolView(2, 2), 1000.0)
+    assert dec.decode.desired == 2 and dec.decode.reason != asc.SLO_GUARD

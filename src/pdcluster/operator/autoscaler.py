@@ -221,13 +221,30 @@ def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[flo
             "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
 
 
+def _guard_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
+    """The (observed, target) pair each pool's SLO guard acts on: `_slo_targets`, except that decode also
+    answers for TTFT when its own queue waits. A full decode batch delays the first token, not TPOT (the
+    batch bound caps the step time): when the load turns to long outputs, requests queue for a decode slot
+    with TPOT met, and the formula's O (generated tokens / requests) is capped by what the saturated pool
+    produces, so nothing else would grow decode (a shift from 6k-token prompts to 900-token outputs: 7
+    minutes of 100 % misses before this)."""
+    out = _slo_targets(policy, obs)
+    observed, target = out["decode"]
+    ttft, ttft_target = out["prefill"]
+    if obs is not None and not rules.breached(observed, target) and rules.breached(ttft, ttft_target):
+        wait = rules.queue_wait(obs.decode_queue_mean, obs.request_rate)
+        if wait is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
+            out["decode"] = (min(ttft, ttft_target + wait), ttft_target)  # type: ignore[type-var]
+    return out
+
+
 def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
            now: float) -> tuple[bool, PoolState]:
     """Is this pool's percentile broken in a way one more replica cures, and is that news? The percentile
     covers the whole window, so a breach counts once the pool's last change has been observed for a window
     (sooner would count the same breach twice); only with traffic. While the SLO is met, an earlier
     correction fades."""
-    observed, target = _slo_targets(policy, obs)[role]
+    observed, target = _guard_targets(policy, obs)[role]
     broken = traffic and rules.breached(observed, target)
     # More replicas cure queueing, not a slow request: a breach with no queue that adds a real wait in
     # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
@@ -371,6 +388,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
 
     peak = obs.peak_request_rate if obs else None
     slo = _slo_targets(policy, obs)
+    gslo = _guard_targets(policy, obs)
     headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
         if policy.adaptive_headroom else policy.headroom
     join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"], policy.decode_join_seconds)
@@ -404,7 +422,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
             inputs[f"{r}BurstNeed"] = burst  # explains a step (autoscaler_explain): burst or formula
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
-            if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
+            if bursty and (rules.breached(*gslo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
     for r in POOLS:
@@ -423,7 +441,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now, slo[r], _wait(obs, r))
+            metrics_ok, now, gslo[r], _wait(obs, r))
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 

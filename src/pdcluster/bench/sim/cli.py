@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, help="capacities from `pdcluster profile --json` output")
     p.add_argument("--decode-batch", type=cli_args.positive_int, default=None, help="decode batch limit (default 32)")
     p.add_argument("--pod-start", type=cli_args.non_negative_float, default=ServiceModel.pod_start_s, help="pod start delay, s")
+    p.add_argument("--flip-time", type=cli_args.non_negative_float, default=ServiceModel.flip_s,
+                   help="seconds a drained worker takes to serve its other role (policy pdcluster-flip; default 5)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
@@ -84,7 +86,7 @@ def _model(args: argparse.Namespace) -> ServiceModel:
         if v is not None and not v > 0:
             raise UsageError(f"{flag} must be > 0 (got {v})")
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
-                        pod_start_s=args.pod_start, prefix_cache_tokens=0 if args.no_prefix_cache else
+                        pod_start_s=args.pod_start, flip_s=args.flip_time, prefix_cache_tokens=0 if args.no_prefix_cache else
                         ServiceModel.prefix_cache_tokens)
 
 
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "setup": {"source": str(args.trace), "speedup": args.speedup, "slo_ttft_s": slo.ttft_s,
                   "slo_tpot_s": slo.tpot_s, "slo_target": slo.target, "prefill_capacity": model.prefill_tps,
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
-                  "pod_start_s": model.pod_start_s, "max_queue_depth": model.max_queue_depth,
+                  "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
                   "burst_window_s": pol.BURST_S, "headroom": args.headroom,
                   "simulation_seconds": round(elapsed, 2)},

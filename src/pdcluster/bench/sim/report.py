@@ -49,6 +49,7 @@ def policy_summary(r: RunResult, slo: SLO, feasible: tuple[bool, ...] | None = N
         "max_prefill": r.max_prefill,
         "max_decode": r.max_decode,
         "rejected": sum(r.rejected),
+        "role_flips": r.flips,
         "prefix_hit_rate": r.prefix_hit_tokens / r.prefilled_tokens if r.prefilled_tokens else 0.0,
     }
 
