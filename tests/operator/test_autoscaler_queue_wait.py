@@ -93,3 +93,19 @@ def test_a_decode_queue_that_breaks_ttft_grows_decode() -> None:
     o = obs(4, i=400, o=500, ttft_seconds=30.0, tpot_seconds=0.02, prefill_queue_mean=0.0, decode_queue_mean=0.0)
     dec = asc.decide(pol, asc.State(), o, asc.PoolView(1, 1), asc.PoolView(2, 2), 1000.0)
     assert dec.decode.desired == 2 and dec.decode.reason != asc.SLO_GUARD
+
+
+def test_a_backlog_the_ready_change_is_working_off_waits_for_the_window() -> None:
+    pol = policy(slo_ttft_seconds=5.0, window_seconds=120)
+    state = asc.State(decode=asc.PoolState(last_change=1000.0))
+
+    def step(now_queue: float):
+        o = obs(4.0, ttft_seconds=40.0, decode_queue_mean=100.0, decode_queue_now=now_queue)
+        return asc.decide(pol, state, o, asc.PoolView(1, 1), asc.PoolView(6, 6), 1060.0)
+
+    # 60 s after decode grew to 6, its pods ready: 60 waiting now against 100 on average, so it is going
+    # down; pods ordered now would start after it is gone
+    assert step(60.0).decode.desired == 6
+    # still growing: the change was not enough
+    assert step(120.0).decode.reason == asc.SLO_GUARD and step(120.0).decode.desired > 6
+    assert rules.draining(60.0, 100.0) and not rules.draining(120.0, 100.0) and not rules.draining(None, 100.0)

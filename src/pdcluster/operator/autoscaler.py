@@ -253,7 +253,8 @@ def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolVie
     fires = broken and rules.guard_applies(queue, rate, target) and rules.still_queued(
         (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None) and (not rules.warming_up(
         now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
-        or rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(_queue_now(obs, role, queue), rate), target))
+        or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(_queue_now(obs, role, queue), rate), target)
+            and not rules.draining(_queue_now(obs, role, queue), queue)))
     # ... and while a breach is one more replicas would not cure (no queue that waits): a correction made
     # for a queue must not outlive it because long prompts keep the percentile broken.
     curable = broken and rules.guard_applies(queue, rate, target)

@@ -135,6 +135,13 @@ def backlog_outgrew(current: int, ready: int, wait: float | None, target: float 
     return ready >= current and wait is not None and target is not None and wait > target
 
 
+def draining(queue_now: float | None, queue_mean: float | None) -> bool:
+    """A queue below its window's mean is going down: the pods of the last change are working it off, and
+    more ordered now would start after it is gone (a shift to long outputs: decode 6 -> 10 for a backlog
+    the 6 drained in seconds)."""
+    return queue_now is not None and queue_mean is not None and queue_now < queue_mean
+
+
 def guard_step(current: int, observed: float | None, target: float | None, wait: float | None = None) -> int:
     """Replicas the SLO guard adds: in proportion to how far the percentile is over its target (HPA's
     current x metric/target), at least one; `maxScaleUpStep` caps it. One replica per window was too slow
