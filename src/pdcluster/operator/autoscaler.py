@@ -77,6 +77,8 @@ class Observation:
     decode_join_seconds: float | None = None  # t_join: mean s from a request's KV complete to its first output
     prefill_queue_now: float | None = None  # requests waiting in the pool at the end of the window
     decode_queue_now: float | None = None
+    kv_transfers_per_second: float | None = None  # completed prefill->decode KV transfers (KVTransferDegraded)
+    kv_transfer_failures_per_second: float | None = None
 
 
 @dataclass(frozen=True)

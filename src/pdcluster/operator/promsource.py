@@ -53,6 +53,11 @@ def _sel(cluster: str, role: str) -> str:
     return f'{{pdcluster="{cluster}",role="{role}"}}'
 
 
+def _sel_cluster(cluster: str) -> str:
+    cluster = cluster.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{{pdcluster="{cluster}"}}'
+
+
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, client: Any = None) -> None:
         self.url = url
@@ -103,6 +108,7 @@ class PrometheusSource:
         w = f"{int(window_seconds)}s"
         step = f"{max(1, min(15, int(window_seconds) // 10))}s"
         router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
+        cl = _sel_cluster(cluster)  # every role: saves fail on prefill, loads on decode
         rate = self._first(
             f"sum(rate(pdcluster_requests_total{router}[{w}]))",
             f"sum(rate(pdcluster_requests_total{decode}[{w}]))",
@@ -192,4 +198,6 @@ class PrometheusSource:
             decode_join_seconds=join,
             prefill_queue_now=queue_now(prefill),
             decode_queue_now=queue_now(decode),
+            kv_transfers_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_seconds_count{cl}[{w}]))"),
+            kv_transfer_failures_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_failures_total{cl}[{w}]))"),
         )

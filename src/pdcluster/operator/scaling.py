@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_explain, autoscaler_layout, naming, opmetrics
+from pdcluster.operator import autoscaler_explain, autoscaler_layout, naming, opmetrics, transfer_health
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -25,7 +25,7 @@ from pdcluster.operator.promsource import MetricsUnavailable
 ROLES = naming.WORKER_ROLES
 # condition type -> (the status that deserves a Warning Event, the Event's reason)
 WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimited": ("True", "ScalingLimited"),
-             "SLOMet": ("False", "SLOBreached")}
+             "SLOMet": ("False", "SLOBreached"), "KVTransferDegraded": ("True", "KVTransferDegraded")}
 
 
 class MetricsSource(Protocol):
@@ -99,6 +99,8 @@ def disabled(spec: PDClusterSpec, resync_seconds: float) -> Step:
             st.condition("MetricsAvailable", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
             st.condition("ScalingLimited", False, "AutoscalingDisabled", "replicas come from the spec"),
             st.condition("SLOMet", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
+            st.condition(transfer_health.CONDITION, "Unknown", "AutoscalingDisabled",
+                         "read from the autoscaler's Prometheus: autoscaling is disabled"),
         ],
     )
 
@@ -180,7 +182,7 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
         desired=desired,
         next_delay=float(spec.autoscaling.intervalSeconds),
         conditions=[metrics_condition(observed, decision), scaling_condition(decision),
-                    slo_condition(spec, decision)],
+                    slo_condition(spec, decision), transfer_health.condition(observed.obs)],
         autoscaler_status=st.autoscaler_status(decision, st.fmt_time(now)),
         decision=decision,
         scaled_message=scaled_message(decision, base, desired) if decision.changed else None,

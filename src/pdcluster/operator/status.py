@@ -10,7 +10,8 @@ from pdcluster.operator import autoscaler_explain as explain
 from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
 from pdcluster.operator.autoscaler_rules import MAX_NEED_SAMPLES
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet",
+                   "KVTransferDegraded")
 
 
 def fmt_time(epoch: float) -> str:
