@@ -90,6 +90,7 @@ class RunResult:
     prefilled_tokens: int
     prefix_hit_tokens: int = 0
     flips: int = 0
+    steps_by_cause: dict[str, int] = field(default_factory=dict)  # "role:cause" -> size changes (Core policies)
 
 
 class Cluster:
@@ -353,6 +354,7 @@ class Cluster:
             max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
             prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips,
+            steps_by_cause=dict(getattr(self.policy, "steps", {})),
         )
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
-from pdcluster.operator import autoscaler_flip
+from pdcluster.operator import autoscaler_explain, autoscaler_flip
 from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler import PoolView, State, decide
 from pdcluster.operator.planner import Bounds, plan
@@ -66,6 +66,7 @@ class Core:
     decisions: list[str] = field(default_factory=list)
     flip: bool = False  # take a short pool's growth from the other's slack by role flips (autoscaler_flip)
     pending_flips: tuple[int, int] = (0, 0)  # (decode -> prefill, prefill -> decode) of the last decision
+    steps: dict[str, int] = field(default_factory=dict)  # "role:cause" -> pool size changes (autoscaler_explain)
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
@@ -77,13 +78,20 @@ class Core:
                    PoolView(inp.decode_current, inp.decode_ready, since=0.0), inp.now)
         self.state = d.state
         self.decisions.append(d.reason)
-        if not self.flip:
-            return d.prefill.desired, d.decode.desired
-        fp = autoscaler_flip.plan(d, core)
-        self.pending_flips = (fp.to_prefill, fp.to_decode)
-        if fp.flips:
-            self.decisions[-1] = autoscaler_flip.FLIP
-        return fp.prefill, fp.decode
+        causes = autoscaler_explain.causes(d)
+        sizes = (d.prefill.desired, d.decode.desired)
+        if self.flip:
+            fp = autoscaler_flip.plan(d, core)
+            self.pending_flips = (fp.to_prefill, fp.to_decode)
+            if fp.flips:
+                self.decisions[-1] = autoscaler_flip.FLIP
+                causes = {"prefill": "flip", "decode": "flip"}
+            sizes = (fp.prefill, fp.decode)
+        for role, n, cur in (("prefill", sizes[0], inp.prefill_current), ("decode", sizes[1], inp.decode_current)):
+            if n != cur:
+                key = f"{role}:{causes[role]}"
+                self.steps[key] = self.steps.get(key, 0) + 1
+        return sizes
 
 
 def _shift_pool(ps, dt: float):
