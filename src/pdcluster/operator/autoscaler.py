@@ -30,8 +30,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdcluster.operator import autoscaler_guard as slo_guard
+from pdcluster.operator import autoscaler_ratio as ratio_bounds
 from pdcluster.operator import autoscaler_rules as rules
-from pdcluster.operator.autoscaler_ratio import RatioBounds, enforce
+from pdcluster.operator.autoscaler_ratio import RATIO_BOUND, RatioBounds
 from pdcluster.operator.autoscaler_rules import EWMA_ALPHA, learn_capacity  # noqa: F401 (public here)
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
@@ -51,7 +53,7 @@ ROLLOUT = "RolloutInProgress"
 CAPACITY_UNKNOWN = "CapacityUnknown"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 DISABLED = "AutoscalingDisabled"
-RATIO_BOUND = "RatioBound"  # a pool moved to keep spec.autoscaling.ratio
+# RATIO_BOUND ("RatioBound", autoscaler_ratio): a pool moved to keep spec.autoscaling.ratio
 
 _HOLD_PRIORITY = [METRICS_UNAVAILABLE, ROLLOUT, CAPACITY_UNKNOWN, STABILIZING, NO_HEADROOM, STEADY]
 
@@ -217,67 +219,6 @@ def _learn(policy: Policy, ps: PoolState, view: PoolView, observed: float | None
     return replace(ps, learned_capacity=learn_capacity(ps.learned_capacity, observed, saturated))
 
 
-def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
-    """(observed percentile, target) per pool: TTFT is prefill's SLO, TPOT decode's."""
-    return {"prefill": (obs.ttft_seconds if obs else None, policy.slo_ttft_seconds),
-            "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
-
-
-def _guard_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
-    """The (observed, target) pair each pool's SLO guard acts on: `_slo_targets`, except that decode also
-    answers for TTFT when its own queue waits. A full decode batch delays the first token, not TPOT (the
-    batch bound caps the step time): when the load turns to long outputs, requests queue for a decode slot
-    with TPOT met, and the formula's O (generated tokens / requests) is capped by what the saturated pool
-    produces, so nothing else would grow decode (a shift from 6k-token prompts to 900-token outputs: 7
-    minutes of 100 % misses before this)."""
-    out = _slo_targets(policy, obs)
-    observed, target = out["decode"]
-    ttft, ttft_target = out["prefill"]
-    if obs is not None and not rules.breached(observed, target) and rules.breached(ttft, ttft_target):
-        wait = rules.queue_wait(obs.decode_queue_mean, obs.request_rate)
-        if wait is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
-            out["decode"] = (min(ttft, ttft_target + wait), ttft_target)  # type: ignore[type-var]
-    return out
-
-
-def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
-           now: float) -> tuple[bool, PoolState]:
-    """Is this pool's percentile broken in a way one more replica cures, and is that news? The percentile
-    covers the whole window, so a breach counts once the pool's last change has been observed for a window
-    (sooner would count the same breach twice); only with traffic. While the SLO is met, an earlier
-    correction fades."""
-    observed, target = _guard_targets(policy, obs)[role]
-    broken = traffic and rules.breached(observed, target)
-    # More replicas cure queueing, not a slow request: a breach with no queue that adds a real wait in
-    # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
-    queue = (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
-    rate = obs.request_rate if obs else None
-    fires = broken and rules.guard_applies(queue, rate, target) and rules.still_queued(
-        (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None) and (not rules.warming_up(
-        now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
-        or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(_queue_now(obs, role, queue), rate), target)
-            and not rules.draining(_queue_now(obs, role, queue), queue)))
-    # ... and while a breach is one more replicas would not cure (no queue that waits): a correction made
-    # for a queue must not outlive it because long prompts keep the percentile broken.
-    curable = broken and rules.guard_applies(queue, rate, target)
-    if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
-        ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
-    return fires, ps
-
-
-def _queue_now(obs: Observation | None, role: str, fallback: float | None) -> float | None:
-    """The pool's queue now (the window's mean when the instant series is missing)."""
-    now = (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None
-    return fallback if now is None else now
-
-
-def _wait(obs: Observation | None, role: str) -> float | None:
-    """The wait the pool's queue adds (None: queue or rate unknown)."""
-    if obs is None:
-        return None
-    return rules.queue_wait(obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean, obs.request_rate)
-
-
 def _capacity(configured: float | None, ps: PoolState) -> tuple[float | None, str]:
     if configured:
         return configured * ps.capacity_scale, "spec"
@@ -349,21 +290,6 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
     return desired, reason, stalled, ps
 
 
-def _keep_ratio(policy: Policy, out: dict[str, PoolDecision], pool_states: dict[str, PoolState],
-                now: float) -> tuple[bool, list[str]]:
-    """spec.autoscaling.ratio on the decided sizes (autoscaler_ratio.enforce), in place; (moved, limited_by).
-    A pool the bound moves counts as changed now (its next windows are warm-up)."""
-    e = enforce(out["prefill"].desired, out["decode"].desired, policy.ratio, policy.bounds)
-    if not e.moved:
-        return False, list(e.limited_by)
-    for r, n in (("prefill", e.prefill), ("decode", e.decode)):
-        if n != out[r].desired:
-            out[r] = replace(out[r], desired=n, reason=RATIO_BOUND)
-            if n != out[r].current:
-                pool_states[r] = replace(pool_states[r], last_change=now, below_since=None)
-    return True, list(e.limited_by)
-
-
 def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolView, decode: PoolView,
            now: float) -> Decision:
     views = {"prefill": prefill, "decode": decode}
@@ -386,12 +312,13 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             tput = obs.prefill_tokens_per_instance if r == "prefill" else obs.decode_tokens_per_instance
             sat = obs.prefill_saturated if r == "prefill" else obs.decode_saturated
             pool_states[r] = _learn(policy, pool_states[r], views[r], tput, sat, now)
-        guard[r], pool_states[r] = _guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate), now)
+        guard[r], pool_states[r] = slo_guard.guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate),
+                                                   now)
         capacity[r], source[r] = _capacity(configured[r], pool_states[r])
 
     peak = obs.peak_request_rate if obs else None
-    slo = _slo_targets(policy, obs)
-    gslo = _guard_targets(policy, obs)
+    slo = slo_guard.slo_targets(policy, obs)
+    gslo = slo_guard.targets(policy, obs)
     headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
         if policy.adaptive_headroom else policy.headroom
     join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"], policy.decode_join_seconds)
@@ -444,13 +371,13 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now, gslo[r], _wait(obs, r))
+            metrics_ok, now, gslo[r], slo_guard.wait(obs, r))
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 
     if any(out[r].rollout_stalled for r in POOLS):
         limited_by = [*limited_by, "rollout-stalled"]
-    ratio_moved, ratio_limits = _keep_ratio(policy, out, pool_states, now)
+    ratio_moved, ratio_limits = ratio_bounds.keep(policy, out, pool_states, now)
     limited_by = [*limited_by, *ratio_limits]
     return Decision(
         prefill=out["prefill"],

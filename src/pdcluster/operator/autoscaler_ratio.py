@@ -11,14 +11,19 @@ stay within the replica bounds and the result says so (`unsatisfiable`), surface
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pdcluster.operator.planner import Bounds
+
+if TYPE_CHECKING:
+    from pdcluster.operator.autoscaler import Policy, PoolDecision, PoolState
 
 EPS = 1e-9
 RATIO_MIN = "ratio-min"  # limited_by entries
 RATIO_MAX = "ratio-max"
 RATIO_UNSATISFIABLE = "ratio-unsatisfiable"
+RATIO_BOUND = "RatioBound"  # the reason of a decision (and of each pool) the bound moved
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,18 @@ def enforce(p: int, d: int, ratio: RatioBounds, bounds: Bounds) -> Enforced:
     if got is not None:
         return Enforced(got[0], got[1], (why,))
     return Enforced(p, d, (RATIO_UNSATISFIABLE,))
+
+
+def keep(policy: Policy, out: dict[str, PoolDecision], pool_states: dict[str, PoolState],
+         now: float) -> tuple[bool, list[str]]:
+    """`enforce` on a decision's pools, in place: (moved, limited_by). A pool the bound moves counts as
+    changed now (its next windows are warm-up)."""
+    e = enforce(out["prefill"].desired, out["decode"].desired, policy.ratio, policy.bounds)
+    if not e.moved:
+        return False, list(e.limited_by)
+    for r, n in (("prefill", e.prefill), ("decode", e.decode)):
+        if n != out[r].desired:
+            out[r] = replace(out[r], desired=n, reason=RATIO_BOUND)
+            if n != out[r].current:
+                pool_states[r] = replace(pool_states[r], last_change=now, below_since=None)
+    return True, list(e.limited_by)

@@ -30,6 +30,7 @@ from pdcluster.operator.pod_spec import (
     Toleration,
     cel,
 )
+from pdcluster.operator.ratio_spec import Ratio
 
 API_GROUP = "pdcluster.dev"
 API_VERSION = "v1alpha1"
@@ -234,29 +235,6 @@ class Capacity(SpecModel):
     )
 
 
-class RatioBounds(SpecModel):
-    """Declared bounds of the prefill:decode ratio (prefill instances per decode instance)."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _cel("!has(self.min) || !has(self.max) || self.min <= self.max",
-                     "autoscaling.ratio.min must be <= autoscaling.ratio.max"),
-            ]
-        }
-    )
-    min: float | None = Field(default=None, gt=0, le=1000,
-                              description="Fewest prefill instances per decode instance (P/D at least this).")
-    max: float | None = Field(default=None, gt=0, le=1000,
-                              description="Most prefill instances per decode instance (P/D at most this).")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> RatioBounds:
-        if self.min is not None and self.max is not None and self.min > self.max:
-            raise ValueError("autoscaling.ratio.min must be <= autoscaling.ratio.max")
-        return self
-
-
 class SLO(SpecModel):
     ttftSeconds: float | None = Field(
         default=None, gt=0, le=3600,
@@ -308,8 +286,8 @@ class Autoscaling(SpecModel):
     )
     capacity: Capacity = Field(default_factory=Capacity)
     slo: SLO = Field(default_factory=SLO, description="Latency targets guarded by the autoscaler.")
-    ratio: RatioBounds = Field(
-        default_factory=RatioBounds,
+    ratio: Ratio = Field(
+        default_factory=Ratio,
         description="Bounds of prefill:decode (P/D) that every autoscaler decision keeps: the short pool grows "
         "to meet them (the other shrinks only where a maxReplicas or maxTotalReplicas leaves no room).")
     burstWindowSeconds: int = Field(
