@@ -27,6 +27,7 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -34,7 +35,6 @@ from pdcluster.operator import autoscaler_guard as slo_guard
 from pdcluster.operator import autoscaler_ratio as ratio_bounds
 from pdcluster.operator import autoscaler_rules as rules
 from pdcluster.operator.autoscaler_ratio import RATIO_BOUND, RatioBounds
-from pdcluster.operator.autoscaler_rules import EWMA_ALPHA, learn_capacity  # noqa: F401 (public here)
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
 # A recommendation only counts as "lower" when even the load plus 10% fits in one replica less.
@@ -150,7 +150,18 @@ class PoolState:
     recent_bursts: tuple[tuple[float, float], ...] = ()  # (time, need of the peak λ) within the burst memory
     capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
     slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
-    tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (autoscaler_layout)
+    tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (for_layout)
+
+    def for_layout(self, tp: int, now: float) -> PoolState:
+        """This state if it was observed at TP `tp`, else a fresh one. All of it is in units of instances of
+        the pool's layout (capacity of one pod, its SLO correction, pods needed), and a pod at TP 4 is another
+        instance than one at TP 1: after a change the pool learns afresh, and the change counts as its last
+        change, so the windows of the rollout teach nothing (`rules.warming_up`). The SLO-breach counter
+        carries on (a count for the operator's metric, not a belief about capacity). A state recorded before
+        TP existed (None) was learned at TP 1."""
+        if (self.tensor_parallel or 1) == tp:
+            return self if self.tensor_parallel == tp else replace(self, tensor_parallel=tp)
+        return PoolState(last_change=now, tensor_parallel=tp, slo_breaches=self.slo_breaches)
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,11 @@ class State:
 
     def pool(self, role: str) -> PoolState:
         return getattr(self, role)
+
+    def for_layout(self, tp: Mapping[str, int], now: float) -> State:
+        """The state valid for the pools' current TP sizes (`tp`: role -> tensorParallelSize)."""
+        return State(prefill=self.prefill.for_layout(int(tp["prefill"]), now),
+                     decode=self.decode.for_layout(int(tp["decode"]), now))
 
 
 @dataclass(frozen=True)
@@ -216,7 +232,7 @@ def _learn(policy: Policy, ps: PoolState, view: PoolView, observed: float | None
            now: float) -> PoolState:
     if rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds):
         return ps  # a cold-start sample: not evidence of capacity
-    return replace(ps, learned_capacity=learn_capacity(ps.learned_capacity, observed, saturated))
+    return replace(ps, learned_capacity=rules.learn_capacity(ps.learned_capacity, observed, saturated))
 
 
 def _capacity(configured: float | None, ps: PoolState) -> tuple[float | None, str]:
@@ -357,7 +373,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
 
     for r in POOLS:
         inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
-    raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
+    raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {
         "prefill": clamped_p if need["prefill"] is not None else None,

@@ -32,10 +32,9 @@ from pdcluster.worker.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
+from pdcluster.worker.api.responses import ModelCard, ModelList
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
