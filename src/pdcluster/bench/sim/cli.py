@@ -179,12 +179,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(policies: dict[str, dict]) -> str:
-    lines = [f"{'policy':<14} {'SLO ok':>7} {'feasible':>8} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} {'D-h':>6} "
-             f"{'events':>6} {'maxP':>5} {'maxD':>5}"]
+    w = max([14, *(len(n) for n in policies)])
+    lines = [f"{'policy':<{w}} {'SLO ok':>7} {'feasible':>8} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} "
+             f"{'D-h':>6} {'events':>6} {'flips':>5} {'maxP':>5} {'maxD':>5}"]
     for n, p in policies.items():
-        lines.append(f"{n:<14} {100 * p['slo_attainment']:>6.2f}% {100 * p['slo_attainment_feasible']:>7.2f}% "
+        lines.append(f"{n:<{w}} {100 * p['slo_attainment']:>6.2f}% {100 * p['slo_attainment_feasible']:>7.2f}% "
                      f"{p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
                      f"{p['instance_hours']:>7.2f} {p['prefill_instance_hours']:>6.2f} "
-                     f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['max_prefill']:>5} "
-                     f"{p['max_decode']:>5}")
+                     f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['role_flips']:>5} "
+                     f"{p['max_prefill']:>5} {p['max_decode']:>5}")
     return "\n".join(lines)
