@@ -19,6 +19,10 @@ def test_the_guard_step_counts_only_the_part_of_the_breach_a_queue_explains() ->
     assert rules.guard_step(2, 15.85, 5.0, wait=1.1) == 1
     # a long queue explains all of a far breach: as before
     assert rules.guard_step(3, 77.0, 5.0, wait=100.0) == rules.guard_step(3, 77.0, 5.0) == 44
+    # a backlog building (the queue now past its mean): the percentile lags it, the wait now counts
+    assert rules.guard_step(1, 8.4, 5.0, wait=1.06, wait_now=7.5) == 2  # 1 x (5 + 7.5)/5 = 2.5
+    assert rules.guard_step(1, 8.4, 5.0, wait=1.06) == 1
+    assert rules.guard_step(1, 8.4, 5.0, wait=9.0, wait_now=7.5) == 1  # draining: the mean's cap holds
     assert rules.guard_step(3, 77.0, 5.0, wait=float("nan")) == 44  # unknown wait: the percentile alone
     pol = policy(slo_ttft_seconds=5.0, max_up_step=100)
     dec = asc.decide(pol, asc.State(), obs(1.0, ttft_seconds=15.85, prefill_queue_mean=1.1), asc.PoolView(2, 2),

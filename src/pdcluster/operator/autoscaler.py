@@ -12,8 +12,8 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
 - SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
-  a real wait, and is still there at the window's end, grows it (by current·min(observed, target +
-  wait)/target, at least one) even when the formula says enough, and cuts its capacity correction (which
+  a real wait, and is still there at the window's end, grows it (by current·(target + wait)/target, at
+  least one) even when the formula says enough, and cuts its capacity correction (which
   fades while the SLO is met or the breach has no queue); once per window after the pool's last change,
   sooner when the queue alone still waits longer than the target once the change is ready.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
@@ -266,7 +266,7 @@ def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: 
 def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
                    burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool, now: float,
                    slo: tuple[float | None, float | None] = (None, None),
-                   wait: float | None = None) -> tuple[int, str, bool, PoolState]:
+                   wait: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
     """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
     current, stalled = view.current, False
     if not metrics_ok:
@@ -295,7 +295,7 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # The SLO is broken although the formula says enough: more replicas now (in proportion to the
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
-        target = current + rules.guard_step(current, *slo, wait=wait)
+        target = current + rules.guard_step(current, *slo, wait=wait[0], wait_now=wait[1])
         ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
                      slo_breaches=ps.slo_breaches + 1)
     if target > current:

@@ -36,9 +36,9 @@ def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
     ttft, ttft_target = out["prefill"]
     if obs is not None and ttft is not None and ttft_target is not None and not rules.breached(observed, target) \
             and rules.breached(ttft, ttft_target):
-        wait = rules.queue_wait(obs.decode_queue_mean, obs.request_rate)
-        if wait is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
-            out["decode"] = (min(ttft, ttft_target + wait), ttft_target)
+        w = wait(obs, "decode")[0]
+        if w is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
+            out["decode"] = (min(ttft, ttft_target + w), ttft_target)
     return out
 
 
@@ -51,9 +51,12 @@ def queue_now(obs: Observation | None, role: str) -> float | None:
     return (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None
 
 
-def wait(obs: Observation | None, role: str) -> float | None:
-    """The wait the pool's queue adds over the window (None: queue or rate unknown)."""
-    return rules.queue_wait(queue_mean(obs, role), obs.request_rate) if obs else None
+def wait(obs: Observation | None, role: str) -> tuple[float | None, float | None]:
+    """(the wait the pool's queue adds over the window, the wait it adds now); None: unknown."""
+    if obs is None:
+        return None, None
+    return (rules.queue_wait(queue_mean(obs, role), obs.request_rate),
+            rules.queue_wait(queue_now(obs, role), obs.request_rate))
 
 
 def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,

@@ -142,18 +142,23 @@ def draining(queue_now: float | None, queue_mean: float | None) -> bool:
     return queue_now is not None and queue_mean is not None and queue_now < queue_mean
 
 
-def guard_step(current: int, observed: float | None, target: float | None, wait: float | None = None) -> int:
+def guard_step(current: int, observed: float | None, target: float | None, wait: float | None = None,
+               wait_now: float | None = None) -> int:
     """Replicas the SLO guard adds: in proportion to how far the percentile is over its target (HPA's
     current x metric/target), at least one; `maxScaleUpStep` caps it. One replica per window was too slow
     for a burst (Azure, no history: p99 TTFT 77 s against 5 s took three windows to grow 3 -> 5).
-    With the queue's `wait` known, only the part of the percentile a queue explains counts (target +
+    With the queue's mean `wait` known, only the part of the percentile a queue explains counts (target +
     wait at most): prompts too long for the target on any pool size break the percentile by 3x (Mooncake-
     schema traces, 5 % of prompts over 50k tokens) while the queue adds a second, and a step of 2x the pool
-    for them buys nothing."""
+    for them buys nothing. With the queue grown past its mean (`wait_now` > `wait`: a backlog building), the
+    wait it adds now counts at least (target + wait_now): the percentile lags a backlog whose requests have
+    no first token yet (a shift to long outputs: p99 8 s while the decode queue already meant 7.5 s)."""
     if not observed or not target or not math.isfinite(observed) or observed <= target:
         return 1
     if wait is not None and math.isfinite(wait):
         observed = min(observed, target + wait)
+    if wait_now is not None and math.isfinite(wait_now) and (wait is None or wait_now > wait):
+        observed = max(observed, target + wait_now)
     return max(1, math.ceil(current * observed / target - 1e-9) - current)
 
 
