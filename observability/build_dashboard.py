@@ -165,6 +165,11 @@ ROWS: list[tuple[str, list[dict]]] = [
         ts("Autoscaler decisions by reason", [
             (f"sum by (reason) (increase(pdcluster_autoscaler_decisions_total{{{SEL}}}[$__rate_interval]))", "{{reason}}"),
         ], "short", bars=True, stack=True, desc="Each decision of the autoscaler (ScaleUp, ScaleDown, Steady, Stabilizing, CapacityUnknown, ...)."),
+        ts("Scaling steps by cause", [
+            (f"sum by (role, cause) (increase(pdcluster_autoscaler_scaling_steps_total{{{SEL}}}[$__rate_interval]))",
+             "{{role}} {{cause}}"),
+        ], "short", bars=True, stack=True, desc="Each pool size change and the rule that set it: formula, burst, "
+           "slo-guard, bound, stabilization, limit (docs/runbooks/AutoscalerDecisions.md)."),
         ts("Learned capacity per instance", [
             (f"max by (role) (pdcluster_autoscaler_learned_capacity_tokens_per_second{{{SEL}}})", "{{role}}"),
         ], "short", w=12, desc="Prompt tok/s (prefill) and output tok/s (decode) per instance, as learned; compare with `pdcluster profile`."),

@@ -67,6 +67,12 @@ class Workload:
         for w in ("d0", "d1"):  # each decode worker admits half the requests
             j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2)
         yield j
+        k = HistogramMetricFamily("pdcluster_kv_transfer_seconds", "kv", labels=["pdcluster", "role", "worker"])
+        for w in ("p0", "p1"):  # every request's KV is saved by its prefill worker; 2 % of them fail
+            k.add_metric(["demo", "prefill", w], [("+Inf", 0.98 * n / 2)], sum_value=0.01 * n)
+        yield k
+        yield counter("pdcluster_kv_transfer_failures_total", "failed transfers", [
+            (["demo", "prefill", "p0"], 0.01 * n), (["demo", "decode", "d0"], 0.01 * n)])
         g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):
             g.add_metric(["demo", "prefill", w], 3)  # the prefill queue never empties: saturated
@@ -175,6 +181,10 @@ def test_observation_from_a_real_prometheus(prometheus: str) -> None:
     assert o.decode_tokens_per_instance == pytest.approx(RATE * OUT / 2, rel=0.1)
     assert o.prefill_saturated is True
     assert o.decode_saturated is False
+    assert o.prefill_queue_now == 6 and o.decode_queue_now == 0  # the sum over the pool's workers, now
+    # KV transfers over every role of the PDCluster: 0.98 x 4 req/s saved, 0.02 x 4 failed (save or load)
+    assert o.kv_transfers_per_second == pytest.approx(0.98 * RATE, rel=0.1)
+    assert o.kv_transfer_failures_per_second == pytest.approx(0.02 * RATE, rel=0.1)
 
 
 def test_decision_learns_the_saturated_pool_from_prometheus(prometheus: str) -> None:

@@ -66,7 +66,7 @@ async def test_disabled_uses_the_spec_replicas() -> None:
     s = await scaling.step(spec, {}, pools(None, None), NOW, cluster="demo", source_for=lambda u: FixedSource(None),
                            resync_seconds=60)
     assert s.desired == {"prefill": 1, "decode": 2} and s.decision is None and s.autoscaler_status == {}
-    assert [c["reason"] for c in s.conditions] == ["AutoscalingDisabled"] * 3
+    assert [c["reason"] for c in s.conditions] == ["AutoscalingDisabled"] * 4
 
 
 def test_base_starts_from_the_recorded_desired_count_within_the_current_bounds() -> None:
@@ -96,11 +96,14 @@ async def test_due_evaluates_records_state_and_asks_for_a_scaled_event() -> None
                            resync_seconds=60)
     assert source.calls == 1 and s.decision is not None and s.decision.reason == asc.SCALE_UP
     assert s.desired == {"prefill": 3, "decode": 3}
-    assert s.scaled_message and s.scaled_message.startswith("prefill 1->3, decode 2->3 (ScaleUp")
+    # each pool's step carries its cause (autoscaler_explain): here the formula at the mean rate
+    assert s.scaled_message and s.scaled_message.startswith("prefill 1->3 (formula), decode 2->3 (formula) (ScaleUp")
     assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)
-    assert s.autoscaler_status["lastDecision"]["prefill"]["desired"] == 3
+    last = s.autoscaler_status["lastDecision"]
+    assert last["prefill"]["desired"] == 3 and last["prefill"]["cause"] == "formula"
+    assert last["message"] == "prefill 1->3 (formula), decode 2->3 (formula): ScaleUp"
     assert {c["type"]: c["status"] for c in s.conditions} == {"MetricsAvailable": "True", "ScalingLimited": "False",
-                                                              "SLOMet": "Unknown"}
+                                                              "SLOMet": "Unknown", "KVTransferDegraded": "Unknown"}
     assert s.next_delay == spec.autoscaling.intervalSeconds
 
 
@@ -108,7 +111,8 @@ async def test_unreachable_metrics_hold_and_say_why() -> None:
     s = await scaling.step(auto_spec(), {}, pools(2, 2), NOW, cluster="demo",
                            source_for=lambda u: FixedSource(None), resync_seconds=60)
     assert s.desired == {"prefill": 2, "decode": 2} and s.scaled_message is None
-    (metrics, _, _) = s.conditions
+    (metrics, _, _, transfer) = s.conditions
+    assert (transfer["type"], transfer["status"]) == ("KVTransferDegraded", "Unknown")
     assert (metrics["status"], metrics["reason"]) == ("False", "PrometheusUnreachable")
 
 

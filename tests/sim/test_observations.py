@@ -75,3 +75,18 @@ def test_priming_carries_state_and_sizes_back_in_time() -> None:
     assert lc is not None and primed.state.prefill.last_change == pytest.approx(lc - trace.duration_s)
     assert all(t < 0 for t, _ in primed.state.prefill.recent_needs)
     assert primed.core == first.core and primed.decisions == []
+
+
+def test_the_queue_now_is_the_latest_sample():
+    from pdcluster.bench.sim.observe import Counters, Sampler
+
+    s = Sampler(window_s=120.0)
+    c = Counters()
+    s.record_counters(0.0, c)
+    for k, (p, d) in enumerate([(5, 1), (9, 0), (2, 3)]):
+        s.record_queues(12.0 * k, p, d)
+    c.admitted = 10
+    s.record_counters(30.0, c)
+    o = s.observation(30.0, 1, 1)
+    assert o is not None and o.prefill_queue_now == 2.0 and o.decode_queue_now == 3.0
+    assert o.prefill_queue_mean == (5 + 9 + 2) / 3

@@ -12,9 +12,10 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
 - SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
-  a real wait grows it (by current·observed/target, at least one) even when the formula says enough,
-  and cuts its capacity correction (which fades while the SLO is met); once per window after the pool's
-  last change.
+  a real wait, and is still there at the window's end, grows it (by current·(target + wait)/target, at
+  least one) even when the formula says enough, and cuts its capacity correction (which
+  fades while the SLO is met or the breach has no queue); once per window after the pool's last change,
+  sooner when the queue alone still waits longer than the target once the change is ready.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
   size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
   the sliding window of that length, and not below the need of bursts that broke the SLO within
@@ -30,7 +31,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdcluster.operator import autoscaler_guard as slo_guard
+from pdcluster.operator import autoscaler_ratio as ratio_bounds
 from pdcluster.operator import autoscaler_rules as rules
+from pdcluster.operator.autoscaler_ratio import RATIO_BOUND, RatioBounds
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
 # A recommendation only counts as "lower" when even the load plus 10% fits in one replica less.
@@ -49,6 +53,7 @@ ROLLOUT = "RolloutInProgress"
 CAPACITY_UNKNOWN = "CapacityUnknown"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 DISABLED = "AutoscalingDisabled"
+# RATIO_BOUND ("RatioBound", autoscaler_ratio): a pool moved to keep spec.autoscaling.ratio
 
 _HOLD_PRIORITY = [METRICS_UNAVAILABLE, ROLLOUT, CAPACITY_UNKNOWN, STABILIZING, NO_HEADROOM, STEADY]
 
@@ -72,6 +77,10 @@ class Observation:
     prefill_queue_mean: float | None = None  # requests waiting in the pool, averaged over the window
     decode_queue_mean: float | None = None
     decode_join_seconds: float | None = None  # t_join: mean s from a request's KV complete to its first output
+    prefill_queue_now: float | None = None  # requests waiting in the pool at the end of the window
+    decode_queue_now: float | None = None
+    kv_transfers_per_second: float | None = None  # completed prefill->decode KV transfers (KVTransferDegraded)
+    kv_transfer_failures_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ class Policy:
     slo_percentile: float = 0.99
     use_prefix_hits: bool = True  # discount I by the observed prefix-cache hit rate
     adaptive_headroom: bool = True  # headroom follows the window's variability, `headroom` its ceiling
+    ratio: RatioBounds = field(default_factory=RatioBounds)  # spec.autoscaling.ratio (P/D), kept by every decision
 
     @classmethod
     def from_spec(cls, spec: Any) -> Policy:
@@ -126,6 +136,7 @@ class Policy:
             slo_tpot_seconds=a.slo.tpotSeconds,
             slo_percentile=a.slo.percentile,
             adaptive_headroom=a.adaptiveHeadroom,
+            ratio=RatioBounds(a.ratio.min, a.ratio.max),
         )
 
 
@@ -224,31 +235,6 @@ def _learn(policy: Policy, ps: PoolState, view: PoolView, observed: float | None
     return replace(ps, learned_capacity=rules.learn_capacity(ps.learned_capacity, observed, saturated))
 
 
-def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
-    """(observed percentile, target) per pool: TTFT is prefill's SLO, TPOT decode's."""
-    return {"prefill": (obs.ttft_seconds if obs else None, policy.slo_ttft_seconds),
-            "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
-
-
-def _guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
-           now: float) -> tuple[bool, PoolState]:
-    """Is this pool's percentile broken in a way one more replica cures, and is that news? The percentile
-    covers the whole window, so a breach counts once the pool's last change has been observed for a window
-    (sooner would count the same breach twice); only with traffic. While the SLO is met, an earlier
-    correction fades."""
-    observed, target = _slo_targets(policy, obs)[role]
-    broken = traffic and rules.breached(observed, target)
-    # More replicas cure queueing, not a slow request: a breach with no queue that adds a real wait in
-    # front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing.
-    queue = (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
-    rate = obs.request_rate if obs else None
-    fires = broken and rules.guard_applies(queue, rate, target) and not rules.warming_up(
-        now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds)
-    if not broken and ps.capacity_scale < 1.0 and rules.comfortable(observed, target):
-        ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
-    return fires, ps
-
-
 def _capacity(configured: float | None, ps: PoolState) -> tuple[float | None, str]:
     if configured:
         return configured * ps.capacity_scale, "spec"
@@ -279,7 +265,8 @@ def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: 
 
 def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
                    burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool, now: float,
-                   slo: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
+                   slo: tuple[float | None, float | None] = (None, None),
+                   wait: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
     """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
     current, stalled = view.current, False
     if not metrics_ok:
@@ -308,7 +295,7 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # The SLO is broken although the formula says enough: more replicas now (in proportion to the
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
-        target = current + rules.guard_step(current, *slo)
+        target = current + rules.guard_step(current, *slo, wait=wait[0], wait_now=wait[1])
         ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
                      slo_breaches=ps.slo_breaches + 1)
     if target > current:
@@ -341,11 +328,13 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             tput = obs.prefill_tokens_per_instance if r == "prefill" else obs.decode_tokens_per_instance
             sat = obs.prefill_saturated if r == "prefill" else obs.decode_saturated
             pool_states[r] = _learn(policy, pool_states[r], views[r], tput, sat, now)
-        guard[r], pool_states[r] = _guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate), now)
+        guard[r], pool_states[r] = slo_guard.guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate),
+                                                   now)
         capacity[r], source[r] = _capacity(configured[r], pool_states[r])
 
     peak = obs.peak_request_rate if obs else None
-    slo = _slo_targets(policy, obs)
+    slo = slo_guard.slo_targets(policy, obs)
+    gslo = slo_guard.targets(policy, obs)
     headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
         if policy.adaptive_headroom else policy.headroom
     join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"], policy.decode_join_seconds)
@@ -356,6 +345,8 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
         "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
         "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0], "decodeJoinSeconds": join,
+        "ratioMin": policy.ratio.min, "ratioMax": policy.ratio.max,
+        "maxScaleUpStep": policy.max_up_step, "maxScaleDownStep": policy.max_down_step,
     }
 
     # 4. Raw needs (None = cannot compute: hold this pool). Bursts recur (the Azure code trace: 10 s
@@ -375,10 +366,13 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             work = lens[r] / capacity[r] + (join if r == "decode" else 0.0)  # type: ignore[operator]
             spread = rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
             need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
+            inputs[f"{r}BurstNeed"] = burst  # explains a step (autoscaler_explain): burst or formula
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
-            if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
+            if bursty and (rules.breached(*gslo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
+    for r in POOLS:
+        inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
     raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {
@@ -393,16 +387,18 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now, slo[r])
+            metrics_ok, now, gslo[r], slo_guard.wait(obs, r))
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 
     if any(out[r].rollout_stalled for r in POOLS):
         limited_by = [*limited_by, "rollout-stalled"]
+    ratio_moved, ratio_limits = ratio_bounds.keep(policy, out, pool_states, now)
+    limited_by = [*limited_by, *ratio_limits]
     return Decision(
         prefill=out["prefill"],
         decode=out["decode"],
-        reason=_overall_reason(out["prefill"], out["decode"]),
+        reason=RATIO_BOUND if ratio_moved else _overall_reason(out["prefill"], out["decode"]),
         limited_by=limited_by,
         inputs=inputs,
         state=State(prefill=pool_states["prefill"], decode=pool_states["decode"]),

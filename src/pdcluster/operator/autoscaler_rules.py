@@ -8,7 +8,8 @@
 - `burst_spread`: how much of a burst's peak rate the pool must serve within the TTFT target.
 - `effective_headroom`: the headroom the load's observed variability calls for, the spec's as the ceiling.
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
-- `guard_step`: how many replicas the SLO guard adds (in proportion to the breach).
+- `queue_wait`: the wait a pool's queue adds (Little's law).
+- `guard_step`: how many replicas the SLO guard adds (in proportion to the part of the breach a queue explains).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
 - `join_cost`: t_join from the decode workers' admission time and step time (the step is O/C_d's).
 - `join_seconds`: the decode pool's per-request admission cost (t_join) the formula adds to O/C_d.
@@ -113,12 +114,51 @@ def guard_applies(queue_mean: float | None, rate: float | None, target: float | 
     return queue_mean / rate >= GUARD_MIN_WAIT_SHARE * target
 
 
-def guard_step(current: int, observed: float | None, target: float | None) -> int:
+def queue_wait(queue_mean: float | None, rate: float | None) -> float | None:
+    """The wait a queue in front of a pool adds (Little's law: mean queue / λ); None when unknown."""
+    if queue_mean is None or not math.isfinite(queue_mean) or not rate or rate <= 0:
+        return None
+    return max(0.0, queue_mean) / rate
+
+
+def still_queued(queue_now: float | None) -> bool:
+    """Whether the queue a breach came with is still there (unknown: assume so). The percentile and the
+    mean queue cover the whole window; a queue that has drained by the end of it was a burst the pool has
+    absorbed, and replicas ordered for it now start a pod-start after it is over."""
+    return queue_now is None or not math.isfinite(queue_now) or queue_now > 0
+
+
+def backlog_outgrew(current: int, ready: int, wait: float | None, target: float | None) -> bool:
+    """Whether a pool whose last change is ready still has a queue that alone waits longer than the target:
+    then its percentile is not an old breach counted twice but one the change did not cure, and waiting a
+    whole window more for it (the warm-up rule) costs another pod start on a cold cluster hit by a burst."""
+    return ready >= current and wait is not None and target is not None and wait > target
+
+
+def draining(queue_now: float | None, queue_mean: float | None) -> bool:
+    """A queue below its window's mean is going down: the pods of the last change are working it off, and
+    more ordered now would start after it is gone (a shift to long outputs: decode 6 -> 10 for a backlog
+    the 6 drained in seconds)."""
+    return queue_now is not None and queue_mean is not None and queue_now < queue_mean
+
+
+def guard_step(current: int, observed: float | None, target: float | None, wait: float | None = None,
+               wait_now: float | None = None) -> int:
     """Replicas the SLO guard adds: in proportion to how far the percentile is over its target (HPA's
     current x metric/target), at least one; `maxScaleUpStep` caps it. One replica per window was too slow
-    for a burst (Azure, no history: p99 TTFT 77 s against 5 s took three windows to grow 3 -> 5)."""
+    for a burst (Azure, no history: p99 TTFT 77 s against 5 s took three windows to grow 3 -> 5).
+    With the queue's mean `wait` known, only the part of the percentile a queue explains counts (target +
+    wait at most): prompts too long for the target on any pool size break the percentile by 3x (Mooncake-
+    schema traces, 5 % of prompts over 50k tokens) while the queue adds a second, and a step of 2x the pool
+    for them buys nothing. With the queue grown past its mean (`wait_now` > `wait`: a backlog building), the
+    wait it adds now counts at least (target + wait_now): the percentile lags a backlog whose requests have
+    no first token yet (a shift to long outputs: p99 8 s while the decode queue already meant 7.5 s)."""
     if not observed or not target or not math.isfinite(observed) or observed <= target:
         return 1
+    if wait is not None and math.isfinite(wait):
+        observed = min(observed, target + wait)
+    if wait_now is not None and math.isfinite(wait_now) and (wait is None or wait_now > wait):
+        observed = max(observed, target + wait_now)
     return max(1, math.ceil(current * observed / target - 1e-9) - current)
 
 

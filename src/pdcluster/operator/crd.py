@@ -158,7 +158,8 @@ def _status_schema() -> dict[str, Any]:
                                    "description": "metadata.generation the operator last reconciled."},
             "conditions": {
                 "type": "array",
-                "description": "Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, SLOMet.",
+                "description": "Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, SLOMet, "
+                               "KVTransferDegraded.",
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],

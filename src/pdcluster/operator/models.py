@@ -40,6 +40,7 @@ from pdcluster.operator.pod_spec import (
     Toleration,
     cel,
 )
+from pdcluster.operator.ratio_spec import Ratio
 from pdcluster.worker.router.options import default as router_default
 from pdcluster.worker.transfer.options import default as kv_default
 
@@ -313,6 +314,10 @@ class Autoscaling(SpecModel):
     )
     capacity: Capacity = Field(default_factory=Capacity)
     slo: SLO = Field(default_factory=SLO, description="Latency targets guarded by the autoscaler.")
+    ratio: Ratio = Field(
+        default_factory=Ratio,
+        description="Bounds of prefill:decode (P/D) that every autoscaler decision keeps: the short pool grows "
+        "to meet them (the other shrinks only where a maxReplicas or maxTotalReplicas leaves no room).")
     burstWindowSeconds: int = Field(
         default=10, ge=0, le=3600,
         description="Short window for the peak request rate within windowSeconds (a burst must fit "

@@ -32,6 +32,12 @@ LEARNED_CAPACITY = Gauge(
     "Learned per-instance capacity (prompt tok/s for prefill, output tok/s for decode).",
     ["namespace", "pdcluster", "role"], registry=REGISTRY,
 )
+SCALING_STEPS = Counter(
+    "pdcluster_autoscaler_scaling_steps_total",
+    "Pool size changes by cause: formula, burst, slo-guard, flip, bound, stabilization, limit "
+    "(operator/autoscaler_explain.py).",
+    ["namespace", "pdcluster", "role", "cause"], registry=REGISTRY,
+)
 SLO_SCALE_UPS = Counter(
     "pdcluster_autoscaler_slo_scale_ups_total",
     "Pools grown by the SLO guard (an observed latency percentile broke spec.autoscaling.slo).",

@@ -13,7 +13,8 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
 - saturated: min over the window of sum(pdcluster_requests_waiting{role=...}) > 0, i.e. the queue never
   emptied.
 - queue mean: avg over the window of sum(pdcluster_requests_waiting{role=...}) (the SLO guard grows a
-  pool only when it had a queue to cure)
+  pool only when it had a queue to cure); queue now: the same sum at the end of the window (a backlog the
+  last change did not cure)
 - prefix hit rate = rate(pdcluster_prefix_cache_hit_tokens_total{role="prefill"}) / rate(prompt tokens of
   the prefill workers) (optional: missing on workers without the counter -> no discount)
 - peak λ (with `burst_seconds`): max over the window of the `burst_seconds` request rate, a subquery
@@ -94,6 +95,11 @@ def _sel(cluster: str, role: str) -> str:
     return f'{{pdcluster="{cluster}",role="{role}"}}'
 
 
+def _sel_cluster(cluster: str) -> str:
+    cluster = cluster.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{{pdcluster="{cluster}"}}'
+
+
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, client: Any = None) -> None:
         self.url = url
@@ -145,6 +151,7 @@ class PrometheusSource:
         w = f"{int(window_seconds)}s"
         step = f"{max(1, min(15, int(window_seconds) // 10))}s"
         router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
+        cl = _sel_cluster(cluster)  # every role: saves fail on prefill, loads on decode
         rate = self._first(
             f"sum(rate({_series(ROUTER['requests'], router)}[{w}]))",
             f"sum(rate({_series(wk['requests'], decode)}[{w}]))",
@@ -182,6 +189,9 @@ class PrometheusSource:
 
         def queue_mean(sel: str) -> float | None:
             return self.scalar(f"avg_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
+
+        def queue_now(sel: str) -> float | None:
+            return self.scalar(f"sum(pdcluster_requests_waiting{sel})")
 
         def saturated(sel: str) -> bool:
             v = self.scalar(f"min_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
@@ -234,4 +244,8 @@ class PrometheusSource:
             prefill_queue_mean=queue_mean(prefill),
             decode_queue_mean=queue_mean(decode),
             decode_join_seconds=join,
+            prefill_queue_now=queue_now(prefill),
+            decode_queue_now=queue_now(decode),
+            kv_transfers_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_seconds_count{cl}[{w}]))"),
+            kv_transfer_failures_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_failures_total{cl}[{w}]))"),
         )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import naming, opmetrics
+from pdcluster.operator import autoscaler_explain, naming, opmetrics, transfer_health
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -26,7 +26,7 @@ from pdcluster.operator.promsource import MetricsUnavailable
 ROLES = naming.WORKER_ROLES
 # condition type -> (the status that deserves a Warning Event, the Event's reason)
 WARN_WHEN = {"MetricsAvailable": ("False", "MetricsUnavailable"), "ScalingLimited": ("True", "ScalingLimited"),
-             "SLOMet": ("False", "SLOBreached")}
+             "SLOMet": ("False", "SLOBreached"), "KVTransferDegraded": ("True", "KVTransferDegraded")}
 
 
 class MetricsSource(Protocol):
@@ -101,6 +101,8 @@ def disabled(spec: PDClusterSpec, resync_seconds: float) -> Step:
             st.condition("MetricsAvailable", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
             st.condition("ScalingLimited", False, "AutoscalingDisabled", "replicas come from the spec"),
             st.condition("SLOMet", "Unknown", "AutoscalingDisabled", "autoscaling is disabled"),
+            st.condition(transfer_health.CONDITION, "Unknown", "AutoscalingDisabled",
+                         "read from the autoscaler's Prometheus: autoscaling is disabled"),
         ],
     )
 
@@ -126,7 +128,9 @@ def scaling_condition(decision: asc.Decision) -> dict[str, Any]:
     if not limits:
         return st.condition("ScalingLimited", False, "WithinBounds", "the recommendation fits the bounds")
     reason = ("RolloutStalled" if "rollout-stalled" in limits else
-              "TotalReplicaBudget" if "max-total-replicas" in limits else "AtMaxReplicas")
+              "RatioUnsatisfiable" if "ratio-unsatisfiable" in limits else
+              "TotalReplicaBudget" if "max-total-replicas" in limits else
+              "RatioBound" if any(x.startswith("ratio-") for x in limits) else "AtMaxReplicas")
     return st.condition("ScalingLimited", True, reason, "limited by: " + ", ".join(limits))
 
 
@@ -155,8 +159,9 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 
 def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Mapping[str, int]) -> str:
-    i = decision.inputs
-    return (f"prefill {base['prefill']}->{desired['prefill']}, decode {base['decode']}->{desired['decode']} "
+    i, c = decision.inputs, autoscaler_explain.causes(decision)
+    return (f"prefill {base['prefill']}->{desired['prefill']} ({c['prefill']}), "
+            f"decode {base['decode']}->{desired['decode']} ({c['decode']}) "
             f"({decision.reason}: rate {_fmt(i['requestRate'], ' req/s')}, "
             f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
             f"C_p {_fmt(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
@@ -179,7 +184,7 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
         desired=desired,
         next_delay=float(spec.autoscaling.intervalSeconds),
         conditions=[metrics_condition(observed, decision), scaling_condition(decision),
-                    slo_condition(spec, decision)],
+                    slo_condition(spec, decision), transfer_health.condition(observed.obs)],
         autoscaler_status=st.autoscaler_status(decision, st.fmt_time(now)),
         decision=decision,
         scaled_message=scaled_message(decision, base, desired) if decision.changed else None,
@@ -238,6 +243,9 @@ def record_metrics(owner: naming.Owner, spec: PDClusterSpec, s: Step) -> None:
             opmetrics.CAPACITY_SCALE.labels(owner.namespace, owner.name, r).set(ps.capacity_scale)
             if s.decision.pool(r).reason == asc.SLO_GUARD:
                 opmetrics.SLO_SCALE_UPS.labels(owner.namespace, owner.name, r).inc()
+        for r, cause in autoscaler_explain.causes(s.decision).items():
+            if s.decision.pool(r).desired != s.decision.pool(r).current:
+                opmetrics.SCALING_STEPS.labels(owner.namespace, owner.name, r, cause).inc()
     for r in ROLES:
         opmetrics.DESIRED.labels(owner.namespace, owner.name, r).set(s.desired[r])
     opmetrics.DESIRED.labels(owner.namespace, owner.name, "router").set(spec.router.replicas)

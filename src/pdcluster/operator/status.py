@@ -7,10 +7,12 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from pdcluster.operator import autoscaler_explain as explain
 from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
 from pdcluster.operator.autoscaler_rules import MAX_NEED_SAMPLES
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet",
+                   "KVTransferDegraded")
 
 
 def fmt_time(epoch: float) -> str:
@@ -246,12 +248,25 @@ def autoscaler_state_status(state: State) -> dict[str, Any]:
 
 def decision_record(d: Decision, now: str) -> dict[str, Any]:
     """status.autoscaler.lastDecision: what was decided and from which inputs."""
-    def pool(p: PoolDecision) -> dict[str, Any]:
-        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
-                "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
+    causes = explain.causes(d)
 
-    return {"time": now, "reason": d.reason, "prefill": pool(d.prefill), "decode": pool(d.decode),
-            "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+    def pool(p: PoolDecision, role: str) -> dict[str, Any]:
+        return {"current": p.current, "recommended": p.recommended, "desired": p.desired, "reason": p.reason,
+                "cause": causes[role], "capacitySource": p.capacity_source, "sloBreached": p.slo_breached}
+
+    out = {"time": now, "reason": d.reason, "message": explain.message(d), "prefill": pool(d.prefill, "prefill"),
+           "decode": pool(d.decode, "decode"), "limitedBy": list(d.limited_by), "inputs": dict(d.inputs)}
+    lo, hi = d.inputs.get("ratioMin"), d.inputs.get("ratioMax")
+    if lo is not None or hi is not None:  # spec.autoscaling.ratio, and where the decision stands in it
+        out["ratio"] = {"min": lo, "max": hi, "prefillPerDecode": ratio_pd(d.prefill.desired, d.decode.desired),
+                        "held": any(x.startswith("ratio-") and x != "ratio-unsatisfiable" for x in d.limited_by),
+                        "satisfiable": "ratio-unsatisfiable" not in d.limited_by}
+    return out
+
+
+def ratio_pd(prefill: int, decode: int) -> float | None:
+    """Prefill replicas per decode replica (the orientation of spec.autoscaling.ratio)."""
+    return round(prefill / decode, 3) if decode > 0 else None
 
 
 def autoscaler_status(d: Decision, now: str) -> dict[str, Any]:

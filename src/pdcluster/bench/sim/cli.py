@@ -18,6 +18,7 @@ from typing import NoReturn
 from pdcluster.bench import trace as tr
 from pdcluster.bench.sim import policies as pol
 from pdcluster.bench.sim.cluster import RunResult, simulate
+from pdcluster.bench.sim.feasibility import feasibility
 from pdcluster.bench.sim.model import SLO, ServiceModel, capacities_from_profile
 from pdcluster.bench.sim.report import (
     attainment,
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, help="capacities from `pdcluster profile --json` output")
     p.add_argument("--decode-batch", type=cli_args.positive_int, default=None, help="decode batch limit (default 32)")
     p.add_argument("--pod-start", type=cli_args.non_negative_float, default=ServiceModel.pod_start_s, help="pod start delay, s")
+    p.add_argument("--flip-time", type=cli_args.non_negative_float, default=ServiceModel.flip_s,
+                   help="seconds a drained worker takes to serve its other role (policy pdcluster-flip; default 5)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
@@ -83,7 +86,7 @@ def _model(args: argparse.Namespace) -> ServiceModel:
         if v is not None and not v > 0:
             raise UsageError(f"{flag} must be > 0 (got {v})")
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
-                        pod_start_s=args.pod_start, prefix_cache_tokens=0 if args.no_prefix_cache else
+                        pod_start_s=args.pod_start, flip_s=args.flip_time, prefix_cache_tokens=0 if args.no_prefix_cache else
                         ServiceModel.prefix_cache_tokens)
 
 
@@ -118,7 +121,8 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             runs[name] = static(s.prefill, s.decode)
         else:
             runs[name] = run_policy(trace, model, slo, name, primed, headroom)
-    summaries = {n: policy_summary(r, slo) for n, r in runs.items()}
+    feasible = feasibility(trace, model, slo).feasible
+    summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:
         best = runs["static-best"]
         summaries["static-best"]["size"] = f"{best.timeline[0][1]}:{best.timeline[0][2]}"
@@ -151,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
     summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom)
     elapsed = time.perf_counter() - t0
     doc = {
-        "trace": trace_summary(trace),
+        "trace": {**trace_summary(trace),
+                  "infeasible_requests": feasibility(trace, model, slo).summary(slo, model)},
         "policies": summaries,
         "goal": goal_check(summaries, slo.target),
         "setup": {"source": str(args.trace), "speedup": args.speedup, "slo_ttft_s": slo.ttft_s,
                   "slo_tpot_s": slo.tpot_s, "slo_target": slo.target, "prefill_capacity": model.prefill_tps,
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
-                  "pod_start_s": model.pod_start_s, "max_queue_depth": model.max_queue_depth,
+                  "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
                   "burst_window_s": pol.BURST_S, "headroom": args.headroom,
                   "simulation_seconds": round(elapsed, 2)},
@@ -174,11 +179,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(policies: dict[str, dict]) -> str:
-    lines = [f"{'policy':<14} {'SLO ok':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} {'D-h':>6} "
-             f"{'events':>6} {'maxP':>5} {'maxD':>5}"]
+    w = max([14, *(len(n) for n in policies)])
+    lines = [f"{'policy':<{w}} {'SLO ok':>7} {'feasible':>8} {'TTFT p99':>9} {'TPOT p99':>9} {'inst-h':>7} {'P-h':>6} "
+             f"{'D-h':>6} {'events':>6} {'flips':>5} {'maxP':>5} {'maxD':>5}"]
     for n, p in policies.items():
-        lines.append(f"{n:<14} {100 * p['slo_attainment']:>6.2f}% {p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
+        lines.append(f"{n:<{w}} {100 * p['slo_attainment']:>6.2f}% {100 * p['slo_attainment_feasible']:>7.2f}% "
+                     f"{p['ttft_p99_s']:>8.2f}s {p['tpot_p99_s']:>8.3f}s "
                      f"{p['instance_hours']:>7.2f} {p['prefill_instance_hours']:>6.2f} "
-                     f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['max_prefill']:>5} "
-                     f"{p['max_decode']:>5}")
+                     f"{p['decode_instance_hours']:>6.2f} {p['scale_events']:>6} {p['role_flips']:>5} "
+                     f"{p['max_prefill']:>5} {p['max_decode']:>5}")
     return "\n".join(lines)

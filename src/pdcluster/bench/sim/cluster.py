@@ -15,6 +15,9 @@
 - Scaling: every `interval_s` the policy sees what Prometheus would show (see `observe.py`) and sets
   the pool sizes. New pods are ready `pod_start_s` later; removed pods that had not started yet are
   cancelled, started ones drain (no new work, finish what they hold) and then stop.
+- Role flips (a policy's `pending_flips` after a decision, `operator/autoscaler_flip.py`): the worker
+  stops admitting work for its old role, finishes what it holds, then serves the other role `flip_s`
+  later (weights kept: no pod start); billed throughout as one instance.
 - Cost: every instance is billed from creation to stop, over [0, last arrival].
 """
 
@@ -32,7 +35,8 @@ ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = ran
 
 
 class Instance:
-    __slots__ = ("role", "created", "ready", "draining", "ended", "busy", "n", "v", "last", "fin", "ver", "cache")
+    __slots__ = ("role", "created", "ready", "draining", "ended", "busy", "n", "v", "last", "fin", "ver", "cache",
+                 "flip_to")
 
     def __init__(self, role: str, created: float) -> None:
         self.role, self.created = role, created
@@ -42,6 +46,7 @@ class Instance:
         self.n, self.v, self.last, self.ver = 0, 0.0, created, 0  # decode: batch, virtual tokens, clock
         self.fin: list[tuple[float, int]] = []  # decode: (virtual finish, request)
         self.cache: OrderedDict[int, None] = OrderedDict()  # prefill: prefix blocks held, LRU order
+        self.flip_to: str | None = None  # draining to serve this role next (a role flip)
 
     @property
     def serving(self) -> bool:
@@ -53,6 +58,7 @@ class Pool:
     role: str
     instances: list[Instance] = field(default_factory=list)
     desired: int = 0
+    incoming: int = 0  # workers of the other pool draining to flip into this one
 
     def alive(self) -> list[Instance]:
         return [i for i in self.instances if i.ended is None]
@@ -83,6 +89,8 @@ class RunResult:
     generated_tokens: float
     prefilled_tokens: int
     prefix_hit_tokens: int = 0
+    flips: int = 0
+    steps_by_cause: dict[str, int] = field(default_factory=dict)  # "role:cause" -> size changes (Core policies)
 
 
 class Cluster:
@@ -90,7 +98,8 @@ class Cluster:
                  window_s: float = 120.0) -> None:
         self.reqs = trace.requests
         self.m, self.policy = model, policy
-        self.interval_s, self.window_s = interval_s, window_s
+        # a policy may decide more often than the operator's 30 s (the reactive oracle)
+        self.interval_s, self.window_s = getattr(policy, "interval_s", interval_s), window_s
         self.horizon = trace.duration_s
         n = len(self.reqs)
         self.first: list[float | None] = [None] * n
@@ -112,6 +121,7 @@ class Cluster:
         self.block_tokens = trace.block_tokens
         self.cache_blocks = model.prefix_cache_tokens // max(1, trace.block_tokens)
         self.scale_events = 0
+        self.flips = 0
         self.timeline: list[tuple[float, int, int, int, int, float]] = []
 
     # ---- plumbing --------------------------------------------------------------------------------
@@ -123,7 +133,7 @@ class Cluster:
         pool = self.pools[role]
         pool.desired = desired
         active = [i for i in pool.alive() if not i.draining]
-        for _ in range(desired - len(active)):
+        for _ in range(desired - len(active) - pool.incoming):
             inst = Instance(role, now)
             pool.instances.append(inst)
             self.push(now + self.m.pod_start_s, POD_READY, inst)
@@ -136,6 +146,28 @@ class Cluster:
             inst.draining = True
             if not inst.ready or (inst.busy is None and inst.n == 0):
                 inst.ended = now
+
+    def flip(self, src: str, dst: str, n: int, now: float) -> None:
+        """Move `n` serving workers (the least loaded) from pool `src` to `dst` (see the module docstring)."""
+        cands = sorted((i for i in self.pools[src].instances if i.serving),
+                       key=lambda i: ((i.busy is not None) + i.n, -i.created))[:n]
+        for inst in cands:
+            inst.draining, inst.flip_to = True, dst
+            self.pools[dst].incoming += 1
+            if inst.busy is None and inst.n == 0:
+                self.retire(inst, now)
+
+    def retire(self, inst: Instance, now: float) -> None:
+        """A draining worker that holds nothing: it stops, or starts serving its new role flip_s later."""
+        inst.ended = now
+        if inst.flip_to is None:
+            return
+        pool = self.pools[inst.flip_to]
+        pool.incoming -= 1
+        new = Instance(inst.flip_to, now)
+        pool.instances.append(new)
+        self.flips += 1
+        self.push(now + self.m.flip_s, POD_READY, new)
 
     # ---- prefill ----------------------------------------------------------------------------------
     def prefill_dispatch(self, now: float) -> None:
@@ -214,7 +246,7 @@ class Cluster:
         if d.n == 0:
             d.v = 0.0  # keep the virtual clock small (float precision over long runs)
         if d.draining and d.n == 0:
-            d.ended = now
+            self.retire(d, now)
         self.decode_dispatch(now)
         self.reschedule(d, now)
 
@@ -234,6 +266,11 @@ class Cluster:
             decode_utilisation=self.sampler.utilisation(now, "decode", d.reporting(), self.m.decode_tps),
         )
         want = self.policy.decide(inp)
+        to_prefill, to_decode = getattr(self.policy, "pending_flips", (0, 0))
+        if to_prefill:
+            self.flip("decode", "prefill", to_prefill, now)
+        if to_decode:
+            self.flip("prefill", "decode", to_decode, now)
         for role, n in zip(("prefill", "decode"), want, strict=True):
             if n != self.pools[role].desired:
                 self.scale_events += 1
@@ -281,7 +318,7 @@ class Cluster:
                 inst.busy = None  # type: ignore[attr-defined]
                 self.push(now + self.m.transfer_s(self.reqs[b].input_tokens), TRANSFER_DONE, None, b)
                 if inst.draining:  # type: ignore[attr-defined]
-                    inst.ended = now  # type: ignore[attr-defined]
+                    self.retire(inst, now)  # type: ignore[arg-type]
                 self.prefill_dispatch(now)
             elif kind == TRANSFER_DONE:
                 self.dqueue.append(b)
@@ -316,7 +353,8 @@ class Cluster:
             scale_events=self.scale_events,
             max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
-            prefix_hit_tokens=self.c.prefix_hit_tokens,
+            prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips,
+            steps_by_cause=dict(getattr(self.policy, "steps", {})),
         )
 
 

@@ -22,6 +22,7 @@ class ServiceModel:
     decode_tps: float = 2_000.0
     decode_batch: int = 32
     pod_start_s: float = 60.0
+    flip_s: float = 5.0  # a worker switching role once drained (weights kept): reconfigure, warm up
     kv_transfer_tps: float = 200_000.0  # prompt tokens whose KV moves per second between instances
     kv_transfer_base_s: float = 0.005  # per-transfer setup (connection, metadata)
     max_queue_depth: int = 256  # the router's default bound on requests waiting for a first token
@@ -38,6 +39,8 @@ class ServiceModel:
             raise ValueError(f"decode batch must be >= 1 (got {self.decode_batch})")
         if self.pod_start_s < 0:
             raise ValueError(f"pod start delay must be >= 0 (got {self.pod_start_s})")
+        if self.flip_s < 0:
+            raise ValueError(f"flip time must be >= 0 (got {self.flip_s})")
 
     def step_s(self, n: int) -> float:
         full = self.decode_batch / self.decode_tps

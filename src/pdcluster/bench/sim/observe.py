@@ -150,6 +150,8 @@ class Sampler:
             tpot_seconds=self.quantile(now, self.tpot, TPOT_BUCKETS),
             prefill_queue_mean=self._queue_mean(now, self.pq),
             decode_queue_mean=self._queue_mean(now, self.dq),
+            prefill_queue_now=float(self.pq[-1]) if self.pq else None,
+            decode_queue_now=float(self.dq[-1]) if self.dq else None,
         )
 
     def utilisation(self, now: float, role: str, reporting: int, capacity: float) -> float | None:

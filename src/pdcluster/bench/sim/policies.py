@@ -7,6 +7,11 @@
   discount: the defaults a PDCluster gets.
 - `pdcluster-no-prefix`: the same without the prefix-hit discount of I (not in the default set: to show
   what the discount is worth on a trace with prefix reuse).
+- `reactive-oracle`: the same core fed the true arrival rate every 10 s (`oracle.py`): a bound, not a
+  policy one could run (it needs the trace).
+- `pdcluster-flip`: the same core taking a short pool's growth from the other pool's slack by role flips
+  (`operator/autoscaler_flip.py`; `ServiceModel.flip_s`); not in the default set (the operator does not
+  flip roles yet).
 - `no-headroom`: the same core at headroom 1.0.
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
@@ -22,13 +27,15 @@ from dataclasses import dataclass, field, replace
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
+from pdcluster.operator import autoscaler_explain, autoscaler_flip
 from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler import PoolView, State, decide
 from pdcluster.operator.planner import Bounds, plan
 
-NAMES = ("pdcluster", "no-headroom", "independent", "static-1:1", "static-best")
-EXTRA = ("pdcluster-no-prefix",)
+NAMES = ("pdcluster", "reactive-oracle", "no-headroom", "independent", "static-1:1", "static-best")
+EXTRA = ("pdcluster-no-prefix", "pdcluster-flip")
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
+WINDOW_S = 120.0  # spec.autoscaling.windowSeconds' default, the Sampler's window (Policy.from_spec sets it)
 
 
 @dataclass
@@ -57,6 +64,9 @@ class Core:
     burst_s: float = BURST_S  # the metrics source's peak-λ window (0: mean λ only)
     state: State = field(default_factory=State)
     decisions: list[str] = field(default_factory=list)
+    flip: bool = False  # take a short pool's growth from the other's slack by role flips (autoscaler_flip)
+    pending_flips: tuple[int, int] = (0, 0)  # (decode -> prefill, prefill -> decode) of the last decision
+    steps: dict[str, int] = field(default_factory=dict)  # "role:cause" -> pool size changes (autoscaler_explain)
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
@@ -68,7 +78,20 @@ class Core:
                    PoolView(inp.decode_current, inp.decode_ready, since=0.0), inp.now)
         self.state = d.state
         self.decisions.append(d.reason)
-        return d.prefill.desired, d.decode.desired
+        causes = autoscaler_explain.causes(d)
+        sizes = (d.prefill.desired, d.decode.desired)
+        if self.flip:
+            fp = autoscaler_flip.plan(d, core)
+            self.pending_flips = (fp.to_prefill, fp.to_decode)
+            if fp.flips:
+                self.decisions[-1] = autoscaler_flip.FLIP
+                causes = {"prefill": "flip", "decode": "flip"}
+            sizes = (fp.prefill, fp.decode)
+        for role, n, cur in (("prefill", sizes[0], inp.prefill_current), ("decode", sizes[1], inp.decode_current)):
+            if n != cur:
+                key = f"{role}:{causes[role]}"
+                self.steps[key] = self.steps.get(key, 0) + 1
+        return sizes
 
 
 def _shift_pool(ps, dt: float):
@@ -86,10 +109,12 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
 
     A trace cut from a longer day does not start from an autoscaler that has never seen the traffic:
     priming with a pass over the same trace stands for "the previous hour looked like this one"."""
+    if hasattr(policy, "carried"):
+        return policy.carried(duration_s, sizes)
     if isinstance(policy, Core):
         state = State(prefill=_shift_pool(policy.state.prefill, duration_s),
                       decode=_shift_pool(policy.state.decode, duration_s))
-        return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state)
+        return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state, flip=policy.flip)
     if isinstance(policy, Independent):
         hist = {r: [(t - duration_s, n) for t, n in h] for r, h in policy.history.items()}
         return Independent(policy.bounds, policy.target, policy.tolerance, policy.stabilization_s,
@@ -140,7 +165,7 @@ def core_policy(prefill_tps: float, decode_tps: float, headroom: float = 1.5,
     return CorePolicy(headroom=headroom, bounds=bounds or Bounds(), prefill_capacity=prefill_tps,
                       decode_capacity=decode_tps, slo_ttft_seconds=slo.ttft_s if slo else None,
                       slo_tpot_seconds=slo.tpot_s if slo else None, slo_percentile=slo.target if slo else 0.99,
-                      use_prefix_hits=use_prefix_hits)
+                      use_prefix_hits=use_prefix_hits, window_seconds=WINDOW_S)
 
 
 def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: float,
@@ -170,6 +195,15 @@ def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None
     if name == "pdcluster-no-prefix":
         return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo, use_prefix_hits=False),
                     "pdcluster-no-prefix", start(headroom))
+    if name == "pdcluster-flip":
+        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom), flip=True)
+    if name == "reactive-oracle":
+        from pdcluster.bench.sim.oracle import Arrivals, ReactiveOracle  # oracle builds on Core
+
+        if trace is None:  # a name check (cli validates names before reading the trace)
+            return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name)
+        return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom),
+                              arrivals=Arrivals.of(trace))
     if name == "no-headroom":
         return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0))
     if name == "independent":

@@ -33,10 +33,13 @@ def attainment(r: RunResult, slo: SLO) -> float:
     return sum(met) / len(met) if met else 0.0
 
 
-def policy_summary(r: RunResult, slo: SLO) -> dict:
+def policy_summary(r: RunResult, slo: SLO, feasible: tuple[bool, ...] | None = None) -> dict:
+    """The policy's figures; with `feasible` (per request, `feasibility.py`), attainment over those too."""
     ttfts, tpots, met = request_outcomes(r, slo)
+    out_feasible = [m for m, f in zip(met, feasible, strict=True) if f] if feasible is not None else met
     return {
         "slo_attainment": sum(met) / len(met) if met else 0.0,
+        "slo_attainment_feasible": sum(out_feasible) / len(out_feasible) if out_feasible else 0.0,
         "ttft_p99_s": percentile(ttfts, 99),
         "tpot_p99_s": percentile(tpots, 99),
         "instance_hours": r.prefill_instance_hours + r.decode_instance_hours,
@@ -46,6 +49,8 @@ def policy_summary(r: RunResult, slo: SLO) -> dict:
         "max_prefill": r.max_prefill,
         "max_decode": r.max_decode,
         "rejected": sum(r.rejected),
+        "role_flips": r.flips,
+        "scaling_steps_by_cause": dict(sorted(r.steps_by_cause.items())),
         "prefix_hit_rate": r.prefix_hit_tokens / r.prefilled_tokens if r.prefilled_tokens else 0.0,
     }
 
@@ -73,7 +78,19 @@ def goal_check(policies: dict[str, dict], target: float) -> dict | None:
     for other in ("no-headroom", "independent"):
         if other in policies:
             out[f"beats_{other.replace('-', '_')}"] = pd["slo_attainment"] > policies[other]["slo_attainment"]
+    out["dominated_by"] = dominated_by(policies, "pdcluster")
+    if "reactive-oracle" in policies:
+        out["points_below_reactive_oracle"] = 100 * (policies["reactive-oracle"]["slo_attainment"]
+                                                     - pd["slo_attainment"])
+    out["points_below_static_best"] = 100 * (best["slo_attainment"] - pd["slo_attainment"])
     return out
+
+
+def dominated_by(policies: dict[str, dict], name: str) -> list[str]:
+    """The policies both within SLO more often than `name` and cheaper (instance-hours) than it."""
+    me = policies[name]
+    return [n for n, p in policies.items() if n != name and p["slo_attainment"] > me["slo_attainment"]
+            and p["instance_hours"] < me["instance_hours"]]
 
 
 def _load_per_minute(trace: Trace) -> tuple[list[float], list[float]]:

@@ -280,6 +280,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         snap: dict[str, Any] = st.pool.snapshot()
         snap["router"] = {"waiting": st.waiting, "in_flight": st.in_flight, "stages": dict(st.flow.stages.counts),
                           "retries": st.flow.retries, "resumes": st.flow.resumes,
+                          "pair_quarantines": st.flow.quarantine.quarantines,
+                          "quarantined_pairs": [list(p) for p in st.flow.quarantine.active()],
                           "prefix_routing": st.pool.prefix_routing,
                           "prefix_routed_tokens": st.flow.prefix_routed_tokens,
                           "prefix_expected_tokens": st.flow.prefix_expected_tokens,

@@ -21,6 +21,7 @@ from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
 from pdcluster.worker.router.progress import Stages, Timeline
+from pdcluster.worker.router.quarantine import PairQuarantine
 from pdcluster.worker.router.upstream import (
     NoCapacity,
     NoHealthyDecode,
@@ -89,6 +90,7 @@ class Flow:
         self.tool_call_parser: str | None = None  # --tool-call-parser, sent with each request to tokenize
         self.resumes = 0
         self.retries = 0
+        self.quarantine = PairQuarantine()  # prefill->decode pairs whose transfers keep failing
         # prompt tokens routed to a prefilling worker, and of those, how many the router expected it to hold
         self.prefix_routed_tokens = 0
         self.prefix_expected_tokens = 0
@@ -194,7 +196,11 @@ class Flow:
                        ) -> tuple[Worker, dict[str, Any]]:
         """A decode worker holding blocks for the prompt, and where the prefill worker sends its KV (the
         `target` of /internal/prefill)."""
-        ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded)
+        views = self.pool.views("decode")
+        blocked = self.quarantine.blocked(prefill.url) if prefill is not None else set()
+        # a pair in quarantine is skipped while another decode worker can take the request
+        ranked = rank_decode(views, prefer_node=prefer_node, exclude=excluded | blocked) if blocked else []
+        ranked = ranked or rank_decode(views, prefer_node=prefer_node, exclude=excluded)
         if not ranked:
             raise NoHealthyDecode("no healthy decode worker")
         no_transfer = 0
@@ -302,6 +308,9 @@ class Flow:
                             if ev.get("stage") == "prefill":
                                 raise WorkerFailed("prefill", p.url, f"prefill: {ev.get('message')}")
                             # The transfer broke: the decode side is the usual suspect (died, timed out).
+                            if self.quarantine.failed(p.url, d.url):
+                                log.warning("KV transfers %s -> %s keep failing: pair in quarantine for %.0f s",
+                                            p.url, d.url, self.quarantine.hold_s)
                             raise WorkerFailed("decode", d.url, f"kv transfer: {ev.get('message')}")
                     # Read to the end (not break) so the worker's stream finishes normally and releases
                     # its blocks without relying on disconnect handling.

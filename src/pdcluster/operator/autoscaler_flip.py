@@ -1,0 +1,69 @@
+"""Pure: role flips (prefill <-> decode without a restart) as a scaling action on a decision.
+
+A flip moves a running worker to the other pool: it stops admitting work for its old role, finishes what
+it holds, keeps its weights and serves the new role seconds later, where a new pod takes a pod start
+(minutes with weights to load). So when one pool is short and the other has **slack** (more replicas than
+its recommendation, e.g. held by scale-down stabilization), the short pool takes the slack by flips
+first and starts pods only for what is left.
+
+- short = desired - current of the growing pool (the decision's own step, so step limits, bounds and the
+  SLO guard already apply);
+- slack = current - max(recommended, minReplicas) of the other pool: never below what the formula asks
+  for it now, so a flip never takes capacity the other pool needs; a pool without a recommendation
+  (metrics or capacity unknown) has no slack; the other pool ends at min(its desired, current - flips);
+- flips = min(short, slack), fewer if `spec.autoscaling.ratio` would not hold after them.
+
+The operator side (a worker endpoint or pod annotation to switch roles, relabelling) is not built: this is
+the decision `pdcluster simulate`'s `pdcluster-flip` policy acts on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.operator import autoscaler as asc
+
+FLIP = "RoleFlip"  # reason of a decision carried out (partly) by flips
+
+
+@dataclass(frozen=True)
+class FlipPlan:
+    prefill: int  # sizes after the step, flips included
+    decode: int
+    to_prefill: int = 0  # decode workers that become prefill workers
+    to_decode: int = 0  # prefill workers that become decode workers
+
+    @property
+    def flips(self) -> int:
+        return self.to_prefill + self.to_decode
+
+
+def slack(other: asc.PoolDecision, min_replicas: int) -> int:
+    """Replicas of `other` above its recommendation and its minimum (0 without a recommendation)."""
+    if other.recommended is None:
+        return 0
+    return max(0, other.current - max(other.recommended, min_replicas))
+
+
+def plan(decision: asc.Decision, policy: asc.Policy) -> FlipPlan:
+    """The decision's sizes, with the short pool's growth taken from the other's slack by flips."""
+    p, d = decision.prefill, decision.decode
+    want_p, want_d = p.desired, d.desired
+    for short, other, direction in ((p, d, "to_prefill"), (d, p, "to_decode")):
+        grow = short.desired - short.current
+        if grow <= 0 or other.desired > other.current:
+            continue
+        lo, _ = policy.bounds.of("decode" if direction == "to_prefill" else "prefill")
+        n = min(grow, slack(other, lo))
+        while n > 0:
+            other_after = min(other.desired, other.current - n)
+            sizes = (short.desired, other_after) if direction == "to_prefill" else (other_after, short.desired)
+            if policy.ratio.holds(*sizes):
+                break
+            n -= 1
+        if n > 0:
+            other_after = min(other.desired, other.current - n)
+            if direction == "to_prefill":
+                return FlipPlan(want_p, other_after, to_prefill=n)
+            return FlipPlan(other_after, want_d, to_decode=n)
+    return FlipPlan(want_p, want_d)

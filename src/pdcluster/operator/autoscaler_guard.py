@@ -1,0 +1,86 @@
+"""The SLO guard of `decide`: which percentile each pool answers for, and whether its breach grows it now.
+
+A pool grows past the formula (reason `SLOBreached`) when its percentile is broken *and* a queue in front
+of it explains the breach, still there at the window's end, and the breach is news (see `fires`). The
+decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`). Pure: the autoscaler
+core's types come from `autoscaler.py`, which imports this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pdcluster.operator import autoscaler_rules as rules
+
+if TYPE_CHECKING:
+    from pdcluster.operator.autoscaler import Observation, Policy, PoolState, PoolView
+
+Pair = tuple[float | None, float | None]  # (observed percentile, target)
+
+
+def slo_targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
+    """(observed percentile, target) per pool: TTFT is prefill's SLO, TPOT decode's."""
+    return {"prefill": (obs.ttft_seconds if obs else None, policy.slo_ttft_seconds),
+            "decode": (obs.tpot_seconds if obs else None, policy.slo_tpot_seconds)}
+
+
+def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
+    """The pair each pool's guard acts on: `slo_targets`, except that decode also answers for TTFT when its
+    own queue waits. A full decode batch delays the first token, not TPOT (the batch bound caps the step
+    time): when the load turns to long outputs, requests queue for a decode slot with TPOT met, and the
+    formula's O (generated tokens / requests) is capped by what the saturated pool produces, so nothing
+    else would grow decode (a shift from 6k-token prompts to 900-token outputs: minutes of misses)."""
+    out = slo_targets(policy, obs)
+    observed, target = out["decode"]
+    ttft, ttft_target = out["prefill"]
+    if obs is not None and ttft is not None and ttft_target is not None and not rules.breached(observed, target) \
+            and rules.breached(ttft, ttft_target):
+        w = wait(obs, "decode")[0]
+        if w is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
+            out["decode"] = (min(ttft, ttft_target + w), ttft_target)
+    return out
+
+
+def queue_mean(obs: Observation | None, role: str) -> float | None:
+    return (obs.prefill_queue_mean if role == "prefill" else obs.decode_queue_mean) if obs else None
+
+
+def queue_now(obs: Observation | None, role: str) -> float | None:
+    """The pool's queue at the window's end (None: the instant series is missing)."""
+    return (obs.prefill_queue_now if role == "prefill" else obs.decode_queue_now) if obs else None
+
+
+def wait(obs: Observation | None, role: str) -> tuple[float | None, float | None]:
+    """(the wait the pool's queue adds over the window, the wait it adds now); None: unknown."""
+    if obs is None:
+        return None, None
+    return (rules.queue_wait(queue_mean(obs, role), obs.request_rate),
+            rules.queue_wait(queue_now(obs, role), obs.request_rate))
+
+
+def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
+          now: float) -> tuple[bool, PoolState]:
+    """(does the guard grow this pool now, the pool state with its capacity correction faded or not).
+
+    - More replicas cure queueing, not a slow request: a breach without a queue that adds a real wait in
+      front of the pool (one huge prompt is slow on any pool size) is reported but grows nothing; nor does
+      one whose queue has drained by the window's end (a burst the pool absorbed: pods ordered now start
+      after it).
+    - The percentile covers the whole window, so a breach counts once the pool's last change has been
+      observed for a window (sooner would count the same breach twice), unless the change is ready and
+      its queue alone still waits longer than the target and is not going down.
+    - An earlier correction fades while the SLO is met, or while the breach is not one a queue explains."""
+    observed, target = targets(policy, obs)[role]
+    broken = traffic and rules.breached(observed, target)
+    mean, rate = queue_mean(obs, role), (obs.request_rate if obs else None)
+    instant = queue_now(obs, role)
+    curable = broken and rules.guard_applies(mean, rate, target)
+    latest = mean if instant is None else instant
+    news = not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds) \
+        or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)
+            and not rules.draining(latest, mean))
+    fires = curable and rules.still_queued(instant) and news
+    if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
+        ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
+    return fires, ps
