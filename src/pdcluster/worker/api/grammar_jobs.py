@@ -48,10 +48,10 @@ class GrammarJobs:
                 self.running -= 1
 
         self.queued += 1
-        fut = loop.run_in_executor(self.pool, job)
+        fut: asyncio.Future[Any] = loop.run_in_executor(self.pool, job)
         fut.add_done_callback(_consume)  # a result nobody waits for any more (timeout) is not an error to log
         try:
-            start = asyncio.ensure_future(started.wait())
+            start: asyncio.Future[Any] = asyncio.ensure_future(started.wait())
             try:
                 await asyncio.wait({start, fut}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -70,7 +70,7 @@ class GrammarJobs:
             raise errors.bad_request(f"{param}: {e}", param=param) from None
 
 
-def _consume(fut: asyncio.Future[None]) -> None:
+def _consume(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         with contextlib.suppress(BaseException):
             fut.result()

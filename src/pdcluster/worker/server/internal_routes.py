@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.body import json_object, validate
+from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.internal import (
     CancelBody,
     DecodeBody,
@@ -200,7 +201,7 @@ class Disaggregation:
             w, data = worker(request), await body(request, TokenizeBody)
             req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
             tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
-            subs = await w.prepare_all(req)  # the public routes' checks, once
+            subs = await unless_client_leaves(request, w.prepare_all(req))  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),
                                  "model": w.served_model_name, "stream": req.stream,
                                  "return_token_ids": req.return_token_ids, "n": req.num_choices(),
@@ -213,6 +214,7 @@ class Disaggregation:
         async def reserve(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, ReserveBody)
             ids, params = checked(w, data)
+            await unless_client_leaves(request, w.check_grammar(None, params))  # cached here before the engine
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
             w.admit()
@@ -245,6 +247,7 @@ class Disaggregation:
         async def prefill(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, PrefillBody)
             ids, params = checked(w, data)  # a bad request is a 400 here, not a broken stream later
+            await unless_client_leaves(request, w.check_grammar(None, params))
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
@@ -265,6 +268,7 @@ class Disaggregation:
         async def generate(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, GenerateBody)
             ids, params = checked(w, data)
+            await unless_client_leaves(request, w.check_grammar(None, params))
             w.admit()
             rid = data.request_id
             return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
