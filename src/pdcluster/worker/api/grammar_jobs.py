@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +31,7 @@ class GrammarJobs:
         self.max_queued, self.budget_s = max_queued, budget_s
         self.queued = 0  # submitted and not started
         self.running = 0
+        self._lock = threading.Lock()
 
     async def run(self, compile_one: Callable[[Any], None], arg: Any, param: str) -> None:
         """`compile_one(arg)` on the pool; ValueError from it becomes a 400 naming `param`."""
@@ -38,16 +40,24 @@ class GrammarJobs:
                                   headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
+        mine = {"started": False, "abandoned": False}
 
         def job() -> None:
+            with self._lock:  # a job whose request went away before it started is never run
+                if mine["abandoned"]:
+                    return
+                mine["started"] = True
+                self.queued -= 1
+                self.running += 1
             loop.call_soon_threadsafe(started.set)
-            self.running += 1
             try:
                 compile_one(arg)
             finally:
-                self.running -= 1
+                with self._lock:
+                    self.running -= 1
 
-        self.queued += 1
+        with self._lock:
+            self.queued += 1
         fut: asyncio.Future[Any] = loop.run_in_executor(self.pool, job)
         fut.add_done_callback(_consume)  # a result nobody waits for any more (timeout) is not an error to log
         try:
@@ -55,11 +65,14 @@ class GrammarJobs:
             try:
                 await asyncio.wait({start, fut}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self.queued -= 1
                 start.cancel()
             done, _ = await asyncio.wait({fut}, timeout=self.budget_s)
         except asyncio.CancelledError:
-            fut.cancel()  # not started yet: it never runs; running: it finishes and is cached
+            with self._lock:
+                if not mine["started"]:
+                    mine["abandoned"] = True
+                    self.queued -= 1
+            fut.cancel()  # not started: it never runs; running: it finishes and is cached
             raise
         if not done:
             raise errors.bad_request(f"{param}: too complex: its grammar did not compile within {self.budget_s:g} s; "
