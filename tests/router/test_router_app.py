@@ -136,12 +136,11 @@ def test_internal_token_only_on_internal_routes() -> None:
 def test_router_cli_runs_uvicorn_with_read_timeouts_and_a_connection_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    import uvicorn
-
+    from pdcluster.worker.api import http_limits
     from pdcluster.worker.router import cli
 
     got: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(kw))
+    monkeypatch.setattr(http_limits.ExitBoundServer, "run", lambda self: got.update(vars(self.config)))
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     assert cli.run(p.parse_args(["--decode", "http://127.0.0.1:9"])) == 0
