@@ -42,6 +42,7 @@ from pdcluster.worker.api.internal import (
 )
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.server import ucx_bind
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
@@ -95,6 +96,8 @@ class Disaggregation:
         never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
         the router prefills on it directly. A given but unusable secret is an error."""
         secret = worker_secret(getattr(options, "secret_file", None), role)
+        if secret is not None:  # before any NIXL agent exists: its UCX endpoint listens where the worker does
+            ucx_bind.bind_to_host(listen_host)
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
