@@ -187,3 +187,20 @@ def test_the_key_opens_them_with_bearer_in_any_case(keyed: str) -> None:
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
 def test_probes_and_scrapes_stay_open(keyed: str, path: str) -> None:
     assert httpx.get(f"{keyed}{path}", timeout=30).status_code == 200
+
+
+# ---------------------------------------------------------------- row 12: grammars that cannot be met, real engine
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guided_regex", r"[^\s\S]"),
+    ("guided_json", {"type": "string", "pattern": r"[^\s\S]"}),
+    ("guided_json", {"type": "string", "minLength": 5, "maxLength": 2}),
+    ("guided_json", json.dumps({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 1})),
+])
+def test_a_grammar_no_output_can_meet_is_400_before_any_token(real_client: httpx.Client, field: str,
+                                                              value: Any) -> None:
+    # the regex case was a 500 from the engine (no token allowed) and a 502 after three retries via the router
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = real_client.post(path, json={**body, "max_tokens": 4, field: value})
+        assert_400(r, field)
