@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.worker.api.errors import APIError
-from pdcluster.worker.router.app import RouterState, Tracker, sequences
+from pdcluster.worker.router.app import RouterState, Tracker
+from pdcluster.worker.router.front_door import sequences
 from pdcluster.worker.router.pool import Pool
 
 

@@ -30,6 +30,7 @@ from pdcluster.worker.api.protocol import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tool_calls import ToolPlan
 from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
+from pdcluster.worker.router.front_door import credentials, sequences, use_api_key
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
 
@@ -171,30 +172,6 @@ def _upstream(e: UpstreamError) -> errors.APIError:
     return errors.APIError(e.status, str(err.get("message", e)), code=err.get("code"), param=err.get("param"))
 
 
-def _credentials(request: Request) -> dict[str, str]:
-    """The client's own key goes along on public calls: workers behind a keyed router may require the same key."""
-    return {"Authorization": a} if (a := request.headers.get("authorization")) else {}
-
-
-def _use_api_key(state: RouterState, api_key: str | None) -> None:
-    """Without a KV secret the router's /internal/* calls carry its API key instead of the internal token:
-    keyed workers guard /internal/* with their key (api/api_key.py), and a keyed cluster shares one key."""
-    if api_key and not getattr(state.pool, "headers", None):
-        for client in (state.flow.client, getattr(state.pool, "client", None)):
-            if client is not None:
-                client.headers["Authorization"] = f"Bearer {api_key}"
-
-
-def sequences(body: dict[str, Any]) -> int:
-    """The engine sequences a request body stands for (prompts x n), before a worker has tokenized it: what
-    it costs in the router's queue. A malformed field counts as 1; the worker's validation refuses it later."""
-    n = body.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
-    prompt = body.get("prompt")
-    batch = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
-    return n * max(1, min(batch, 128))
-
-
 def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -211,7 +188,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     app.state.max_body_bytes = state.max_body_bytes  # read by api.body
     errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
     install_api_key(app, api_key)
-    _use_api_key(state, api_key)
+    use_api_key(state.pool, state.flow, api_key)
     tracing.install(app)  # a span per POST when tracing is configured; the request's trace root
 
     async def handle(request: Request, kind: str) -> Response:
@@ -259,7 +236,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         st = _state(request)
         for w in [w for w in st.pool.workers.values() if w.healthy]:
             with contextlib.suppress(Exception):
-                r = await st.public_client.get(f"{w.url}/v1/models", headers=_credentials(request))
+                r = await st.public_client.get(f"{w.url}/v1/models", headers=credentials(request))
                 if r.status_code == 200:
                     return JSONResponse(r.json())
         raise errors.unavailable("no healthy workers behind the router", code="no_workers")
@@ -269,7 +246,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         st = _state(request)
         for w in [w for w in st.pool.workers.values() if w.healthy]:
             try:
-                r = await st.public_client.request(method, f"{w.url}{path}", json=body, headers=_credentials(request))
+                r = await st.public_client.request(method, f"{w.url}{path}", json=body, headers=credentials(request))
             except httpx.HTTPError:
                 continue
             if r.status_code < 500:

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ from pdcluster.worker.api import tracing
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
 from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
+from pdcluster.worker.router.tokenized import Chunk, Tokenized, tokenized_answer  # noqa: F401  (re-exported)
 from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
     NoCapacity,
     NoHealthyDecode,
@@ -33,45 +33,6 @@ from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to ap
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Tokenized:
-    prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams as a dict (the router never imports torch)
-    model: str
-    stream: bool = False
-    return_token_ids: bool = False
-    index: int = 0  # the choice this request produces (prompt i, sample j of n -> i * n + j)
-    echo: str = ""  # text before the choice's text (completions with echo)
-    n: int = 1
-    include_usage: bool = False
-    tools: dict[str, Any] | None = None  # how the chat output becomes tool calls (api/tool_calls.ToolPlan)
-    subs: list[Tokenized] = field(default_factory=list)  # every choice's request (itself when there is one)
-    trace: tracing.Span = tracing.NO_SPAN  # the request's span (api/tracing.py): parent of its phases and calls
-
-    def choices(self) -> list[Tokenized]:
-        return self.subs or [self]
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] | None = None  # one entry per token when asked for (see RequestOutput)
-
-
-def _tokenized(d: dict[str, Any]) -> Tokenized:
-    """A worker's /internal/tokenize answer; `subs` (one per choice) when the request fans out."""
-    tok = Tokenized(d["prompt_token_ids"], d["params"], d["model"], bool(d.get("stream", False)),
-                    bool(d.get("return_token_ids", False)), n=int(d.get("n", 1)),
-                    include_usage=bool(d.get("include_usage", False)), tools=d.get("tools"))
-    tok.subs = [Tokenized(s["prompt_token_ids"], s["params"], tok.model, tok.stream, tok.return_token_ids,
-                          index=int(s["index"]), echo=str(s.get("echo") or ""), n=tok.n)
-                for s in d.get("subs") or []]
-    return tok
 
 
 class Flow:
@@ -121,7 +82,7 @@ class Flow:
                 self.pool.mark_failed(w.role, w.url, describe(e))
                 continue
             if r.status_code == 200:
-                return _tokenized(r.json())
+                return tokenized_answer(r.json())
             if r.status_code < 500:
                 raise await error_of(r)
             answered, answers = await error_of(r), answers + 1

@@ -29,15 +29,9 @@ from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.prompting import encode_text, render_chat
-from pdcluster.worker.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
+from pdcluster.worker.api.tokenize_request import DetokenizeRequest, TokenizeRequest
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
 from pdcluster.worker.transfer.secret import check_internal_auth

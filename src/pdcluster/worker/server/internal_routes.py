@@ -11,7 +11,10 @@ The router drives one disaggregated request like this:
   4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
      remaining tokens as NDJSON. Short prompts and resumes use /internal/generate (prefill on the decode side).
 Every path that does not end normally releases the request's blocks on both sides (abort, cancel, or the
-reaper for reservations that never get their /internal/decode)."""
+reaper for reservations that never get their /internal/decode).
+
+Long because the /internal/* routes and their three streams share one connector and one cleanup discipline
+(every path that does not end normally releases blocks on both sides); split apart, each would restate it."""
 
 from __future__ import annotations
 
@@ -96,8 +99,8 @@ class Disaggregation:
         never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
         the router prefills on it directly. A given but unusable secret is an error."""
         secret = worker_secret(getattr(options, "secret_file", None), role)
-        if secret is not None:  # before any NIXL agent exists: its UCX endpoint listens where the worker does
-            ucx_bind.bind_to_host(listen_host)
+        if secret is not None:
+            ucx_bind.bind_to_host(listen_host)  # before any NIXL agent exists: UCX listens where the worker does
         return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
                    timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
                    listen_host=listen_host, transfer_port=getattr(options, "port", None),
@@ -187,11 +190,14 @@ class Disaggregation:
             # The same capped parser and strict validation as the public routes (api.body, api.internal).
             return validate(model, await json_object(request))
 
-        def checked(w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody) -> tuple[list[int], SamplingParams]:
-            """What the router sends is held to the public path's limits: bad data never reaches the engine."""
+        async def checked(request: Request, w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody
+                          ) -> tuple[list[int], SamplingParams]:
+            """What the router sends is held to the public path's limits: bad data never reaches the engine. A
+            grammar compiles here (its pool, its budget; cached for the engine), not on the engine's own path."""
             ids, params = run.prompt_token_ids, run.params.to_sampling_params()
             w.check_prompt(ids, params.max_tokens)
             w.check_request(ids, params)
+            await unless_client_leaves(request, w.check_grammar(None, params))
             return ids, params
 
         @r.get("/load")
@@ -216,8 +222,7 @@ class Disaggregation:
         @r.post("/reserve")
         async def reserve(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, ReserveBody)
-            ids, params = checked(w, data)
-            await unless_client_leaves(request, w.check_grammar(None, params))  # cached here before the engine
+            ids, params = await checked(request, w, data)
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
             w.admit()
@@ -249,8 +254,7 @@ class Disaggregation:
         @r.post("/prefill")
         async def prefill(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, PrefillBody)
-            ids, params = checked(w, data)  # a bad request is a 400 here, not a broken stream later
-            await unless_client_leaves(request, w.check_grammar(None, params))
+            ids, params = await checked(request, w, data)  # a bad request is a 400 here, not a broken stream later
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
@@ -270,8 +274,7 @@ class Disaggregation:
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, GenerateBody)
-            ids, params = checked(w, data)
-            await unless_client_leaves(request, w.check_grammar(None, params))
+            ids, params = await checked(request, w, data)
             w.admit()
             rid = data.request_id
             return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
