@@ -27,6 +27,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,6 +160,9 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache = GrammarCache(cache_bytes)
+        # compiles on the engine's own path (a grammar the API's check did not leave cached): one at a time,
+        # never on the default executor that tokenizes plain requests
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-engine")
         self._compiler: Any = None
         self._lock = threading.Lock()
 
