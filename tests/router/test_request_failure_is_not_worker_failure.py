@@ -113,3 +113,27 @@ async def test_max_tokens_1_above_the_threshold_is_done_at_prefill_without_a_tra
     assert [p for _, p, _ in s.calls] == ["/internal/generate"]  # no /internal/reserve, prefill, decode
     p = flow.pool.get("prefill", PREFILL)
     assert p.in_flight == 0 and p.outstanding_prompt_tokens == 0
+
+
+async def test_a_request_ending_at_its_first_token_releases_the_decode_reservation() -> None:
+    # EOS or a stop as the first token (max_tokens > 1): the decode side's blocks must not wait for its reaper
+    s = Script()
+
+    async def reserve(_: httpx.Request, __: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, json={"transfer_port": 9})
+
+    async def prefill(_: httpx.Request, __: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, stream=Lines([{"event": "first_token", "token_id": 2, "text": "", "finished": True,
+                                                  "finish_reason": "stop"}]))
+
+    s.on(DECODE, "/internal/reserve", reserve)
+    s.on(PREFILL, "/internal/prefill", prefill)
+    flow = make_flow(s, threshold=0)
+    async with asyncio.timeout(5):
+        out = [c async for c in flow.run("r", Tokenized(PROMPT, {"max_tokens": 8}, "m"))]
+    assert out[-1].finished and out[-1].finish_reason == "stop"
+    async with asyncio.timeout(5):
+        while "/internal/cancel" not in s.paths(DECODE):  # the release is a detached task: let it run
+            await asyncio.sleep(0)
+    assert [b["request_id"] for base, p, b in s.calls if p == "/internal/cancel"] == ["r-1"]
+    assert flow.pool.get("decode", DECODE).in_flight == 0

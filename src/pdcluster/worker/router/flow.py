@@ -236,6 +236,7 @@ class Flow:
             return
         self._routed(p, prompt, cached)
         completed = False  # the decode worker's stream reached its final chunk
+        at_prefill = False  # ... or the request ended at its first token: the reservation was never used
         transferred = False
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)
@@ -265,6 +266,7 @@ class Flow:
                             p.outstanding_prompt_tokens -= len(prompt)
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
+                            at_prefill = completed
                             yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
                                         ev.get("finish_reason"), ev.get("logprobs"))
                             if completed:
@@ -299,10 +301,10 @@ class Flow:
                 p.outstanding_prompt_tokens -= len(prompt)
             p.in_flight -= 1
             d.in_flight -= 1
-            if not completed:
-                # Failed, or the client left: release the reservation (or abort the decode) now. The decode
-                # worker may never have started its /internal/decode stream (a request cancelled in flight),
-                # and then nothing on its side would free the blocks before the reaper.
+            if not completed or at_prefill:
+                # Failed, the client left, or it ended at prefill (EOS or a stop as its first token): release
+                # the reservation (or abort the decode) now. The decode worker may never have started its
+                # /internal/decode stream, and then nothing on its side would free the blocks before the reaper.
                 self._detach(self._cancel(d, arid))
 
     async def _at_prefill(self, arid: str, prompt: list[int], params: dict[str, Any], excluded: set[str],
