@@ -7,13 +7,16 @@ test_grammar_jobs.py.)"""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
 from pdcluster.worker.api.api_key import install as install_api_key
+from pdcluster.worker.api.grammar_jobs import GrammarJobs
 from pdcluster.worker.api.json_shape import MAX_VALUES
 from pdcluster.worker.api.metrics import WorkerMetrics
 from pdcluster.worker.api.protocol import MAX_GUIDED_CHOICES, MAX_STOP_TOKEN_IDS
@@ -25,7 +28,7 @@ from pdcluster.worker.server.prefix_events import prefix_events_router
 
 from .disagg_fake import DisaggFakeEngine
 from .fake_engine import FakeEngine
-from .harness import serve
+from .harness import raw_post, serve, wait_until
 from .sse import events
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -204,3 +207,39 @@ def test_a_grammar_no_output_can_meet_is_400_before_any_token(real_client: httpx
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
         r = real_client.post(path, json={**body, "max_tokens": 4, field: value})
         assert_400(r, field)
+
+
+# ---------------------------------------------------------------- row 2: a compile queued for a client that left
+
+
+class CompilingEngine(FakeEngine):
+    """compile_grammar blocks until the test releases it and records which regexes it compiled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.compiled: list[str] = []
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        self.compiled.append(params.structured_spec)
+        assert self.release.wait(30), "never released"
+
+
+def test_a_compile_queued_for_a_client_that_left_never_runs() -> None:
+    engine = CompilingEngine()
+    app = build_app(engine, role="decode", served_model_name="fake")
+    jobs = app.state.worker.grammar_jobs = GrammarJobs(threads=1)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(c.post, "/v1/completions", json={"prompt": "a", "max_tokens": 1, "guided_regex": "a"})
+            assert wait_until(lambda: engine.compiled == ["a"])  # holds the only grammar thread
+            left = raw_post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "guided_regex": "b"})
+            assert wait_until(lambda: jobs.queued == 1)  # waits behind it
+            left.close()  # the client goes: its compile is abandoned before it starts
+            assert wait_until(lambda: jobs.queued == 0)
+            plain = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+            assert plain.status_code == 200  # and plain requests never waited for any of it
+            engine.release.set()
+            assert first.result().status_code == 200
+        jobs.pool.submit(lambda: None).result(timeout=30)  # the grammar thread has passed the abandoned job
+    assert engine.compiled == ["a"]
