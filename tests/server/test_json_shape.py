@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from pdcluster.worker.api.json_shape import ShapeError, ShapeScanner, loads_bounded
@@ -53,3 +54,15 @@ def test_loads_bounded_never_recurses() -> None:
     assert loads_bounded('{"a": [1, {"b": null}]}') == {"a": [1, {"b": None}]}
     with pytest.raises(ValueError):
         loads_bounded("{not json")
+
+
+def test_a_large_valid_body_is_parsed_off_the_loop_and_checked_the_same(client: httpx.Client) -> None:
+    # over api/body.OFF_LOOP_BYTES: parsed on the parse pool, its numbers and strings checked there too
+    from pdcluster.worker.api.body import OFF_LOOP_BYTES
+
+    pad = "p" * (OFF_LOOP_BYTES + 1)
+    ok = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "ignored": pad})
+    assert ok.status_code == 200, ok.text
+    bad = client.post("/v1/completions", content=('{"prompt": "a", "ignored": "' + pad + '", "temperature": NaN}').encode(),
+                      headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
