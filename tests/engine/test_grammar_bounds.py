@@ -76,3 +76,17 @@ def test_ordinary_grammars_still_compile(backend: GrammarBackend) -> None:
     for kind, spec in [("regex", "[a-z]{1,4}"), ("choice", '["yes", "no"]'), ("json_object", ""),
                        ("json_schema", json.dumps({"type": "string", "maxLength": 3}))]:
         assert backend.compile(kind, spec) is not None
+
+
+def test_a_grammar_dead_end_mid_stream_is_the_clients_400(backend: GrammarBackend) -> None:
+    # past what the compile-time check follows, the engine fails the request with GrammarState.accept's words;
+    # the API maps exactly those onto a 400 (and the router passes it on instead of retrying elsewhere)
+    from pdcluster.worker.api.errors import GRAMMAR_MISFIT, engine_failure
+
+    state = backend.state("regex", "ab")
+    refused = next(t for t in range(backend.vocab_size) if not bool(state.allowed()[t]))  # type: ignore[index]
+    with pytest.raises(ValueError) as e:
+        state.accept(refused)
+    assert GRAMMAR_MISFIT in str(e.value)
+    assert engine_failure(f"ValueError: {e.value}").status == 400
+    assert engine_failure("ValueError: sampling failed").status == 500

@@ -243,3 +243,27 @@ def test_a_compile_queued_for_a_client_that_left_never_runs() -> None:
             assert first.result().status_code == 200
         jobs.pool.submit(lambda: None).result(timeout=30)  # the grammar thread has passed the abandoned job
     assert engine.compiled == ["a"]
+
+
+class DeadEndEngine(FakeEngine):
+    """Fails every request the way the engine does when a request's grammar leaves no token to take."""
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],  # type: ignore[override]
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(request_id, [], "", True, "error", len(prompt_token_ids), 0,
+                            error="ValueError: token 0 does not fit the request's grammar")
+
+
+def test_a_grammar_dead_end_is_400_on_every_path_not_a_worker_failure() -> None:
+    from pdcluster.worker.server.internal_routes import Disaggregation
+
+    class Engine(DeadEndEngine, DisaggFakeEngine):
+        pass
+
+    engine = Engine()
+    d = Disaggregation(engine, role="decode", secret=None)
+    with serve(build_app(engine, role="decode", served_model_name="fake", routers=[d.router])) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_dead_end", r.text
+        line = httpx.post(f"{url}/internal/generate", json=GENERATE, timeout=30).text.splitlines()[-1]
+        assert json.loads(line)["status"] == 400  # the router passes a 4xx line on, unretried

@@ -152,7 +152,7 @@ def _check_final(out: RequestOutput | None) -> None:
     if out is None or not out.finished:
         raise errors.APIError(500, "the engine ended the request without a final output", code="engine_error")
     if out.finish_reason == "error":
-        raise errors.APIError(500, f"generation failed: {out.error or 'unknown error'}", code="engine_error")
+        raise errors.engine_failure(out.error)
     if out.finish_reason == "abort":
         raise errors.APIError(503, "the request was aborted by the worker", code="aborted")
 

@@ -385,8 +385,9 @@ class Disaggregation:
                         tracing.observed(w.metrics, span).request_finished(out.finish_reason, out.prompt_tokens,
                                                                            out.completion_tokens)
                     if ids or text or finished:
+                        status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
                         yield _line({"token_ids": ids, "text": text, "finished": finished, "logprobs": lps,
-                                     "finish_reason": out.finish_reason, "error": out.error})
+                                     "finish_reason": out.finish_reason, "error": out.error, "status": status})
                     if finished:
                         return
             finally:
@@ -403,8 +404,9 @@ class Disaggregation:
             async with contextlib.aclosing(w.run(rid, ids, params, span=span)) as outs:
                 async for out in outs:
                     if out.new_token_ids or out.new_text or out.finished:
+                        status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
                         yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
                                      "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-                                     "error": out.error})
+                                     "error": out.error, "status": status})
         except errors.APIError as e:
             yield _line({"error": e.message, "finished": True, "finish_reason": "error", "status": e.status})
