@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test generate demo test lint bench bench-prefix bench-ratio bench-kernels demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
+.PHONY: setup setup-test generate demo test test-quick lint bench bench-sim bench-prefix bench-ratio bench-kernels bench-quality demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
@@ -27,26 +27,23 @@ demo: setup
 test: setup-test
 	$(PYTEST) -q -p no:cacheprovider tests
 
+# The loop while you work: everything but the tests that start stacks of processes (marker `stack`,
+# tests/conftest.py) and the `slow` ones; `make test` still runs all of them.
+test-quick: setup-test
+	$(PYTEST) -q -p no:cacheprovider -m "not stack and not slow" tests
+
 lint: setup
 	$(VENV)/bin/ruff check src tests e2e benchmarks scripts
 	$(VENV)/bin/mypy
 
-# Side-by-side figures recorded in docs/benchmarks.md (minutes; run on a quiet machine).
+# The figures in docs/benchmarks.md; each benchmark is a script under benchmarks/ (outside the wheel).
+# Side by side against Hugging Face and raw TCP (minutes; run on a quiet machine).
 bench: setup
-	$(PY) -m pdcluster.bench.engine_vs_hf --threads 2 --repeats 3
-	$(PY) -m pdcluster.bench.served_vs_hf --threads 2 --repeats 3 --native-off-too
-	GOMP_SPINCOUNT=2000 $(PY) -m pdcluster.bench.native_linear --threads 2 --repeats 15
-	$(PY) -m pdcluster.bench.screen_head --threads 2 --repeats 40
-	GOMP_SPINCOUNT=2000 $(PY) -m pdcluster.bench.native_attention --threads 2
-	$(PY) -m pdcluster.bench.fused_step --threads 2 --repeats 8
-	$(PY) -m pdcluster.bench.mixed_steps --threads 2 --repeats 4
-	$(PY) -m pdcluster.bench.disagg_transfer
-	$(PY) -m pdcluster.bench.transfer_bound --sizes-mib 1,16 --reps 15   # a Python frame loop's ceiling, and the floor a payload GMAC sets
-	$(PY) -m pdcluster.bench.transfer_ab --nixl-staged --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32   # NIXL cache to cache vs staging
-	$(PY) -m pdcluster.bench.transfer_ab --nixl-fabric --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32,int8   # NIXL without the MAC
-	$(PY) -m pdcluster.bench.transfer_ab --tcp-fabric --sizes-mib 1,4,16,64,256 --reps 7 --cases fp32,int8   # TCP without the payload tags
+	$(PY) -m benchmarks.engine_vs_hf --threads 2 --repeats 3
+	$(PY) -m benchmarks.served_vs_hf --threads 2 --repeats 3 --native-off-too
+	$(PY) -m benchmarks.disagg_transfer
 
-# Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, see docs/benchmarks/simulation.md).
+# Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, docs/benchmarks.md).
 TRACES ?= ../shared/traces
 bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --out docs/benchmarks/sim/azure2023_code
@@ -55,28 +52,32 @@ bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --cold --out docs/benchmarks/sim/mooncake_conversation-cold
 
 # Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~17 min;
-# docs/benchmarks/prefix_routing.md).
+# docs/benchmarks.md).
 bench-prefix: setup
-	$(PY) -m pdcluster.bench.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing
+	$(PY) -m benchmarks.prefix_routing --trace $(TRACES)/mooncake_conversation.jsonl --out docs/benchmarks/prefix_routing
 
-# The P:D ratio on the real stack (about 30 min on the shared 2-core VM; see docs/benchmarks/ratio_sweep.md):
+# The P:D ratio on the real stack (about 30 min on the shared 2-core VM; docs/benchmarks.md):
 # scan the load (one colocated run at 2x, 3x, 4x: the highest speed it still mostly meets the SLO at), profile
 # a 1:1 `pdcluster up` (C_p, C_d, t_join; C_p and t_join under a stream at the sweep's rate), replay one Azure slice (prompts shrunk to fit, outputs at
 # their real lengths up to 256) through every split of 4 workers (2 rounds), each worker under its own CPU
 # limit (cgroup v1 quota, 0.4 CPU; needs root), then a rise-and-fall slice through `pdcluster up --autoscale`
 # with the capacities of the (unlimited) t_join sweep.
 bench-ratio: setup
-	$(PY) -m pdcluster.bench.ratio_sweep --trace $(TRACES)/azure2023_code.csv --start 1320 --duration 60 \
+	$(PY) -m benchmarks.ratio_sweep --trace $(TRACES)/azure2023_code.csv --start 1320 --duration 60 \
 	  --scan-speedups 2,3,4 --max-model-len 1024 --max-output-tokens 256 --worker-cpu 0.4 --router-cpu 0.4 \
 	  --out docs/benchmarks/ratio_sweep/stream
-	$(PY) -m pdcluster.bench.autoscale_replay --trace $(TRACES)/azure2023_code.csv \
+	$(PY) -m benchmarks.autoscale_replay --trace $(TRACES)/azure2023_code.csv \
 	  --capacity-from docs/benchmarks/ratio_sweep/join/summary.json --out docs/benchmarks/ratio_sweep
 
 bench-kernels: setup
-	$(PY) -m pdcluster.bench.kernels
+	$(PY) -m benchmarks.kernels
+
+# KV-cache quantization quality on the trained demo model (trains it first if it is not cached: minutes).
+bench-quality: setup
+	$(PY) -m benchmarks.kv_quality --check-engine --out docs/benchmarks/kv_quality.json
 
 demo-model: setup
-	$(PY) -m pdcluster.bench.train_demo_model
+	$(PY) scripts/train_demo_model.py
 
 # The e2e suite needs a real control plane: built from the Go module proxy on first use (slow, cached
 # in ~/.cache/pdcluster keyed by version), started on loopback, torn down afterwards. As root, the cluster

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, as one script for a session that has a CUDA device (budget: ~10 minutes).
-#   1. bench/kernels.py: correctness on CUDA (bf16 included), then paged decode attention time and achieved
+#   1. benchmarks/kernels.py: correctness on CUDA (bf16 included), then paged decode attention time and achieved
 #      bandwidth vs device copy bandwidth and vs SDPA, fp16/int8/int4 caches.
 #   2. GPU suite: the kernel tests with the real Triton compiler instead of the interpreter.
 #   3. A latency heat map of one worker serving a ~1.1B-parameter random Llama in bf16.
 #   4. NIXL WRITE between two agents' registered VRAM buffers.
-#   5. NIXL with GPU memory the way the KV transfer uses it (bench/nixl_gpu.py): READ from a peer's registered
+#   5. NIXL with GPU memory the way the KV transfer uses it (benchmarks/nixl_gpu.py): READ from a peer's registered
 #      VRAM, a paged KV cache READ in place block by block (descriptors prepared once, no staging), and the
 #      NIXL backend fed from a CUDA export (device-to-host into registered staging, READ, MAC, import).
 #   6. Tensor parallelism on the GPUs (NCCL): the 1.1B model of step 3 served at TP 1 and TP 2 (and 4 when
 #      there are 4 GPUs), the same short benchmark against each; skipped with a line on a one-GPU machine.
-# Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the tables into docs/benchmarks/.
+# Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the figures into docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-bench-out}
@@ -20,7 +20,7 @@ PY=.venv/bin/python
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 echo "== 1. kernel benchmark"
-timeout 360 "$PY" -m pdcluster.bench.kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+timeout 360 "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 
 echo "== 2. kernel tests on the device (real Triton compiler)"
 PDCLUSTER_TEST_CUDA=1 timeout 240 .venv/bin/pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -5 | tee "$OUT/kernel-tests.log"
@@ -61,7 +61,7 @@ for mib in (16, 256):
     a.deregister_memory(ra); b.deregister_memory(rb)
 PY
 echo "== 5. NIXL with VRAM descriptors: staging READ, paged cache READ in place, backend from a CUDA export"
-timeout 240 "$PY" -m pdcluster.bench.nixl_gpu --out "$OUT/nixl-gpu.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl-gpu-bench.log"
+timeout 240 "$PY" -m benchmarks.nixl_gpu --out "$OUT/nixl-gpu.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl-gpu-bench.log"
 echo "== 6. tensor parallelism: TP 1 vs TP N, same model and benchmark (NCCL)"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${NGPU:-0}" -lt 2 ]; then

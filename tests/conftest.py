@@ -48,3 +48,18 @@ def tiny_engine_config(tiny_model_dir: Path):  # noqa: ANN201 - avoids importing
     from pdcluster.worker.engine.llm_engine import EngineConfig
 
     return EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, num_threads=None)
+
+
+# The quick tier (`make test-quick`) leaves out what starts a stack of processes: whole folders of real
+# multi-process clusters, plus single files that launch a server or an operator as a child process.
+STACK_FOLDERS = ("disagg", "engine_tp")
+STACK_FILES = ("server/test_serve_cli.py", "operator/test_handlers_kmock.py", "bench/test_real_worker.py",
+               "bench/test_cpu_limits.py", "local/test_restart_cgroup.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(here).as_posix()
+        if rel.split("/")[0] in STACK_FOLDERS or rel in STACK_FILES:
+            item.add_marker(pytest.mark.stack)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.kernels.cpu import native, screen
+from pdcluster.kernels import native
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
                                   reason=f"native kernels unavailable here: {native.unavailable_reason()}")
 # The bf16 screen of greedy's LM head also needs AVX512-BF16 (kernels/cpu/screen.py says what is missing)
-needs_screen = pytest.mark.skipif(screen.unavailable_reason() is not None,
-                                  reason=f"the bf16 screen cannot run here: {screen.unavailable_reason()}")
+needs_screen = pytest.mark.skipif(native.screen_unavailable_reason() is not None,
+                                  reason=f"the bf16 screen cannot run here: {native.screen_unavailable_reason()}")

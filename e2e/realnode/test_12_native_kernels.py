@@ -11,7 +11,7 @@ import pytest
 from node_e2e import assert_route_to, dump, http_json, http_text, metric_sum, pods, port_forward
 from pdc_e2e import Kube
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels import native
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly"
 

@@ -1,4 +1,4 @@
-"""CPU limits per benchmark process (bench/cpu_limits.py): the quota arithmetic and which process goes where
+"""CPU limits per benchmark process (benchmarks/cpu_limits.py): the quota arithmetic and which process goes where
 (pure), and the cgroup v1 edge for real: create a group, move a child in, see it throttled, remove it all."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.bench import cpu_limits as cl
+from benchmarks import cpu_limits as cl
 
 
 def test_quota_is_the_limit_times_the_period():
@@ -150,7 +150,7 @@ time.sleep(60)
 def test_stack_processes_are_limited_and_groups_removed_on_error(tmp_path, monkeypatch, error):
     """local_stack.up with a stand-in for `pdcluster up` (a process that starts a 'prefill', a 'decode' and a
     'router' child): each lands in its own limited group; an error in the run (Ctrl-C included) removes them."""
-    from pdcluster.bench import local_stack
+    from benchmarks import local_stack
 
     fake = tmp_path / "fake_up.py"
     fake.write_text(FAKE_UP)
@@ -177,7 +177,7 @@ def test_stack_processes_are_limited_and_groups_removed_on_error(tmp_path, monke
 
 @pytest.mark.skipif(not _writable_cpu_cgroup(), reason="needs a writable cgroup v1 cpu controller (root)")
 def test_a_stack_that_never_starts_is_a_start_error_and_leaves_no_group(tmp_path, monkeypatch):
-    from pdcluster.bench import local_stack
+    from benchmarks import local_stack
 
     fake = tmp_path / "fake_up.py"
     fake.write_text("import sys, time\ntime.sleep(0.3)\nsys.exit(1)\n")  # like `up` past its 180 s deadline

@@ -3,7 +3,7 @@ it reproduces the engine's int8/int4 decode logits."""
 
 import pytest
 
-from pdcluster.bench import kv_quality as kq
+from benchmarks import kv_quality as kq
 
 torch = pytest.importorskip("torch", reason="KV quantization quality needs the worker extra (torch)")
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdcluster.bench import prefix_routing as pr
+from benchmarks import prefix_routing as pr
 from pdcluster.bench import trace as tr
 from pdcluster.bench.replay import prompt_ids
 from pdcluster.bench.stats import RequestResult

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.bench import ratio_plan as rp
-from pdcluster.bench.autoscale_replay import arrivals_per_bin, failed_during_scale_down, stop_events
+from benchmarks import ratio_plan as rp
+from benchmarks.autoscale_replay import arrivals_per_bin, failed_during_scale_down, stop_events
 from pdcluster.bench.trace import Request, Trace
 
 
@@ -50,7 +50,7 @@ def test_formula_split_counts_the_decode_join_seconds():
 
 
 def test_sweep_slice_keeps_outputs_with_max_output_tokens(tmp_path):
-    from pdcluster.bench.ratio_sweep import load_slice
+    from benchmarks.ratio_sweep import load_slice
 
     rows = "\n".join(f'{{"timestamp": {i * 1000}, "input_length": {2000 * (i + 1)}, "output_length": {30 + i}}}'
                      for i in range(4))
@@ -105,7 +105,7 @@ def test_arrivals_per_bin():
 
 
 def test_markdown_table_marks_the_formula_and_averages_rounds():
-    from pdcluster.bench.ratio_sweep import markdown_table
+    from benchmarks.ratio_sweep import markdown_table
 
     run = lambda p, d, g: {"prefill": p, "decode": d, "goodput_rps": g, "attainment": g / 2,  # noqa: E731
                            "ttft_p50_s": 1.0, "tpot_p50_s": 0.1, "tpot_p99_s": 0.3, "load1_before": 3.0}
@@ -121,7 +121,7 @@ def test_markdown_table_marks_the_formula_and_averages_rounds():
 
 
 def test_in_flight_before_a_stop_counts_requests_overlapping_the_drain_window():
-    from pdcluster.bench.autoscale_replay import in_flight_before
+    from benchmarks.autoscale_replay import in_flight_before
 
     recs = [{"start": 90.0, "latency": 5.0}, {"start": 80.0, "latency": 30.0}, {"start": 101.0, "latency": 1.0},
             {"start": 50.0, "latency": 10.0}]
@@ -129,8 +129,8 @@ def test_in_flight_before_a_stop_counts_requests_overlapping_the_drain_window():
 
 
 def test_a_run_whose_stack_did_not_start_is_tried_once_more(monkeypatch):
-    from pdcluster.bench import local_stack
-    from pdcluster.bench import ratio_sweep as rs
+    from benchmarks import local_stack
+    from benchmarks import ratio_sweep as rs
 
     calls = []
 
@@ -151,7 +151,7 @@ def test_a_run_whose_stack_did_not_start_is_tried_once_more(monkeypatch):
 
 
 def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_path):
-    from pdcluster.bench import ratio_sweep as rs
+    from benchmarks import ratio_sweep as rs
 
     # TPOT objective 0.1 s: a prefill (0.23 s) does not fit in it, so the formula's answer is disaggregated
     args = rs.parse_args(["--trace", "t.csv", "--out", str(tmp_path), "--workers", "4", "--slo-tpot", "0.1"])
@@ -179,7 +179,7 @@ def test_summary_is_written_after_every_run_and_plots_the_splits_measured(tmp_pa
 
 
 def test_cores_received_is_cpu_seconds_over_wall_time():
-    from pdcluster.bench.ratio_sweep import cores_received
+    from benchmarks.ratio_sweep import cores_received
 
     got = cores_received({"decode-2": 10.0, "router": 1.0}, {"decode-2": 16.0, "router": 2.0, "prefill-1": 3.0}, 60.0)
     assert got == pytest.approx({"decode-2": 0.1, "prefill-1": 0.05, "router": 1 / 60})
@@ -187,7 +187,7 @@ def test_cores_received_is_cpu_seconds_over_wall_time():
 
 
 def test_formula_split_is_colocated_when_a_prefill_fits_within_the_tpot_objective():
-    """The quiet 6x sweep (docs/benchmarks/ratio_sweep.md §00): I 228, O 20, C_p 2427, C_d 1152, t_join 5 ms.
+    """The quiet 6x sweep (docs/benchmarks/ratio_sweep.md at 5f904a5 §00): I 228, O 20, C_p 2427, C_d 1152, t_join 5 ms.
     Without an objective the formula said 3:1 (colocated won, 3:1 reached 40 % of it); a prefill of 0.094 s
     fits within the 0.5 s TPOT objective, so the planner's answer for the budget is colocated."""
     f = rp.formula_split(4, 228, 20, 2427, 1152, 0.005)
@@ -215,7 +215,7 @@ def test_share_of_best_among_a_subset():
 
 
 def test_the_rate_scan_runs_the_scan_split_once_per_speedup_and_picks_the_load(monkeypatch, tmp_path):
-    from pdcluster.bench import ratio_sweep as rs
+    from benchmarks import ratio_sweep as rs
 
     seen = []
     attained = {2.0: 0.97, 3.0: 0.85, 4.0: 0.4}

@@ -53,7 +53,7 @@ def test_served_vs_hf_clients_read_the_same_tokens(engine, serve_asgi, stream):
     import asyncio
     from urllib.parse import urlsplit
 
-    from pdcluster.bench.served_client import served_run
+    from benchmarks.served_client import served_run
     from pdcluster.worker.server.app import build_app
 
     url = serve_asgi(build_app(engine, role="both", served_model_name="demo", request_timeout=60)).url

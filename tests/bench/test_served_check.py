@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.bench import served_vs_hf
+from benchmarks import served_vs_hf
 
 
 def test_only_hf_alone_can_excuse_a_difference(monkeypatch: pytest.MonkeyPatch) -> None:

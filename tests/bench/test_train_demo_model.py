@@ -1,10 +1,19 @@
 """The demo-model trainer: cache key, corpus split, schedule, and a two-step run on a tiny corpus."""
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from pdcluster.bench import train_demo_model as tdm
+# scripts/ is not a package: load the trainer from its file, registered so its dataclasses resolve
+_SPEC = importlib.util.spec_from_file_location(
+    "train_demo_model", Path(__file__).resolve().parents[2] / "scripts" / "train_demo_model.py")
+assert _SPEC is not None and _SPEC.loader is not None
+tdm = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = tdm
+_SPEC.loader.exec_module(tdm)
 
 
 def test_config_key_is_stable_and_changes_with_the_config():

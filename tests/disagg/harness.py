@@ -26,10 +26,12 @@ def make_worker(model: Path, role: str, *, block_size: int = 16, num_kv_blocks: 
     from pdcluster.worker.engine.llm_engine import EngineConfig
     from pdcluster.worker.server.app import build_app
     from pdcluster.worker.server.internal_routes import Disaggregation
+    from pdcluster.worker.transfer.options import TransferOptions
 
     engine = AsyncEngine.from_config(EngineConfig(model=str(model), block_size=block_size,
                                                   num_kv_blocks=num_kv_blocks, num_threads=1, **engine_kw))
-    d = Disaggregation(engine, role=role, secret=secret, compression=compression, timeout=10.0, backend=backend)
+    d = Disaggregation(engine, role=role, secret=secret,
+                       options=TransferOptions(compression=compression, timeout_s=10.0, backend=backend))
 
     async def shutdown() -> None:
         engine.shutdown()
@@ -59,6 +61,7 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
             decode_secret: bytes | None = SECRET, prefill_secret: bytes | None = SECRET,
             backend: str = "tcp", tool_call_parser: str | None = None) -> Iterator[Cluster]:
     from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.options import RouterOptions
     from pdcluster.worker.router.pool import Pool
 
     with contextlib.ExitStack() as stack:
@@ -75,9 +78,9 @@ def cluster(model: Path, *, prefill_blocks: tuple[int, ...] = (8,), decode_block
                 urls.append(stack.enter_context(serve(app)))
         pool = Pool(prefill_urls=c.prefill, decode_urls=c.decode, interval=0.2,
                     secret=prefill_secret or decode_secret)
-        c.state = RouterState(pool, max_queue_depth=max_queue_depth, threshold=threshold,
-                              request_timeout=request_timeout, max_retries=max_retries,
-                              tool_call_parser=tool_call_parser)
+        opts = RouterOptions(max_queue_depth=max_queue_depth or 0, disaggregation_threshold=threshold,
+                             request_timeout=request_timeout or 0, max_retries=max_retries)  # 0: unbounded
+        c.state = RouterState(pool, opts, tool_call_parser=tool_call_parser)
         c.router = stack.enter_context(serve(build_router_app(c.state)))
         yield c
 

@@ -24,9 +24,9 @@ from ..netutil import free_block
 from .harness import AUTH, SECRET, metric
 
 MAX_NEW = 160
-# The decode-kill test: long enough that the request is still decoding when the client, at its third token,
-# asks the workers which one runs it (a tiny model's decode step is well under a millisecond)
-KILL_DECODE_NEW = 600
+# The decode-kill test: the tiny model's whole context (1,024 positions) less the prompt, so that the ~950
+# decode steps still ahead at the client's third token dwarf the two signals that freeze the decode workers
+KILL_DECODE_NEW = 980
 
 
 def reference(model: Path, prompt: list[int], n: int) -> list[int]:
@@ -129,12 +129,21 @@ def test_sigkill_workers_under_up(tiny_model_dir: Path) -> None:
         killed: list[str] = []
 
         async def kill_decode_once(n: int) -> None:
-            if n >= 3 and not killed:  # early: most of the tokens must still be ahead when it dies
-                for i, u in enumerate(decodes):  # the one running the request
-                    if httpx.get(f"{u}/internal/load", headers=AUTH, timeout=5).json()["running"] > 0:
+            # Acts on the event the stream reports (its third token), with no poll that could miss it: freeze
+            # both decode workers at once (SIGSTOP: no further token can be made), then ask the router which
+            # one it is streaming the request from. Its accounting cannot change while they are frozen.
+            if n >= 3 and not killed:
+                for i in range(len(decodes)):
+                    os.kill(pids[f"decode-{i}"], signal.SIGSTOP)
+                snap = httpx.get(f"{router}/cluster", timeout=30).json()
+                holding = [w["url"] for w in snap["decode"] if w["in_flight"] > 0]
+                assert len(holding) == 1, snap  # frozen mid-request: the stream is still open on one worker
+                for i, u in enumerate(decodes):
+                    if u == holding[0]:
                         os.kill(pids[f"decode-{i}"], signal.SIGKILL)
                         killed.append(u)
-                        return
+                    else:
+                        os.kill(pids[f"decode-{i}"], signal.SIGCONT)
 
         got, errs = asyncio.run(stream_tokens(router, prompt, KILL_DECODE_NEW, kill_decode_once))
         assert killed, "no decode worker was running the request"

@@ -4,7 +4,7 @@ The KV of each prompt is exported from a prefill engine, sent through the real f
 per-vector scales, or fp32), imported into a decode engine with a different block size, and decoded with
 `debug_logits`. Logits are compared with the monolithic engine's at every position whose context is still
 identical (up to and including the first divergence). The figures are printed and written to
-$PDCLUSTER_REPORT_DIR/int8_transfer.json when that is set (docs/benchmarks/disaggregation.md quotes them).
+$PDCLUSTER_REPORT_DIR/int8_transfer.json when that is set (docs/benchmarks.md quotes them).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pdcluster.worker.api import errors
 from pdcluster.worker.engine.kv_connector import KVLayout
 from pdcluster.worker.router import cli
 from pdcluster.worker.server.internal_routes import Disaggregation
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.secret import (
     SecretError,
     check_internal_auth,
@@ -34,7 +35,7 @@ def fake_engine() -> SimpleNamespace:
 
 
 def worker_app(secret: bytes | None) -> TestClient:
-    d = Disaggregation(fake_engine(), role="decode", secret=secret)
+    d = Disaggregation(fake_engine(), role="decode", secret=secret, options=TransferOptions(backend="tcp"))
     app = FastAPI()
     errors.install_error_handlers(app)
     app.include_router(d.router)

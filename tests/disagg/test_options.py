@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from pdcluster.worker.engine.kv_connector import KVLayout
 from pdcluster.worker.server.internal_routes import Disaggregation
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.secret import SecretError
 
 ENGINE = SimpleNamespace(kv_layout=KVLayout(num_layers=2, kv_heads=1, head_dim=4, block_size=16))
 
 
-def opts(**kw: object) -> SimpleNamespace:
-    return SimpleNamespace(**{"secret_file": None, "compression": "none", "timeout_s": 5.0, "max_retries": 1,
-                              "port": None, **kw})
+def opts(**kw: Any) -> TransferOptions:
+    return TransferOptions(**{"timeout_s": 5.0, "max_retries": 1, **kw})
 
 
 def test_without_a_secret_there_is_no_transfer_listener(monkeypatch: pytest.MonkeyPatch,

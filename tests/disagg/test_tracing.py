@@ -33,10 +33,11 @@ def _traced(role: str, exporter: object) -> object:
 
 def _router(prefill: list[str], decode: list[str], exporter: object) -> contextlib.AbstractContextManager[str]:
     from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.options import RouterOptions
     from pdcluster.worker.router.pool import Pool
 
     state = RouterState(Pool(prefill_urls=prefill, decode_urls=decode, interval=0.2, secret=SECRET),
-                        max_queue_depth=None, threshold=0, request_timeout=60, max_retries=0)
+                        RouterOptions(max_queue_depth=0, disaggregation_threshold=0, request_timeout=60, max_retries=0))
     app = build_router_app(state)
     app.state.tracing = _traced("router", exporter)
     return serve(app)

@@ -38,7 +38,7 @@ async def test_concurrent_generate_matches_sync(aengine, make_engine):
     stats = aengine.stats()
     assert stats["kv_cache_used_blocks"] == 0 and stats["generation_tokens_total"] >= 30
     # each native module this process asked for, as /metrics exports it (pdcluster_native_kernel_loaded)
-    from pdcluster.kernels.cpu import native
+    from pdcluster.kernels import native
 
     assert {k: v for k, v in stats.items() if k.startswith("native_kernel_loaded:")} == {
         f"native_kernel_loaded:{name}": int(ok) for name, ok in native.outcomes().items()}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels import native
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_layout import column_major_linears
 from pdcluster.worker.engine.layers import SparseMoE
@@ -21,7 +21,7 @@ from .families_util import build_family_model
 
 @pytest.fixture(autouse=True)
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setenv(native.SWITCH, "0")
 
 
 def _is_column_major(t: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels import native
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.cpu_linear import PackedEmbedding, PackedLinear, pack_linears
 from pdcluster.worker.engine.loader import load_model
@@ -35,7 +35,7 @@ def test_swapped_projections_match_the_torch_path(tmp_path: Path, family: str, m
                                   num_key_value_heads=2, attention_bias=True)
     cfg = ModelConfig.from_folder(folder)
     on = load_model(cfg)
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setenv(native.SWITCH, "0")
     off = load_model(cfg)
     pairs = _pairs(on, off)
     # every dense projection and the LM head swapped; an MoE router keeps MKL (its logits pick experts)
@@ -62,9 +62,9 @@ def test_tied_head_and_embedding_share_one_packed_tensor(tmp_path: Path) -> None
         model.embed_tokens(torch.tensor([model.cfg.vocab_size]))
 
 
-@pytest.mark.parametrize("switch", [native.ENV_SWITCH, "PDCLUSTER_NATIVE_LINEAR"])
-def test_off_switch_keeps_the_torch_path(tiny_model_dir: Path, monkeypatch, switch: str) -> None:
-    monkeypatch.setenv(switch, "0")
+@pytest.mark.parametrize("value", ["0", "-linear", "-attention,-linear"])
+def test_off_switch_keeps_the_torch_path(tiny_model_dir: Path, monkeypatch, value: str) -> None:
+    monkeypatch.setenv(native.SWITCH, value)
     model = load_model(ModelConfig.from_folder(tiny_model_dir))
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert pack_linears(model) == 0

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(autouse=True)
 def _torch_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention.cpu_attention, "available", lambda *a: False)
+    monkeypatch.setattr(attention.native, "attention_available", lambda *a: False)
 
 
 def test_bias_only_for_ragged_batches(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,8 @@ class Recorder(KVConnectorBase):
     def __init__(self) -> None:
         self.ranges: dict[str, dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
 
-    def save_kv_layer(self, request_id, layer, k, v, token_start=0) -> None:
+    def save_kv_layer(self, request_id, layer, k, v, token_start=0, scales=None) -> None:
+        assert scales is None, "these tests export float layers"
         self.ranges.setdefault(request_id, {}).setdefault(layer, []).append((token_start, k.clone(), v.clone()))
 
     def assembled(self, rid: str, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

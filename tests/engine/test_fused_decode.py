@@ -1,7 +1,8 @@
 """The decode step as one native call (worker/engine/fused_decode.py, kernels/cpu/decoder.cpp): taken for the
 dense families whose every layer runs native kernels, with exactly the modules' logits (same kernels, same
 order: equal bits, not close ones) in ragged batches, with QKV biases and sliding windows; refused, with the
-modules running instead, for the models it does not serve; switched by PDCLUSTER_NATIVE_DECODER at every step."""
+modules running instead, for the models it does not serve; switched by PDCLUSTER_NATIVE_KERNELS=-decoder at
+every step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdcluster.kernels.cpu import step
+from pdcluster.kernels import native
 from pdcluster.worker.engine import fused_decode
 from tests.native_marks import needs_native
 
@@ -42,7 +43,7 @@ def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _both(make_engine: Any, monkeypatch: pytest.MonkeyPatch, model: Path | None = None,
           **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     fused = run_with_logits(make_engine(model=model, debug_logits=True, **kw), PROMPTS)
-    monkeypatch.setenv(fused_decode.SWITCH, "0")
+    monkeypatch.setenv(native.SWITCH, "-decoder")
     modules = run_with_logits(make_engine(model=model, debug_logits=True, **kw), PROMPTS)
     return fused, modules
 
@@ -117,7 +118,7 @@ def test_the_switch_is_read_at_every_step(make_engine: Any, monkeypatch: pytest.
     for i in range(100):
         if not engine.has_unfinished():
             break
-        monkeypatch.setenv(fused_decode.SWITCH, "0" if i % 2 else "1")
+        monkeypatch.setenv(native.SWITCH, "-decoder" if i % 2 else "1")
         for out in engine.step():
             toks[out.request_id] += out.new_token_ids
     assert toks == {rid: t for rid, (t, _) in reference.items()}
@@ -125,7 +126,7 @@ def test_the_switch_is_read_at_every_step(make_engine: Any, monkeypatch: pytest.
 
 
 def test_a_plan_with_inconsistent_layers_is_refused() -> None:
-    mod = step.module()
+    mod = native.step_module()
     assert mod is not None
     w = torch.ones(8)
     with pytest.raises(RuntimeError, match="per-layer list"):
@@ -133,21 +134,9 @@ def test_a_plan_with_inconsistent_layers_is_refused() -> None:
                        [w], [w], w, 1e-6)
 
 
-@pytest.mark.parametrize("value", ["hold", "release", ""])
-def test_the_gil_policy_is_read_and_checked(monkeypatch, value) -> None:
-    from pdcluster.worker.engine import fused_decode
-
-    monkeypatch.setenv(fused_decode.GIL_ENV, value)
-    assert fused_decode.gil_policy() == (value or "release")
-    monkeypatch.setenv(fused_decode.GIL_ENV, "sometimes")
-    with pytest.raises(ValueError, match=fused_decode.GIL_ENV):
-        fused_decode.gil_policy()
-
-
-def test_holding_or_releasing_the_gil_gives_the_same_bits(make_engine: Any, monkeypatch: pytest.MonkeyPatch,
-                                                          plan_calls: list[int]) -> None:
-    released = run_with_logits(make_engine(debug_logits=True), PROMPTS)
-    monkeypatch.setenv(fused_decode.GIL_ENV, "hold")
-    held = run_with_logits(make_engine(debug_logits=True), PROMPTS)
-    assert plan_calls
-    _assert_same(released, held)
+@pytest.mark.parametrize("value", ["off", "-decoder,linear", "-gpu"])
+def test_a_bad_switch_fails_at_start_and_says_why(make_engine: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  value: str) -> None:
+    monkeypatch.setenv(native.SWITCH, value)
+    with pytest.raises(ValueError, match=native.SWITCH):
+        make_engine()

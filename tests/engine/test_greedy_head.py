@@ -3,9 +3,7 @@ generate and as the whole fp32 head, whether the screen decides a row or hands i
 
 from __future__ import annotations
 
-import pytest
-
-from pdcluster.kernels.cpu import screen
+from pdcluster.kernels import native
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from tests.native_marks import needs_screen
 
@@ -28,7 +26,7 @@ def _run(engine, prompts, params=LONG) -> dict[str, list[int]]:
 
 
 def test_continuous_batch_matches_hf_through_the_screen(make_engine, tiny_model_dir, monkeypatch) -> None:
-    monkeypatch.setenv(screen.MAX_ROWS_ENV, "64")  # every step screened, not only those of up to 6 rows
+    monkeypatch.setattr(native, "screen_max_rows", lambda: 64)  # every step screened, not only those of up to 6
     engine = make_engine(max_batch_tokens=64)
     prompts = {f"r{n}": prompt_of(n, seed=n) for n in LENGTHS}
     toks = _run(engine, prompts)
@@ -40,11 +38,11 @@ def test_continuous_batch_matches_hf_through_the_screen(make_engine, tiny_model_
 
 def test_screen_off_and_every_row_handed_back_give_the_same_tokens(make_engine, monkeypatch) -> None:
     prompts = {f"r{n}": prompt_of(n, seed=100 + n) for n in LENGTHS}
-    monkeypatch.setenv(screen.MAX_ROWS_ENV, "64")
+    monkeypatch.setattr(native, "screen_max_rows", lambda: 64)
     screened = _run(make_engine(max_batch_tokens=64), prompts)
-    monkeypatch.setattr(screen, "MAX_CANDIDATES", 0)  # the screen decides no row: all go to the fp32 head
+    monkeypatch.setattr(native, "SCREEN_MAX_CANDIDATES", 0)  # the screen decides no row: all go to the fp32 head
     handed_back = _run(make_engine(max_batch_tokens=64), prompts)
-    monkeypatch.setenv(screen.ENV_SWITCH, "0")
+    monkeypatch.setenv(native.SWITCH, "-screen")
     off = _run(make_engine(max_batch_tokens=64), prompts)
     assert screened == handed_back == off
 
@@ -66,15 +64,8 @@ def test_rows_that_read_logits_still_get_them(make_engine) -> None:
     assert len(logprobs) == 12 and all(lp for lp in logprobs)
 
 
-@pytest.mark.parametrize("value", ["many", "-1"])
-def test_a_bad_row_limit_fails_at_start_and_says_why(make_engine, monkeypatch, value) -> None:
-    monkeypatch.setenv(screen.MAX_ROWS_ENV, value)
-    with pytest.raises(ValueError, match=screen.MAX_ROWS_ENV):
-        make_engine()
-
-
-def test_a_zero_row_limit_turns_the_screen_off(make_engine, monkeypatch) -> None:
-    monkeypatch.setenv(screen.MAX_ROWS_ENV, "0")
+def test_the_switch_at_start_builds_no_screen(make_engine, monkeypatch) -> None:
+    monkeypatch.setenv(native.SWITCH, "-screen")
     engine = make_engine()
     assert not engine.runner.model._greedy.screened
     assert _run(engine, {"r": prompt_of(5, seed=3)}, GREEDY)["r"]

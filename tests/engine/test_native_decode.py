@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from pdcluster.worker.engine import attention, fused_decode
+from pdcluster.kernels import native
+from pdcluster.worker.engine import attention
 from tests.native_marks import needs_native
 
 from .conftest import hf_greedy, prompt_of, run_with_logits
@@ -23,27 +24,27 @@ pytestmark = needs_native
 def _modules_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the modules' call of the kernel, which they spy on; the whole-step plan calls the
     same kernel from C++ (tests/engine/test_fused_decode.py)."""
-    monkeypatch.setenv(fused_decode.SWITCH, "0")
+    monkeypatch.setenv(native.SWITCH, "-decoder")
 
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts native kernel calls (the batch size of each)."""
     seen: list[int] = []
-    kernel = attention.cpu_attention.paged_decode_attention_cpu
+    kernel = attention.native.paged_decode_attention
 
     def spy(q: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
         seen.append(q.shape[0])
         return kernel(q, *a, **kw)
 
-    monkeypatch.setattr(attention.cpu_attention, "paged_decode_attention_cpu", spy)
+    monkeypatch.setattr(attention.native, "paged_decode_attention", spy)
     return seen
 
 
 def both_paths(make_engine: Any, monkeypatch: pytest.MonkeyPatch, prompts: dict[str, list[int]],
                **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     native_run = run_with_logits(make_engine(debug_logits=True, **kw), prompts)
-    monkeypatch.setattr(attention.cpu_attention, "available", lambda *a: False)
+    monkeypatch.setattr(attention.native, "attention_available", lambda *a: False)
     torch_run = run_with_logits(make_engine(debug_logits=True, **kw), prompts)
     return native_run, torch_run
 
@@ -81,6 +82,6 @@ def test_windowed_and_softcapped_families(make_engine, monkeypatch, calls, tmp_p
 
 
 def test_off_means_the_torch_path(make_engine, monkeypatch, calls):
-    monkeypatch.setattr(attention.cpu_attention, "available", lambda *a: False)
+    monkeypatch.setattr(attention.native, "attention_available", lambda *a: False)
     run_with_logits(make_engine(debug_logits=True), {"a": prompt_of(12, seed=8)})
     assert calls == []

@@ -1,4 +1,4 @@
-"""bench/kernels.py's CPU-safe parts: the --cpu-smoke mode drives the same correctness sweep and timing
+"""benchmarks/kernels.py's CPU-safe parts: the --cpu-smoke mode drives the same correctness sweep and timing
 loop as the CUDA run, with tiny sizes under the Triton interpreter. No timing assertions."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdcluster.bench import kernels as bench
+from benchmarks import kernels as bench
 
 
 @pytest.mark.triton

@@ -1,5 +1,5 @@
 """Every Triton kernel variant compiles for sm_90 (no GPU needed): the interpreter-run tests cannot catch
-GPU compile errors. Runs `python -m pdcluster.bench.compile_check` in a subprocess because the test process
+GPU compile errors. Runs `python -m pdcluster.kernels.compile_check` in a subprocess because the test process
 has the interpreter switched on."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend to compile sm_90 for")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "pdcluster.bench.compile_check", "--arch", "90"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "pdcluster.kernels.compile_check", "--arch", "90"], env=env,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "all kernels compile" in proc.stdout

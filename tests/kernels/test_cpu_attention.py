@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pdcluster.kernels import paged_decode_attention
 from pdcluster.kernels.cpu import attention as cpu_attn
+from pdcluster.kernels.cpu import native
 from pdcluster.worker.engine.attention import eager_attention, window_slots
 from tests.native_marks import needs_native
 
@@ -140,5 +141,6 @@ def test_supports_only_what_the_kernel_reads():
 def test_its_own_switch_turns_only_it_off(monkeypatch):
     cache = torch.zeros(2, 16, 2, 64)
     assert cpu_attn.available(cache, 64)
-    monkeypatch.setenv(cpu_attn.ENV_SWITCH, "0")
+    monkeypatch.setenv(native.ENV_SWITCH, "-attention")
     assert not cpu_attn.available(cache, 64)
+    assert native.enabled("linear") and native.enabled("argmax")

@@ -54,27 +54,6 @@ def test_one_thread_means_no_sharing():
         torch.set_num_threads(before_threads)
 
 
-def test_backoff_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(step.BACKOFF_ENV, "64")
-    assert step.backoff_calls() == 64
-    for bad in ("0", "16385", "lots"):
-        monkeypatch.setenv(step.BACKOFF_ENV, bad)
-        with pytest.raises(ValueError, match=step.BACKOFF_ENV):
-            step.backoff_calls()
-    monkeypatch.delenv(step.BACKOFF_ENV)
-    assert step.backoff_calls() == step.DEFAULT_BACKOFF_CALLS
-
-
-def test_spin_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(step.SPIN_ENV, "0")
-    assert step.spin_us() == 0
-    monkeypatch.setenv(step.SPIN_ENV, "soon")
-    with pytest.raises(ValueError, match=step.SPIN_ENV):
-        step.spin_us()
-    monkeypatch.delenv(step.SPIN_ENV)
-    assert step.spin_us() == step.DEFAULT_SPIN_US
-
-
 def test_sleeping_helpers_still_finish_every_call(two_threads):
     """Spin 0: helpers sleep after each call and every call must still complete (the caller takes what
     nobody claimed) with the same bits."""
@@ -88,7 +67,7 @@ def test_sleeping_helpers_still_finish_every_call(two_threads):
         for _ in range(200):
             assert torch.equal(L.linear(x, wp, 4096, panels_per_task=1), alone)
     finally:
-        mod.set_spin_us(step.spin_us())
+        mod.set_spin_us(step.SPIN_US)
 
 
 def test_forked_child_has_a_working_pool(two_threads):
@@ -109,7 +88,7 @@ def test_forked_child_has_a_working_pool(two_threads):
 
 def test_a_stalled_helper_makes_the_next_calls_run_alone(two_threads):
     """A helper that holds an item far longer than the caller worked (it lost its core) is a stall: the next
-    calls (PDCLUSTER_NATIVE_BACKOFF_CALLS, at least) run on the caller alone, then sharing is tried again."""
+    calls (step.BACKOFF_CALLS, at least) run on the caller alone, then sharing is tried again."""
     mod = step.module()
     assert mod is not None
 
@@ -129,7 +108,7 @@ def test_a_stalled_helper_makes_the_next_calls_run_alone(two_threads):
             break
         assert any(shares_next_call() for _ in range(20000))  # out of any back-off, for the next try
     assert stalled
-    assert not any(shares_next_call() for _ in range(step.backoff_calls()))  # alone, not waiting for a helper
+    assert not any(shares_next_call() for _ in range(step.BACKOFF_CALLS))  # alone, not waiting for a helper
     assert any(shares_next_call() for _ in range(20000))  # and sharing again after the back-off
 
 

@@ -64,3 +64,10 @@ def test_switched_off_means_the_torch_path(monkeypatch) -> None:
     assert quant.quantize8(torch.randn(2, 8)) is None
     q, s = quantize_kv(torch.randn(2, 8), 8)
     assert torch.equal(quant.dequantize(q, s, 8, torch.float32), dequantize_kv(q, s, 8, torch.float32))
+
+
+def test_its_own_switch_turns_only_it_off(monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "-quant")
+    assert not quant.ready() and quant.quantize8(torch.randn(2, 8)) is None
+    q, s = quantize_kv(torch.randn(2, 8), 8)
+    assert quant.dequantize8(q, s) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdcluster.kernels.cpu import native
 from pdcluster.kernels.cpu import rope as R
 from tests.native_marks import needs_native
 
@@ -65,5 +66,5 @@ def test_no_kernel_off_the_fp32_cpu_path(monkeypatch: pytest.MonkeyPatch) -> Non
     assert R.kernel_for(torch.zeros(4, 16, 4, 64, dtype=torch.float16), quantized=False) is None
     assert R.kernel_for(torch.zeros(4, 16, 4, 64)[:, :, :2], quantized=False) is None  # not contiguous
     assert R.kernel_for(torch.zeros(4, 16, 4, 64), quantized=True) is None
-    monkeypatch.setenv(R.ENV_SWITCH, "0")
-    assert R.switched_off()
+    monkeypatch.setenv(native.ENV_SWITCH, "-rope")
+    assert not native.enabled("rope") and native.enabled("norm")

@@ -8,7 +8,7 @@ import torch
 
 from pdcluster.kernels.cpu import argmax as A
 from pdcluster.kernels.cpu import linear as L
-from pdcluster.kernels.cpu import screen, step
+from pdcluster.kernels.cpu import native, screen, step
 from tests.native_marks import needs_screen
 
 
@@ -110,8 +110,8 @@ def test_bad_input_is_a_clear_error() -> None:
 
 
 def test_off_switch_and_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(screen.ENV_SWITCH, "0")
-    assert screen.unavailable_reason() == f"{screen.ENV_SWITCH}=0"
+    monkeypatch.setenv(native.ENV_SWITCH, "-screen")
+    assert screen.unavailable_reason() == f"{native.ENV_SWITCH} turns it off"
 
 
 @needs_screen
@@ -129,10 +129,6 @@ def test_the_dot_rate_probe_measures_this_core() -> None:
 
 @pytest.mark.parametrize(("ratio", "rows"), [(1.0, screen.FAST_DOT_MAX_ROWS), (0.75, screen.FAST_DOT_MAX_ROWS),
                                              (0.25, screen.SLOW_DOT_MAX_ROWS), (None, screen.SLOW_DOT_MAX_ROWS)])
-def test_the_row_limit_follows_the_probe_unless_set(monkeypatch: pytest.MonkeyPatch, ratio: float | None,
-                                                    rows: int) -> None:
+def test_the_row_limit_follows_the_probe(monkeypatch: pytest.MonkeyPatch, ratio: float | None, rows: int) -> None:
     monkeypatch.setattr(screen, "dot_rate_ratio", lambda: ratio)
-    monkeypatch.delenv(screen.MAX_ROWS_ENV, raising=False)
     assert screen.max_rows() == rows
-    monkeypatch.setenv(screen.MAX_ROWS_ENV, "3")  # the setting wins over the probe either way
-    assert screen.max_rows() == 3

@@ -134,6 +134,26 @@ def test_switched_off_by_env(fresh: Path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="pdcluster.kernels.cpu"):
         assert native.load("pdc_test_off", ["does-not-matter.cpp"]) is None
     assert f"{native.ENV_SWITCH}=0" in caplog.text
+    assert not any(native.enabled(k) for k in native.KERNELS)
+
+
+@pytest.mark.parametrize(("value", "off"), [("", set()), ("1", set()), ("0", set(native.KERNELS)),
+                                            ("-attention", {"attention"}), ("-linear, -screen", {"linear", "screen"})])
+def test_the_one_switch_names_what_is_off(monkeypatch, value: str, off: set[str]):
+    monkeypatch.setenv(native.ENV_SWITCH, value)
+    assert {k for k in native.KERNELS if not native.enabled(k)} == off
+    assert native.switched_off() == (off == set(native.KERNELS))  # only "0" keeps every build from loading
+
+
+@pytest.mark.parametrize("value", ["off", "attention", "-gpu", "-linear,", "true"])
+def test_a_value_the_switch_does_not_take_is_refused(monkeypatch, value: str):
+    monkeypatch.setenv(native.ENV_SWITCH, value)
+    with pytest.raises(ValueError, match=native.ENV_SWITCH):
+        native.enabled("linear")
+    with pytest.raises(ValueError, match=native.ENV_SWITCH):
+        native.unrunnable_reason()
+    with pytest.raises(ValueError, match="unknown native kernel"):
+        native.enabled("gpu")
 
 
 def test_no_avx512_means_torch_path(fresh: Path, monkeypatch):

@@ -33,7 +33,7 @@ def _fill(cache: tuple) -> tuple:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_float_cache_scatter(backend, dtype):
     if backend == "triton" and dtype == torch.bfloat16:
-        pytest.skip("the Triton interpreter truncates fp32->bf16 casts; bf16 is checked on CUDA by bench/kernels.py")
+        pytest.skip("the Triton interpreter truncates fp32->bf16 casts; bf16 is checked on CUDA by benchmarks/kernels.py")
     num_blocks, block_size, kv_heads, head_dim = 6, 8, 2, 32
     k, v, slots = _inputs(11, kv_heads, head_dim, torch.float32, num_blocks * block_size)
     kc, vc, ks, vs = _fill(allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, "auto", dtype))

@@ -113,7 +113,7 @@ def test_a_real_cpu_limit_survives_a_restart(tmp_path: Path) -> None:
     try:
         (group / "cpu.cfs_quota_us").write_text("40000")
         p = sup.add("decode-0", [sys.executable, "-c", "import time; time.sleep(60)"])
-        (group / "cgroup.procs").write_text(str(p.pid))  # what bench/local_stack.confine does
+        (group / "cgroup.procs").write_text(str(p.pid))  # what benchmarks/local_stack.confine does
         _, second, _ = _restart(sup, "decode-0")
         assert str(second) in (group / "cgroup.procs").read_text().split()
     finally:

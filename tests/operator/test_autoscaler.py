@@ -8,6 +8,7 @@ import random
 import pytest
 
 from pdcluster.operator import autoscaler as asc
+from pdcluster.operator import autoscaler_rules as rules
 from pdcluster.operator import status as st
 from pdcluster.operator.planner import Bounds
 
@@ -121,12 +122,12 @@ def test_missing_capacity_holds_until_learned_from_a_saturated_window() -> None:
 
 
 def test_learned_capacity_is_smoothed_and_raised_by_unsaturated_evidence() -> None:
-    c = asc.learn_capacity(None, 1000, True)
-    c = asc.learn_capacity(c, 2000, True)
+    c = rules.learn_capacity(None, 1000, True)
+    c = rules.learn_capacity(c, 2000, True)
     assert c == pytest.approx(1300)
-    assert asc.learn_capacity(c, 900, False) == pytest.approx(1300)  # less work than capacity: no news
-    assert asc.learn_capacity(c, 1800, False) == 1800  # served more than we believed possible
-    assert asc.learn_capacity(c, None, True) == pytest.approx(1300)
+    assert rules.learn_capacity(c, 900, False) == pytest.approx(1300)  # less work than capacity: no news
+    assert rules.learn_capacity(c, 1800, False) == 1800  # served more than we believed possible
+    assert rules.learn_capacity(c, None, True) == pytest.approx(1300)
 
 
 def test_state_survives_a_restart_via_status() -> None:

@@ -11,7 +11,7 @@ from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import autoscaler_rules as rules
 from pdcluster.operator.planner import Bounds, plan
 
-CP, CD = 481.0, 211.0  # the last ratio sweep's profiled capacities (docs/benchmarks/ratio_sweep.md)
+CP, CD = 481.0, 211.0  # the last ratio sweep's profiled capacities (docs/benchmarks/ratio_sweep.md at 5f904a5)
 
 
 def policy(**kw) -> asc.Policy:

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_layout, naming, parallel, render, scaling
+from pdcluster.operator import naming, parallel, render, scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.models import parse_spec
 from pdcluster.worker.engine.parallel import heads
@@ -188,19 +188,19 @@ LEARNED = asc.PoolState(learned_capacity=9000.0, capacity_scale=0.7, slo_breache
 
 
 def test_same_layout_keeps_everything() -> None:
-    assert autoscaler_layout.pool_for_layout(LEARNED, 2, NOW) is LEARNED
+    assert LEARNED.for_layout(2, NOW) is LEARNED
 
 
 def test_another_layout_starts_the_pool_afresh() -> None:
-    ps = autoscaler_layout.pool_for_layout(LEARNED, 4, NOW)
+    ps = LEARNED.for_layout(4, NOW)
     assert ps == asc.PoolState(last_change=NOW, tensor_parallel=4, slo_breaches=3)
 
 
 def test_a_status_from_before_tp_was_learned_at_tp_one() -> None:
     legacy = asc.PoolState(learned_capacity=9000.0)
-    assert autoscaler_layout.pool_for_layout(legacy, 1, NOW).learned_capacity == 9000.0
-    assert autoscaler_layout.pool_for_layout(legacy, 1, NOW).tensor_parallel == 1
-    assert autoscaler_layout.pool_for_layout(legacy, 8, NOW).learned_capacity is None
+    assert legacy.for_layout(1, NOW).learned_capacity == 9000.0
+    assert legacy.for_layout(1, NOW).tensor_parallel == 1
+    assert legacy.for_layout(8, NOW).learned_capacity is None
 
 
 def test_status_round_trips_the_layout() -> None:

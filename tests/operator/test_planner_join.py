@@ -11,7 +11,7 @@ import pytest
 from pdcluster.cli import main
 from pdcluster.operator.planner import COLOCATE_BELOW_DECODE, Bounds, PlanError, colocation_advice, plan
 
-# The last ratio sweep's slice (docs/benchmarks/ratio_sweep.md): I 302, O 2.8, C_p 481, C_d 211.
+# The last ratio sweep's slice (docs/benchmarks/ratio_sweep.md at 5f904a5): I 302, O 2.8, C_p 481, C_d 211.
 SWEEP = {"input_len": 302, "output_len": 2.8, "prefill_capacity": 481, "decode_capacity": 211}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from pdcluster.worker.router.flow import Flow
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.pool import Pool
 
 PREFILL, DECODE, DECODE2 = "http://prefill:1", "http://decode:2", "http://decode:3"
@@ -70,10 +71,12 @@ class Script:
 
 
 def make_flow(script: Script, *, decode: tuple[str, ...] = (DECODE,), prefill: tuple[str, ...] = (PREFILL,),
-              **kw: Any) -> Flow:
+              threshold: int = 0, **kw: Any) -> Flow:
+    """A Flow over `script`; threshold 0 (every prompt disaggregated) unless a test says otherwise, the other
+    knobs RouterOptions' (max_retries, decode_wait, ...)."""
     pool = Pool(prefill_urls=list(prefill), decode_urls=list(decode))
     for w in pool.workers.values():
         w.healthy = True
-    flow = Flow(pool, **kw)
+    flow = Flow(pool, RouterOptions(disaggregation_threshold=threshold, **kw))
     flow.client = httpx.AsyncClient(transport=httpx.MockTransport(script))
     return flow

@@ -8,6 +8,7 @@ import pytest
 from pdcluster.worker.api.errors import APIError
 from pdcluster.worker.router.app import RouterState, Tracker
 from pdcluster.worker.router.front_door import sequences
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.pool import Pool
 
 
@@ -15,7 +16,7 @@ def state(depth: int) -> RouterState:
     pool = Pool(decode_urls=["http://decode:1"])
     for w in pool.workers.values():
         w.healthy = True
-    return RouterState(pool, max_queue_depth=depth, threshold=0, request_timeout=None, max_retries=1)
+    return RouterState(pool, RouterOptions(max_queue_depth=depth, disaggregation_threshold=0, max_retries=1))
 
 
 def test_sequences_of_a_body() -> None:

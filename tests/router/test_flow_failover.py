@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdcluster.worker.router.flow import Chunk, Tokenized, UpstreamError
+from pdcluster.worker.router.flow import Chunk, Tokenized
+from pdcluster.worker.router.upstream import UpstreamError
 
 from .fakes import DECODE, DECODE2, PREFILL, Lines, Script, make_flow, ndjson, tokens
 

@@ -13,9 +13,11 @@ import pytest
 
 from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.router.app import RouterState, build_router_app
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.pool import Pool
 from pdcluster.worker.server.app import build_app
 from pdcluster.worker.server.internal_routes import Disaggregation
+from pdcluster.worker.transfer.options import TransferOptions
 
 from ..netutil import serve
 from ..server.disagg_fake import DisaggFakeEngine
@@ -26,13 +28,13 @@ KEY = {"Authorization": "Bearer K"}
 @pytest.fixture(scope="module")
 def router() -> Iterator[str]:
     engine = DisaggFakeEngine()
-    d = Disaggregation(engine, role="decode", secret=None)
+    d = Disaggregation(engine, role="decode", secret=None, options=TransferOptions(backend="tcp"))
     worker_app = build_app(engine, role="decode", served_model_name="fake", routers=[d.router],
                            on_startup=[d.start], on_shutdown=[d.stop], request_timeout=30)
     install_api_key(worker_app, "K")
     with serve(worker_app) as worker:
-        state = RouterState(Pool(decode_urls=[worker], interval=0.2), max_queue_depth=None, threshold=0,
-                            request_timeout=30, max_retries=1)
+        state = RouterState(Pool(decode_urls=[worker], interval=0.2), RouterOptions(
+            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
         with serve(build_router_app(state, api_key="K")) as url:
             deadline = time.monotonic() + 10  # the pool's probes of /internal/load carry the key too
             while httpx.get(f"{url}/health", timeout=5).status_code != 200:

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdcluster.worker.router.flow import Chunk, NoCapacity, Tokenized, UpstreamError
+from pdcluster.worker.router.flow import Chunk, Tokenized
+from pdcluster.worker.router.upstream import NoCapacity, UpstreamError
 
 from .fakes import DECODE, DECODE2, PREFILL, Lines, Script, make_flow, tokens
 

@@ -18,9 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.worker.router.app import RouterState, build_router_app
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.pool import Pool
 from pdcluster.worker.server.app import build_app
 from pdcluster.worker.server.internal_routes import Disaggregation
+from pdcluster.worker.transfer.options import TransferOptions
 
 from ..netutil import serve
 from ..server.disagg_fake import DisaggFakeEngine
@@ -34,7 +36,7 @@ CAP = 1 << 20
 
 def _worker_app(secret: bytes | None) -> FastAPI:
     engine = DisaggFakeEngine()
-    d = Disaggregation(engine, role="decode", secret=secret)
+    d = Disaggregation(engine, role="decode", secret=secret, options=TransferOptions(backend="tcp"))
     return build_app(engine, role="decode", served_model_name="fake", routers=[d.router], on_startup=[d.start],
                      on_shutdown=[d.stop], request_timeout=30)
 
@@ -49,8 +51,8 @@ def _wait_healthy(url: str) -> None:
 @pytest.fixture(scope="module")
 def router() -> Iterator[str]:
     with serve(_worker_app(SECRET)) as worker:
-        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), max_queue_depth=None,
-                            threshold=0, request_timeout=30, max_retries=1, max_body_bytes=CAP)
+        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
+            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1), max_body_bytes=CAP)
         with serve(build_router_app(state)) as url:
             _wait_healthy(url)
             yield url
@@ -124,8 +126,8 @@ def test_internal_token_only_on_internal_routes() -> None:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     with serve(spy) as worker:
-        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), max_queue_depth=None,
-                            threshold=0, request_timeout=30, max_retries=1)
+        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
+            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
         with serve(build_router_app(state)) as url:
             _wait_healthy(url)
             assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "fake"

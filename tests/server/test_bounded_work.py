@@ -25,6 +25,7 @@ from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server.app import build_app
 from pdcluster.worker.server.lifecycle import WorkerServer
 from pdcluster.worker.server.prefix_events import prefix_events_router
+from pdcluster.worker.transfer.options import TransferOptions
 
 from .disagg_fake import DisaggFakeEngine
 from .fake_engine import FakeEngine
@@ -152,7 +153,7 @@ def keyed() -> Iterator[str]:
     from pdcluster.worker.server.internal_routes import Disaggregation
 
     engine = DisaggFakeEngine()
-    d = Disaggregation(engine, role="decode", secret=None)
+    d = Disaggregation(engine, role="decode", secret=None, options=TransferOptions(backend="tcp"))
     app = build_app(engine, role="decode", served_model_name="fake", request_timeout=30,
                     routers=[d.router, prefix_events_router(engine, None)], on_startup=[d.start], on_shutdown=[d.stop])
     install_api_key(app, "K")
@@ -261,7 +262,7 @@ def test_a_grammar_dead_end_is_400_on_every_path_not_a_worker_failure() -> None:
         pass
 
     engine = Engine()
-    d = Disaggregation(engine, role="decode", secret=None)
+    d = Disaggregation(engine, role="decode", secret=None, options=TransferOptions(backend="tcp"))
     with serve(build_app(engine, role="decode", served_model_name="fake", routers=[d.router])) as url:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_dead_end", r.text

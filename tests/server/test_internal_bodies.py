@@ -14,6 +14,7 @@ import pytest
 
 from pdcluster.worker.server.app import build_app
 from pdcluster.worker.server.internal_routes import Disaggregation
+from pdcluster.worker.transfer.options import TransferOptions
 
 from .disagg_fake import DisaggFakeEngine
 from .harness import serve
@@ -29,7 +30,7 @@ def internal_app(role: str = "decode", kv_heads: int | None = None) -> Iterator[
     engine = DisaggFakeEngine()
     if kv_heads is not None:
         engine.kv_layout.kv_heads = engine.engine.model_config.num_kv_heads = kv_heads
-    d = Disaggregation(engine, role=role, secret=SECRET)
+    d = Disaggregation(engine, role=role, secret=SECRET, options=TransferOptions(backend="tcp"))
     app = build_app(engine, role=role, served_model_name="fake", routers=[d.router], on_startup=[d.start],
                     on_shutdown=[d.stop], request_timeout=30)
     with serve(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:

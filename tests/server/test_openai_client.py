@@ -164,12 +164,13 @@ def test_tokenize_detokenize_version_and_model_card(paths: tuple[Any, Any, Clust
 
 def test_api_key_on_the_router() -> None:
     from pdcluster.worker.router.app import RouterState, build_router_app
+    from pdcluster.worker.router.options import RouterOptions
     from pdcluster.worker.router.pool import Pool
 
     from ..netutil import serve
 
-    state = RouterState(Pool(prefill_urls=[], decode_urls=[], interval=60), max_queue_depth=None, threshold=0,
-                        request_timeout=5, max_retries=0)
+    state = RouterState(Pool(prefill_urls=[], decode_urls=[], interval=60),
+                        RouterOptions(max_queue_depth=0, disaggregation_threshold=0, request_timeout=5, max_retries=0))
     with serve(build_router_app(state, api_key="sekret")) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcluster.worker.api.protocol import (
+from pdcluster.worker.api.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from pdcluster.worker.server import cli
+from pdcluster.worker.transfer.options import TransferOptions
 
 
 def _options(*argv: str) -> cli.TransferOptions:
@@ -25,7 +26,7 @@ def test_integrity_defaults_to_mac_and_takes_fabric() -> None:
 def test_the_backend_builds_a_tcp_connector_with_that_integrity() -> None:
     from pdcluster.worker.transfer import backend
 
-    conn, choice = backend.build("tcp", b"s" * 32, integrity="fabric")
+    conn, choice = backend.build(TransferOptions(backend="tcp", integrity="fabric"), b"s" * 32)
     try:
         assert choice.backend == "tcp" and conn.integrity == "fabric" and conn.limits.trust_fabric
     finally:
@@ -38,7 +39,7 @@ def test_the_backend_builds_a_nixl_connector_with_that_integrity() -> None:
 
     if not availability().ok:
         pytest.skip(availability().reason)
-    conn, choice = backend.build("nixl", b"s" * 32, integrity="fabric")
+    conn, choice = backend.build(TransferOptions(backend="nixl", integrity="fabric"), b"s" * 32)
     try:
         assert choice.backend == "nixl" and conn.integrity == "fabric"
         assert conn.limits.trust_fabric  # its layers over the channel go untagged too

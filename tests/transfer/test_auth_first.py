@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from pdcluster.worker.transfer import codec, handshake
-from pdcluster.worker.transfer.channel import open_channel, read_exact
+from pdcluster.worker.transfer.channel import TransferError, open_channel, read_exact
 from pdcluster.worker.transfer.frame import (
     HEADER,
     PREAMBLE_SIZE,
@@ -24,7 +24,7 @@ from pdcluster.worker.transfer.frame import (
 )
 from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.sockio import Conn
-from pdcluster.worker.transfer.transport import ByteBudget, KVServer, TransferError
+from pdcluster.worker.transfer.transport import ByteBudget, KVServer
 
 SECRET = b"s" * 32
 TOKENS, HEADS, DIM = 4096, 8, 128  # a 32 MiB f32 layer

@@ -19,6 +19,7 @@ from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, Frame, Kind
+from pdcluster.worker.transfer.options import TransferOptions
 
 SECRET = b"c" * 32
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -34,16 +35,16 @@ def engine(model: Path, kv: str, block_size: int, **kw: Any) -> LLMEngine:
                                   kv_cache_dtype=kv, **kw))
 
 
-def connector(backend: str, **kw: Any) -> TCPConnector:
+def connector(backend: str, importer: Any = None, **knobs: Any) -> TCPConnector:
     if backend == "tcp":
-        return TCPConnector(SECRET, **kw)
+        return TCPConnector(SECRET, TransferOptions(**knobs), importer=importer)
     from pdcluster.worker.transfer.nixl_agent import availability
 
     if not availability().ok:
         pytest.skip(availability().reason)
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    return NixlConnector(SECRET, staging_bytes=8 << 20, **kw)
+    return NixlConnector(SECRET, TransferOptions(**knobs), staging_bytes=8 << 20, importer=importer)
 
 
 def stored(e: LLMEngine, rid: str, layer: int) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 from pdcluster.kernels.kv_quant import quantize_kv
 from pdcluster.worker.transfer import chunking, codec
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.outbox import Outbox
 from tests.transfer.kvsink import Sink
 
@@ -31,9 +32,9 @@ def _no_encoder(conn: TCPConnector) -> None:
 
 async def _pair(compression: str = "none") -> tuple[TCPConnector, TCPConnector, Sink, TransferTarget]:
     sink = Sink()
-    recv = TCPConnector(SECRET, importer=sink)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=sink)
     port = await recv.listen()
-    return TCPConnector(SECRET, compression=compression), recv, sink, TransferTarget("127.0.0.1", port)
+    return TCPConnector(SECRET, TransferOptions(compression=compression)), recv, sink, TransferTarget("127.0.0.1", port)
 
 
 @pytest.mark.parametrize("codes", [False, True])

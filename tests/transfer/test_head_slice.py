@@ -10,10 +10,11 @@ import torch
 
 from pdcluster.kernels.kv_quant import quantize_kv
 from pdcluster.worker.engine.kv_cache import PagedKVCache
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import Frame
 from pdcluster.worker.transfer.head_slice import HeadRoute, slice_heads, write_heads
-from pdcluster.worker.transfer.transport import TransferError
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 
 SECRET = b"s" * 32
@@ -77,7 +78,7 @@ def test_write_heads_equals_writing_the_whole_layer(kv_dtype: str, wire: str) ->
 
 
 async def receiver(spec: LoadSpec) -> tuple[TCPConnector, Sink, TransferTarget]:
-    recv, got = TCPConnector(SECRET, timeout=5.0), Sink()
+    recv, got = TCPConnector(SECRET, TransferOptions(timeout_s=5.0)), Sink()
     recv.importer = got
     port = await recv.listen()
     recv.start_load_kv(spec)
@@ -87,7 +88,7 @@ async def receiver(spec: LoadSpec) -> tuple[TCPConnector, Sink, TransferTarget]:
 async def test_receiver_takes_only_its_planned_ranges() -> None:
     # decode rank 1 of TP 2 with 4 KV heads: heads 2..3, in one piece from head 2
     recv, got, t = await receiver(LoadSpec("r", 1, T, 2, D, head_offset=2, pieces=((2, 2),)))
-    send = TCPConnector(SECRET, timeout=5.0, max_retries=0)
+    send = TCPConnector(SECRET, TransferOptions(timeout_s=5.0, max_retries=0))
     send.start_save_heads("r", [HeadRoute(t.host, t.port, 1, 2, 1)], 1)  # heads 1..2: not the plan
     send.save_kv_layer("r", 0, *kv())
     with pytest.raises(TransferError, match="SHAPE_MISMATCH"):
@@ -100,7 +101,7 @@ async def test_receiver_takes_only_its_planned_ranges() -> None:
 
 async def test_a_whole_layer_receiver_refuses_a_head_range() -> None:
     recv, got, t = await receiver(LoadSpec("w", 1, T, H, D))  # today's spec: all heads, from head 0
-    send = TCPConnector(SECRET, timeout=5.0, max_retries=0)
+    send = TCPConnector(SECRET, TransferOptions(timeout_s=5.0, max_retries=0))
     send.start_save_heads("w", [HeadRoute(t.host, t.port, 0, 2, 2)], 1)
     send.save_kv_layer("w", 0, *kv())
     with pytest.raises(TransferError, match="SHAPE_MISMATCH"):
@@ -112,7 +113,7 @@ async def test_ranges_land_at_their_offsets_and_complete_the_layer() -> None:
     """TP 1 -> TP 2 seen from decode rank 1 plus a replicated duplicate range: resends are ignored, the
     layer completes once every (token, head) is in."""
     recv, got, t = await receiver(LoadSpec("p", 2, T, 2, D, head_offset=2, pieces=((2, 2),)))
-    send = TCPConnector(SECRET, timeout=5.0, chunk_bytes=5 * 2 * 2 * D * 4)  # 5 tokens a frame
+    send = TCPConnector(SECRET, TransferOptions(timeout_s=5.0), chunk_bytes=5 * 2 * 2 * D * 4)  # 5 tokens a frame
     send.start_save_heads("p", [HeadRoute(t.host, t.port, 2, 2, 2)], 2)
     for layer in range(2):
         send.save_kv_layer("p", layer, *kv(layer))
@@ -132,7 +133,7 @@ async def test_same_frames_as_today_for_a_route_of_all_heads() -> None:
     recv.start_load_kv(LoadSpec("y", 1, T, H, D))
     frames: dict[str, list[Frame]] = {"x": [], "y": []}
     for rid in frames:
-        send = TCPConnector(SECRET)
+        send = TCPConnector(SECRET, TransferOptions())
         orig = send._frames
 
         def record(*a: object, _orig: object = orig, **kw: object) -> list[Frame]:
@@ -158,10 +159,10 @@ async def test_same_frames_as_today_for_a_route_of_all_heads() -> None:
 
 async def test_one_route_failing_ends_the_transfer_and_aborts_the_others() -> None:
     recv, _, t = await receiver(LoadSpec("f", 1, T, 2, D, head_offset=0, pieces=((0, 2),)))
-    dead = TCPConnector(SECRET)
+    dead = TCPConnector(SECRET, TransferOptions())
     dead_port = await dead.listen()
     await dead.close()  # a decode rank that is gone
-    send = TCPConnector(SECRET, timeout=5.0, max_retries=1)
+    send = TCPConnector(SECRET, TransferOptions(timeout_s=5.0, max_retries=1))
     send.start_save_heads("f", [HeadRoute(t.host, t.port, 0, 2, 0), HeadRoute("127.0.0.1", dead_port, 2, 2, 2)], 1)
     send.save_kv_layer("f", 0, *kv())
     with pytest.raises(TransferError, match=f"127.0.0.1:{dead_port}"):

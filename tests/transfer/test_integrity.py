@@ -27,6 +27,7 @@ from pdcluster.worker.transfer.frame import (
     parse_header,
     parse_preamble,
 )
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 from tests.transfer.test_placing import DIM, HEADS, LAYERS, TOKENS, Cache, kv
 
@@ -120,9 +121,10 @@ async def transfer(send_integrity: str, recv_integrity: str, compression: str = 
     """One request of LAYERS layers between two connectors, both closed after: what the receiver imported
     (sink) or placed (cache), "ok" or the sender's error, and the frames the receiver rejected."""
     sink, cache = Sink(), Cache()
-    recv = TCPConnector(SECRET, importer=sink, integrity=recv_integrity,
+    recv = TCPConnector(SECRET, TransferOptions(integrity=recv_integrity), importer=sink,
                         destination=cache.destination if placed else None)
-    send = TCPConnector(SECRET, compression=compression, integrity=send_integrity, max_retries=0, timeout=5)
+    send = TCPConnector(SECRET, TransferOptions(compression=compression, integrity=send_integrity, max_retries=0,
+                                                timeout_s=5))
     try:
         port = await recv.listen()
         recv.start_load_kv(LoadSpec("r", LAYERS, TOKENS, HEADS, DIM))
@@ -165,4 +167,4 @@ async def test_a_fabric_sender_fails_at_a_mac_receiver_naming_the_flag() -> None
 
 def test_an_unknown_integrity_is_refused() -> None:
     with pytest.raises(ValueError, match="integrity"):
-        TCPConnector(SECRET, integrity="none")
+        TCPConnector(SECRET, TransferOptions(integrity="none"))

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import Frame, Kind
 from pdcluster.worker.transfer.nixl_agent import availability
-from pdcluster.worker.transfer.transport import TransferError
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 
 AVAILABLE = availability()
@@ -31,7 +32,8 @@ def kv(layer: int, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
 def nixl(**kw: Any) -> Any:
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    return NixlConnector(SECRET, staging_bytes=kw.pop("staging_bytes", 1 << 20), **kw)
+    knobs = {k: kw.pop(k) for k in ("compression", "timeout_s", "max_retries", "integrity") if k in kw}
+    return NixlConnector(SECRET, TransferOptions(**knobs), staging_bytes=kw.pop("staging_bytes", 1 << 20), **kw)
 
 
 async def pair(send_kw: dict[str, Any] | None = None, recv: Any = None) -> tuple[Any, Any, dict, TransferTarget]:
@@ -136,7 +138,7 @@ async def test_full_staging_falls_back_to_tcp_frames() -> None:
 
 
 async def test_tcp_receiver_refuses_staged_frames_clearly() -> None:
-    tcp = TCPConnector(SECRET)
+    tcp = TCPConnector(SECRET, TransferOptions())
     send, recv, _, target = await pair(recv=tcp)
     await send_one_refused_layer(send, tcp, target, "m", saving="UNSUPPORTED", loading="same --kv-transfer-backend")
     assert_released(send)
@@ -145,7 +147,7 @@ async def test_tcp_receiver_refuses_staged_frames_clearly() -> None:
 
 async def test_dead_receiver_releases_staging() -> None:
     """Decode death: the sender's transfer fails after its retries and frees every staged region."""
-    send, recv, _, target = await pair({"timeout": 3.0, "max_retries": 1})
+    send, recv, _, target = await pair({"timeout_s": 3.0, "max_retries": 1})
     recv.start_load_kv(LoadSpec("d", LAYERS, TOKENS, HEADS, DIM))
     await recv.close()
     send.start_save("d", target, LAYERS)

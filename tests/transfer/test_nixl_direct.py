@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from pdcluster.worker.transfer import nixl_direct, nixl_wire
+from pdcluster.worker.transfer import options as transfer_options
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, TransferTarget
 from pdcluster.worker.transfer.nixl_agent import availability
-from pdcluster.worker.transfer.transport import TransferError
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 
 SECRET = b"d" * 32
@@ -116,7 +118,7 @@ def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g)
 
 
-async def direct_pair(recv_block: int = 16, register_recv: bool = True, **recv_kw: Any
+async def direct_pair(recv_block: int = 16, register_recv: bool = True, integrity: str = "mac"
                       ) -> tuple[Any, Any, Cache, Cache, Sink, TransferTarget]:
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
@@ -125,8 +127,9 @@ async def direct_pair(recv_block: int = 16, register_recv: bool = True, **recv_k
     def destination(rid: str, layer: int, start: int, n: int, dtype: torch.dtype) -> Any:
         return (dst.views(layer, start, n), lambda: None) if dtype == torch.float32 else None
 
-    send = NixlConnector(SECRET, staging_bytes=1 << 20)
-    recv = NixlConnector(SECRET, staging_bytes=1 << 20, importer=sink, destination=destination, **recv_kw)
+    send = NixlConnector(SECRET, TransferOptions(), staging_bytes=1 << 20)
+    recv = NixlConnector(SECRET, TransferOptions(integrity=integrity), staging_bytes=1 << 20, importer=sink,
+                         destination=destination)
     send.register_cache([src.kv])
     if register_recv:
         recv.register_cache([dst.kv])
@@ -308,16 +311,16 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
                                                                                 ) -> None:
     """int8 on the wire over NIXL from the cache's views: quantized where the bytes lie, in pieces (each
     staged and READ as soon as it is quantized), the codes those of the whole layer's quantization."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native
     from pdcluster.worker.transfer import chunking, codec
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-    if cpu_quant.module() is None:
+    if not native.quant_ready():
         pytest.skip("no native int8 quantizer here (the views are gathered for the torch one instead)")
     monkeypatch.setattr(chunking, "PIPE_BYTES", 7 * 2 * HEADS * (DIM + 4))  # 7 tokens a piece: 6 pieces a layer
     src, sink = Cache(8, fill=True), Sink()
-    send = NixlConnector(SECRET, staging_bytes=1 << 20, compression="int8")
-    recv = NixlConnector(SECRET, staging_bytes=1 << 20, importer=sink)
+    send = NixlConnector(SECRET, TransferOptions(compression="int8"), staging_bytes=1 << 20)
+    recv = NixlConnector(SECRET, TransferOptions(), staging_bytes=1 << 20, importer=sink)
     send.register_cache([src.kv])
     target = TransferTarget("127.0.0.1", await recv.listen())
     recv.start_load_kv(LoadSpec("q", LAYERS, TOKENS, HEADS, DIM))
@@ -343,11 +346,10 @@ async def test_int8_compression_quantizes_the_views_piece_by_piece_into_staging(
 async def test_fabric_integrity_sends_and_checks_no_mac_and_a_mac_receiver_says_why_it_refuses() -> None:
     """--kv-transfer-integrity fabric: no MAC computed or checked (the bytes are trusted as they land, on
     an isolated fabric); a receiver still on `mac` refuses those layers and names the setting."""
-    from pdcluster.worker.transfer import connector
     from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
     with pytest.raises(ValueError, match="integrity"):
-        NixlConnector(SECRET, staging_bytes=1 << 16, integrity="none")
+        NixlConnector(SECRET, TransferOptions(integrity="none"), staging_bytes=1 << 16)
     macs: list[int] = []
     real_mac = nixl_wire.mac
 
@@ -378,6 +380,6 @@ async def test_fabric_integrity_sends_and_checks_no_mac_and_a_mac_receiver_says_
                 recv.cancel_load("f")
         finally:
             nixl_wire.mac = orig  # type: ignore[assignment]
-        assert connector.INTEGRITY == ("mac", "fabric")
+        assert transfer_options.INTEGRITY == ("mac", "fabric")
         await send.close()
         await recv.close()

@@ -14,6 +14,7 @@ from pdcluster.kernels import quantize_kv
 from pdcluster.worker.transfer import channel
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferError, TransferTarget
 from pdcluster.worker.transfer.frame import Frame, FrameKey, seal_frame
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 
 SECRET = b"p" * 32
@@ -46,9 +47,9 @@ class Cache:
 
 async def placed_pair(chunk_bytes: int = 64 << 20) -> tuple[TCPConnector, TCPConnector, Sink, Cache, TransferTarget]:
     sink, cache = Sink(), Cache()
-    recv = TCPConnector(SECRET, importer=sink, destination=cache.destination)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=sink, destination=cache.destination)
     port = await recv.listen()
-    send = TCPConnector(SECRET, chunk_bytes=chunk_bytes)
+    send = TCPConnector(SECRET, TransferOptions(), chunk_bytes=chunk_bytes)
     return send, recv, sink, cache, TransferTarget("127.0.0.1", port)
 
 

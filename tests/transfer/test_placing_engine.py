@@ -14,6 +14,7 @@ from pdcluster.worker.engine.kv_transfer import slot_views
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 
 SECRET = b"e" * 32
 P = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -45,9 +46,9 @@ async def test_greedy_output_is_unchanged_when_kv_lands_in_the_blocks(tiny_model
 
     prefill, decode = _engine(tiny_model_dir, block_size=16), _engine(tiny_model_dir, block_size=8)
     layers = decode.model_config.num_layers
-    recv = TCPConnector(SECRET, importer=decode.import_kv_layer, destination=decode.import_views)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=decode.import_kv_layer, destination=decode.import_views)
     port = await recv.listen()
-    send = TCPConnector(SECRET, chunk_bytes=4096)  # long prompts go in several token ranges per layer
+    send = TCPConnector(SECRET, TransferOptions(), chunk_bytes=4096)  # long prompts go in several token ranges per layer
     prefill.set_kv_connector(send)
     asked = []
     real_views = decode.import_views

@@ -24,6 +24,7 @@ from pdcluster.worker.transfer.frame import (
     encode_frame,
 )
 from pdcluster.worker.transfer.lending import Lender
+from pdcluster.worker.transfer.options import TransferOptions
 from tests.transfer.kvsink import Sink
 
 SECRET = b"r" * 32
@@ -114,9 +115,9 @@ async def test_recycled_buffers_carry_every_transfer_intact(compression: str) ->
     """Several multi-frame transfers back to back through pooled export and receive memory: each arrives
     exactly, and the pools are actually reused (not a test that passes by allocating fresh memory)."""
     sink = Sink()
-    recv = TCPConnector(SECRET, importer=sink)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=sink)
     port = await recv.listen()
-    send = TCPConnector(SECRET, compression=compression, chunk_bytes=256 << 10)
+    send = TCPConnector(SECRET, TransferOptions(compression=compression), chunk_bytes=256 << 10)
     tokens = 600  # 1.2 MiB of fp32 K+V: several frames per layer
     try:
         for i in range(4):
@@ -147,9 +148,9 @@ async def test_a_body_is_not_reused_while_its_import_is_still_running() -> None:
         await asyncio.sleep(0.2)  # later frames of this connection are received meanwhile
         seen.append(torch.equal(k, before) and torch.equal(k, expect[token_start]))
 
-    recv = TCPConnector(SECRET, importer=slow)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=slow)
     port = await recv.listen()
-    send = TCPConnector(SECRET, chunk_bytes=256 << 10)
+    send = TCPConnector(SECRET, TransferOptions(), chunk_bytes=256 << 10)
     tokens = 1200
     kv = torch.randn(2, tokens, HEADS, DIM, generator=torch.Generator().manual_seed(7))
     step = (256 << 10) // (2 * HEADS * DIM * 4)
@@ -192,9 +193,9 @@ async def test_transfers_to_one_receiver_reuse_one_authenticated_connection(monk
     from pdcluster.worker.transfer import chancache
 
     sink = Sink()
-    recv = TCPConnector(SECRET, importer=sink)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=sink)
     port = await recv.listen()
-    send = TCPConnector(SECRET, max_retries=0)
+    send = TCPConnector(SECRET, TransferOptions(max_retries=0))
     tokens = 40
     try:
         for i in range(3):
@@ -224,7 +225,7 @@ async def test_a_kept_connection_is_closed_after_max_idle() -> None:
     from pdcluster.worker.transfer.chancache import ChannelCache, idle_and_open
     from pdcluster.worker.transfer.channel import open_channel
 
-    recv = TCPConnector(SECRET, importer=Sink())
+    recv = TCPConnector(SECRET, TransferOptions(), importer=Sink())
     port = await recv.listen()
     cache = ChannelCache(max_idle=0.2)
     try:

@@ -1,5 +1,5 @@
 """KV re-sharding between tensor-parallel layouts with real OS processes on 127.0.0.1: one process per
-prefill rank and per decode rank (`bench/reshard_rank.py`), each with its own connector and a real paged
+prefill rank and per decode rank (`reshard_rank.py`), each with its own connector and a real paged
 cache holding its rank's heads; every decode rank's cache must end up equal to its heads of the full KV
 (bit-exact floats or codes; within int8 error with int8 on the wire), over TCP and NIXL. A decode rank
 killed mid-transfer: its senders fail cleanly, nothing leaks."""
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pdcluster.bench.reshard_transfer import case, run
 from pdcluster.worker.transfer import reshard
 from pdcluster.worker.transfer.nixl_agent import availability
+from tests.transfer.reshard_procs import case, run
 
 NIXL = availability()
 BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not NIXL.ok, reason=NIXL.reason))]

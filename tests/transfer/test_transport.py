@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from pdcluster.worker.transfer import codec
-from pdcluster.worker.transfer.channel import open_channel
+from pdcluster.worker.transfer.channel import TransferError, open_channel
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind, seal_frame
+from pdcluster.worker.transfer.options import TransferOptions
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.sockio import Conn
-from pdcluster.worker.transfer.transport import KVServer, Outbox, TransferError
+from pdcluster.worker.transfer.transport import KVServer
 from tests.transfer.kvsink import Sink
 
 SECRET = b"a" * 32
@@ -26,9 +28,9 @@ def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 async def pair(compression: str = "none", **kw: object) -> tuple[TCPConnector, TCPConnector, dict, TransferTarget]:
     got = Sink()
-    recv = TCPConnector(SECRET, importer=got)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=got)
     port = await recv.listen()
-    send = TCPConnector(SECRET, compression=compression, **kw)  # type: ignore[arg-type]
+    send = TCPConnector(SECRET, TransferOptions(compression=compression), **kw)  # type: ignore[arg-type]
     return send, recv, got, TransferTarget("127.0.0.1", port)
 
 
@@ -106,7 +108,7 @@ async def test_wrong_secret_peer_is_rejected_and_server_keeps_serving() -> None:
     send, recv, got, target = await pair()
     recv.start_load_kv(spec("ok"))
     recv.start_load_kv(spec("evil"))
-    evil = TCPConnector(b"b" * 32)
+    evil = TCPConnector(b"b" * 32, TransferOptions())
     evil.start_save("evil", target, LAYERS)
     evil.save_kv_layer("evil", 0, *kv(0))
     with pytest.raises(TransferError):

@@ -15,10 +15,11 @@ from pdcluster.worker.engine.kv_transfer import slot_views
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.transfer import views
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.codec import encode_layer
 from pdcluster.worker.transfer.connector import LoadSpec, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import FrameKey, encode_frame
-from pdcluster.worker.transfer.transport import TransferError
+from pdcluster.worker.transfer.options import TransferOptions
 
 SECRET = b"v" * 32
 P = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -59,7 +60,7 @@ class Recorder(TCPConnector):
     """What the engine hands over, without a transport: gathered ranges and ranges of views."""
 
     def __init__(self) -> None:
-        super().__init__(SECRET)
+        super().__init__(SECRET, TransferOptions())
         self.calls: list[tuple[str, int, int, Any]] = []
 
     def save_kv_layer(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -117,9 +118,9 @@ async def test_views_whose_blocks_were_taken_back_are_never_sent() -> None:
     """Regression: without the check a frame viewing freed blocks went out (another request's KV, or a tag
     over bytes that changed under it). Now the save fails and the receiver gets nothing."""
     got: list[int] = []
-    recv = TCPConnector(SECRET, importer=lambda rid, layer, k, v, **kw: got.append(layer))
+    recv = TCPConnector(SECRET, TransferOptions(), importer=lambda rid, layer, k, v, **kw: got.append(layer))
     port = await recv.listen()
-    send = TCPConnector(SECRET)
+    send = TCPConnector(SECRET, TransferOptions())
     recv.start_load_kv(LoadSpec("r", 2, 4, 2, 8))
     send.start_save("r", TransferTarget("127.0.0.1", port), 2)
     kv = torch.randn(2, 4, 2, 8)
@@ -157,16 +158,16 @@ async def test_int8_compression_of_a_big_layer_without_the_native_kernel_keeps_t
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over INLINE_MAX the torch quantizer would hold the engine's thread: the gather and the encoder thread's
     pipeline (chunking.py) take it. With the native kernel the views are quantized in frames of PIPE_BYTES."""
-    from pdcluster.kernels.cpu import quant as cpu_quant
+    from pdcluster.kernels import native as kernels
 
     tokens = 4096  # 2 x 4096 x 2 x 128 x 4 B = 8 MiB of fp32
     mv = memoryview(bytearray(2 * tokens * 2 * 128 * 4))
     for native in (False, True):
         if not native:
-            monkeypatch.setattr(cpu_quant, "module", lambda: None)
-        elif cpu_quant.module() is None:
+            monkeypatch.setenv(kernels.SWITCH, "-quant")
+        elif not kernels.quant_ready():
             continue
-        send = TCPConnector(SECRET, compression="int8")
+        send = TCPConnector(SECRET, TransferOptions(compression="int8"))
         send.start_save("r", TransferTarget("127.0.0.1", 9), 1)
         sent = send.save_kv_views("r", 0, [mv], token_start=0, num_tokens=tokens, kv_heads=2, head_dim=128,
                                   dtype=torch.float32)
@@ -184,9 +185,9 @@ async def test_int8_layers_from_views_arrive_as_the_receiver_expects() -> None:
         sk, sv = kw["scales"]
         got[layer] = torch.cat([k.float() * sk.unsqueeze(-1), v.float() * sv.unsqueeze(-1)])
 
-    recv = TCPConnector(SECRET, importer=importer)
+    recv = TCPConnector(SECRET, TransferOptions(), importer=importer)
     port = await recv.listen()
-    send = TCPConnector(SECRET, compression="int8")
+    send = TCPConnector(SECRET, TransferOptions(compression="int8"))
     kv = torch.randn(3, 2, 5, 2, 8)
     recv.start_load_kv(LoadSpec("r", 3, 5, 2, 8))
     send.start_save("r", TransferTarget("127.0.0.1", port), 3)

@@ -1,7 +1,9 @@
-"""pdcluster.bench: benchmarks, profiling and simulation (`pdcluster bench`, `profile`, `simulate`).
+"""pdcluster.bench: what users run to measure and plan a deployment (`pdcluster bench`, `profile`, `simulate`).
 
-Load generation and heat maps, capacity profiling, engine-vs-HF and KV-transfer benchmarks, the Triton
-kernel benchmarks and AOT compile check, KV-quantization quality, and the demo model's trainer.
+Load generation, trace replay and latency heat maps (`bench`), a worker's prefill and decode capacity
+(`profile`), and the trace-driven cluster and autoscaler simulator (`simulate`, in sim/). The benchmarks behind
+the figures in docs/benchmarks.md are scripts in the repository's top-level benchmarks/ folder, outside the
+wheel; they may import from here, never the other way round.
 
 Depends on the runtime packages; no runtime module imports anything from here.
 """

@@ -138,10 +138,11 @@ async def _profile_url(args) -> dict:
         probe = await loadgen.probe_shape(client, url, model, min(args.timeout, 60))
         if probe.shape is None:
             raise ConnectionError(f"{args.url} does not serve completions ({probe.result.error}: {probe.result.detail})")
+        shape = probe.shape  # narrowed here: the closures below cannot see the check above
 
         async def wave(n: int, prompt_len: int, out_len: int, conc: int):
             n = n or args.join_requests
-            payloads = [loadgen.build_payload(prompt_len, out_len, rng, probe.shape, model) for _ in range(n)]
+            payloads = [loadgen.build_payload(prompt_len, out_len, rng, shape, model) for _ in range(n)]
             return await loadgen.run_requests(client, url, payloads, concurrency=conc, timeout=args.timeout)
 
         await wave(2, 16, 4, 2)  # warm-up: first-call allocations, JIT, connection setup
@@ -164,7 +165,7 @@ async def _profile_url(args) -> dict:
         stream = None
         if args.stream_rate:
             async def send(n: int, prompt_len: int, out_len: int, rate: float):
-                payloads = [loadgen.build_payload(prompt_len, out_len, rng, probe.shape, model) for _ in range(n)]
+                payloads = [loadgen.build_payload(prompt_len, out_len, rng, shape, model) for _ in range(n)]
                 return await loadgen.run_requests(client, url, payloads, rate=rate, timeout=args.timeout)
 
             stream = await _stream(client, args, send)

@@ -3,7 +3,7 @@
 Why: C_d is measured on a closed batch (B sequences already decoding) and t_join one request at a time on an
 idle pair. Under a stream, the decode worker also imports every prompt's KV, takes every request into its
 batch and answers its HTTP stream, work neither figure sees: the 6x ratio sweep (docs/benchmarks/
-ratio_sweep.md §00) had a lone decode worker at 0.4 CPU with 125-151 ms steps while the profile promised
+ratio_sweep.md at 5f904a5, §00) had a lone decode worker at 0.4 CPU with 125-151 ms steps while the profile promised
 it a sixth of that load. So this step sends requests of the workload's mean lengths through a real
 prefill -> decode transfer, open-loop (Poisson) at a realistic rate, and reads each worker's CPU seconds
 (`process_cpu_seconds_total` of its /metrics) before and after, less what it burns idle. With every worker

@@ -1,7 +1,9 @@
 """pdcluster.kernels: paged decode attention and KV cache quantization (Triton kernels + torch paths).
 
 Contract: the "Kernels" section of docs/architecture.md. Importing this package never imports triton.
-Benchmarks and the AOT compile check live in `pdcluster.bench` (never imported from here).
+The native C++ CPU kernels (`cpu/`) are reached through `pdcluster.kernels.native` only: their one entry and
+their one switch, `PDCLUSTER_NATIVE_KERNELS`. The AOT compile check is `python -m pdcluster.kernels.compile_check`;
+the kernel benchmark is benchmarks/kernels.py (outside the wheel).
 """
 
 from pdcluster.kernels.cache import KV_DTYPES, allocate_kv_cache, kv_bits, kv_bytes_per_token

@@ -3,7 +3,7 @@
 Why: with THP in ``madvise`` mode (the common default) every host tensor sits on 4 KiB pages, and the decode
 step's big streams (the packed weights, the paged KV cache) then take a TLB miss every 4 KiB. The batch-1
 GEMV streamed the 56M model's weights 11-19 % slower on small pages (fifth pass), and cold batch-16 decode
-attention read its cache 3-10 % slower (ninth pass; docs/benchmarks/engine.md). Best effort: the unaligned
+attention read its cache 3-10 % slower (ninth pass; docs/benchmarks/engine.md at 5f904a5). Best effort: the unaligned
 tail of a buffer past its last whole huge page stays on small pages, and a system without ``madvise`` or THP
 only loses the speed.
 """
@@ -28,7 +28,8 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def _madvise() -> Callable[..., int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.madvise  # type: ignore[no-any-return]
+        madvise: Callable[..., int] = libc.madvise  # ctypes hands out untyped foreign functions
+        return madvise
     except (OSError, AttributeError):
         return None
 

@@ -26,11 +26,11 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdcluster.operator import autoscaler_rules as rules
-from pdcluster.operator.autoscaler_rules import EWMA_ALPHA, learn_capacity  # noqa: F401 (public here)
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
 # A recommendation only counts as "lower" when even the load plus 10% fits in one replica less.
@@ -139,7 +139,18 @@ class PoolState:
     recent_bursts: tuple[tuple[float, float], ...] = ()  # (time, need of the peak λ) within the burst memory
     capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
     slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
-    tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (autoscaler_layout)
+    tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (for_layout)
+
+    def for_layout(self, tp: int, now: float) -> PoolState:
+        """This state if it was observed at TP `tp`, else a fresh one. All of it is in units of instances of
+        the pool's layout (capacity of one pod, its SLO correction, pods needed), and a pod at TP 4 is another
+        instance than one at TP 1: after a change the pool learns afresh, and the change counts as its last
+        change, so the windows of the rollout teach nothing (`rules.warming_up`). The SLO-breach counter
+        carries on (a count for the operator's metric, not a belief about capacity). A state recorded before
+        TP existed (None) was learned at TP 1."""
+        if (self.tensor_parallel or 1) == tp:
+            return self if self.tensor_parallel == tp else replace(self, tensor_parallel=tp)
+        return PoolState(last_change=now, tensor_parallel=tp, slo_breaches=self.slo_breaches)
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,11 @@ class State:
 
     def pool(self, role: str) -> PoolState:
         return getattr(self, role)
+
+    def for_layout(self, tp: Mapping[str, int], now: float) -> State:
+        """The state valid for the pools' current TP sizes (`tp`: role -> tensorParallelSize)."""
+        return State(prefill=self.prefill.for_layout(int(tp["prefill"]), now),
+                     decode=self.decode.for_layout(int(tp["decode"]), now))
 
 
 @dataclass(frozen=True)
@@ -205,7 +221,7 @@ def _learn(policy: Policy, ps: PoolState, view: PoolView, observed: float | None
            now: float) -> PoolState:
     if rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds):
         return ps  # a cold-start sample: not evidence of capacity
-    return replace(ps, learned_capacity=learn_capacity(ps.learned_capacity, observed, saturated))
+    return replace(ps, learned_capacity=rules.learn_capacity(ps.learned_capacity, observed, saturated))
 
 
 def _slo_targets(policy: Policy, obs: Observation | None) -> dict[str, tuple[float | None, float | None]]:
@@ -363,7 +379,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             if bursty and (rules.breached(*slo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
-    raw = {r: (replicas_for(need[r]) if need[r] is not None else views[r].current) for r in POOLS}
+    raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {
         "prefill": clamped_p if need["prefill"] is not None else None,

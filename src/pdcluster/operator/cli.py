@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             standalone=args.peering is None,
             peering_name=args.peering,
             priority=priority,
-            identity=handlers.RUNTIME.peering.identity if handlers.RUNTIME.peering else None,
+            # kopf types this as its Identity (a NewType of str) without exporting the name: a str is what it takes
+            identity=handlers.RUNTIME.peering.identity if handlers.RUNTIME.peering else None,  # type: ignore[arg-type]
             liveness_endpoint=args.liveness or None,
         ))
     except KeyboardInterrupt:

@@ -30,6 +30,8 @@ from pdcluster.operator.pod_spec import (
     Toleration,
     cel,
 )
+from pdcluster.worker.router.options import default as router_default
+from pdcluster.worker.transfer.options import default as kv_default
 
 API_GROUP = "pdcluster.dev"
 API_VERSION = "v1alpha1"
@@ -176,23 +178,24 @@ class KVCache(SpecModel):
 class KVTransfer(SpecModel):
     """How prefill workers ship KV caches to decode workers."""
 
+    # defaults: the worker flags' (worker/transfer/options.py), so a pod and a hand-run worker agree
     compression: Literal["none", "int8"] = Field(
-        default="none", description="Wire format of the KV cache: none (the cache dtype) or int8.")
+        default=kv_default("compression"), description="Wire format of the KV cache: none (the cache dtype) or int8.")
     backend: Literal["auto", "nixl", "tcp"] = Field(
-        default="auto",
+        default=kv_default("backend"),
         description="How KV bytes move: nixl (UCX: RDMA, NVLink, shared memory, TCP; its data plane is not "
         "authenticated, so the bytes are MAC-checked before import: use it on a trusted fabric), tcp (the "
         "authenticated transfer channel carries the bytes too), auto (nixl where it loads in the worker "
         "image, else tcp; the worker logs which one runs and why).")
     integrity: Literal["mac", "fabric"] = Field(
-        default="mac",
+        default=kv_default("integrity"),
         description="KV bytes, with either backend: mac (each layer is MAC'd by the sender and checked before "
         "import; a pass over each layer on both sides) or fabric (trusted as they land, as vLLM's and Dynamo's "
         "NIXL connectors do: only where the network protects them, e.g. an isolated RDMA/NVLink fabric or "
         "mTLS/IPsec/WireGuard between nodes; the transfer connection, frame headers and request ids stay "
         "authenticated).")
     # Kept so that manifests saying `layerwise: true` keep applying, but not a knob: the transfer path only
-    # streams layer by layer (whole-request shipping exists only as a baseline in bench/disagg_transfer.py),
+    # streams layer by layer (whole-request shipping exists only as a baseline in benchmarks/disagg_transfer.py),
     # so `false` is refused instead of being accepted and ignored.
     layerwise: Literal[True] = Field(
         default=True,
@@ -201,8 +204,10 @@ class KVTransfer(SpecModel):
         json_schema_extra={"x-kubernetes-validations": [
             _cel("self == true", "layerwise must be true: KV always streams layer by layer")]},
     )
-    timeoutSeconds: float = Field(default=30.0, gt=0, le=3600, description="Bound on one KV transfer.")
-    maxRetries: int = Field(default=3, ge=0, le=20, description="Retries of a failed KV transfer.")
+    timeoutSeconds: float = Field(default=kv_default("timeout_s"), gt=0, le=3600,
+                                  description="Bound on one KV transfer.")
+    maxRetries: int = Field(default=kv_default("max_retries"), ge=0, le=20,
+                            description="Retries of a failed KV transfer.")
 
 
 class Router(PodOptions):
@@ -210,13 +215,14 @@ class Router(PodOptions):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POD_OPTION_RULES})
     replicas: int = Field(default=1, ge=1, le=100, description="Router replicas (not autoscaled).")
+    # defaults: the router flags' (worker/router/options.py), so a router pod and a hand-run router agree
     maxQueueDepth: int = Field(
-        default=256, ge=1, description="Requests queued at the router before it answers 429.")
+        default=router_default("max_queue_depth"), ge=1, description="Requests queued at the router before it answers 429.")
     requestTimeoutSeconds: float = Field(
-        default=300.0, gt=0, le=86400,
+        default=router_default("request_timeout"), gt=0, le=86400,
         description="Bound on one request, end to end; pods get it plus 30 s to finish after SIGTERM.")
     disaggregationThreshold: int = Field(
-        default=64, ge=0, description="Prompts shorter than this many tokens prefill on the decode worker."
+        default=router_default("disaggregation_threshold"), ge=0, description="Prompts shorter than this many tokens prefill on the decode worker."
     )
     serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description="Type of the router's Service (the cluster's endpoint).")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_layout, naming, opmetrics
+from pdcluster.operator import naming, opmetrics
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -165,9 +165,9 @@ def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Map
 def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
              observed: Observed, now: float) -> Step:
     """One autoscaler evaluation: state from status, decide, and the status/conditions that record it."""
-    # what was learned under another tensor-parallel layout is dropped (autoscaler_layout)
-    state = autoscaler_layout.state_for_layout(
-        st.autoscaler_state(autoscaler_status), {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
+    # what was learned under another tensor-parallel layout is dropped (State.for_layout)
+    state = st.autoscaler_state(autoscaler_status).for_layout(
+        {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
     # A pool with no recorded change waits for its Deployment's first rollout, counted from the
     # Deployment's creation (now, if it is being created in this pass).
     views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}

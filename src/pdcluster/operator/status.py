@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
 from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, State
@@ -163,7 +164,7 @@ def workload_conditions(deployments: dict[str, dict[str, Any] | None]) -> list[d
 # The state lives in the PDCluster's status so that a restarted operator neither forgets learned
 # capacities nor restarts a stabilization window.
 
-def autoscaler_state(autoscaler_status: dict[str, Any] | None) -> State:
+def autoscaler_state(autoscaler_status: Mapping[str, Any] | None) -> State:
     """Rebuild the autoscaler's State from status.autoscaler; unreadable fields count as absent."""
     sts = autoscaler_status or {}
     learned = sts.get("learnedCapacity") or {}

@@ -7,7 +7,7 @@
 - `transfer/` KV-cache transfer between workers (frames, codec, transports)
 - `local/`    `pdcluster up`: router + workers as local processes
 
-Nothing here imports `pdcluster.bench` (benchmarks depend on the runtime, never the other way round),
+Nothing here imports `pdcluster.bench` or benchmarks/ (they depend on the runtime, never the other way round),
 and nothing here imports `pdcluster.operator` except `local/` (the laptop cluster reuses the operator's
 autoscaler core so that `up --autoscale` decides exactly as the operator does).
 """

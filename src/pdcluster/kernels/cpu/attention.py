@@ -7,8 +7,8 @@ their float32 per-(token, head) scales, the layouts of ``pdcluster.kernels``. Ma
 
 :func:`available` says whether the kernel can serve a cache layer here; callers keep their torch path for
 every other case (no AVX-512 or compiler, ``PDCLUSTER_NATIVE_KERNELS=0``, a CUDA cache).
-``PDCLUSTER_NATIVE_ATTENTION=0`` turns off this kernel alone (e.g. to compare it served beside the other
-native kernels); the loader's switch turns off all of them.
+``PDCLUSTER_NATIVE_KERNELS=-attention`` turns off this kernel alone (e.g. to compare it served beside the
+other native kernels).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 
 from pdcluster.kernels.cpu import native, step
 
-ENV_SWITCH = "PDCLUSTER_NATIVE_ATTENTION"  # "0": the torch path for decode attention, other kernels as they are
 # Work (positions x KV heads) below which the kernel stays on the calling thread. Shared through the step's
 # pool (pool.h), whose helpers are awake during a step, one layer at batch 16 @190 took 310 us vs 442 us alone
 # and batch 1 @1024 58 vs 85 us (2026-12-02, load 0.8); at batch 1 @190 (760) the two are equal (15-16 us).
-# (With at::parallel_for's fork/join it never paid below 65,536: docs/benchmarks/engine.md.)
+# (With at::parallel_for's fork/join it never paid below 65,536: docs/benchmarks/engine.md at 5f904a5.)
 PARALLEL_MIN = 1024
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,7 +45,7 @@ def supports(cache: torch.Tensor, head_dim: int) -> bool:
 
 
 def available(cache: torch.Tensor, head_dim: int) -> bool:
-    if native.switched_off(ENV_SWITCH):
+    if not native.enabled("attention"):
         return False
     return supports(cache, head_dim) and module() is not None
 

@@ -5,7 +5,7 @@
 // Why: these are the same kernels the Python modules call (linear.cpp, rope.cpp, attention.cpp, norm.cpp,
 // and ATen's silu and mul), in the same order with the same arguments, so the bits are the same; what goes is
 // the Python between them (module calls, views, checks, ~10 kernel calls a layer), about 1-2 ms of a
-// 7-16 ms step on this CPU (docs/benchmarks/engine.md, ninth pass). The plan holds the layers' weights and
+// 7-16 ms step on this CPU (docs/benchmarks/engine.md at 5f904a5, ninth pass). The plan holds the layers' weights and
 // caches once, so a step passes only what changes: the hidden rows, RoPE rows, slots and block tables.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/mul.h>

@@ -7,7 +7,7 @@
 // The micro-kernel keeps MR rows x 64 columns of y in 4*MR zmm accumulators, loads each weight vector once
 // and FMAs it against a broadcast of x for every row: at one row this is a GEMV streaming weights at memory
 // speed; at 6 rows it is 24 FMAs per 4 loads, compute-bound in L1/L2 (MKL's sgemm on this AMD core runs a
-// path far below its AVX-512 FMA peak for 16-row products, docs/benchmarks/engine.md "Fifth pass").
+// path far below its AVX-512 FMA peak for 16-row products, docs/benchmarks/engine.md at 5f904a5 "Fifth pass").
 // Every output is one accumulator summed in ascending k, then + bias: a fixed order, independent of the
 // thread count and of which rows share a call.
 //

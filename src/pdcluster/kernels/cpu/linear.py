@@ -13,20 +13,20 @@ from types import ModuleType
 import torch
 
 from pdcluster.kernels import hugepages
-from pdcluster.kernels.cpu import step
+from pdcluster.kernels.cpu import native, step
 
 NR = 64  # output columns per panel (linear.cpp)
 # Multiply-adds an item of a shared product must hold (items are runs of panels claimed through pool.h). With
 # the pool's helpers awake during a step a split pays even at batch 1 (the 33 products of a step: 9.1 ms alone,
 # 6.3 ms shared, 2026-12-02); 1 to 32 items per product measured the same, so this only keeps an item long
-# enough for the next-panel prefetch. (With at::parallel_for it had to be 16M: docs/benchmarks/engine.md.)
+# enough for the next-panel prefetch. (With at::parallel_for it had to be 16M: docs/benchmarks/engine.md at 5f904a5.)
 MIN_TASK_MACS = 1 << 17
 
 
 # Above ROWS_PER_CHUNK rows a panel is computed in several row chunks, and each chunk prefetches its share of
 # the item's next panel (linear.cpp); an item of one panel prefetches nothing, so its first chunk waits on
 # DRAM. A product of many panels (the LM head) is therefore shared in ~PREFETCH_ITEMS items: cold 16-row LM
-# head 3.94 -> 3.23 ms, a step's 33 products 1.07-1.11x (docs/benchmarks/engine.md, tenth pass). Products of
+# head 3.94 -> 3.23 ms, a step's 33 products 1.07-1.11x (docs/benchmarks/engine.md at 5f904a5, tenth pass). Products of
 # fewer panels keep small items: there the balance over the threads mattered more (0.97-0.99x).
 ROWS_PER_CHUNK = 6  # linear.cpp's MAX_MR
 PREFETCH_ITEMS = 32
@@ -59,6 +59,11 @@ def grain(m: int, k: int, panels: int, min_task_macs: int = MIN_TASK_MACS, threa
 def module() -> ModuleType | None:
     """The compiled kernel, or None (logged once) where native kernels are off or cannot be built."""
     return step.module()
+
+
+def ready() -> bool:
+    """The kernel can run here now (re-reads the switch each time, so a test can flip it)."""
+    return native.enabled("linear") and native.unrunnable_reason() is None and module() is not None
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,10 @@ from types import ModuleType
 log = logging.getLogger("pdcluster.kernels.cpu")
 
 HERE = Path(__file__).resolve().parent
-ENV_SWITCH = "PDCLUSTER_NATIVE_KERNELS"  # "0" turns every native kernel off
+# The one switch: unset or "1" every native kernel, "0" none (nothing is built or loaded), "-name[,-name...]"
+# every kernel but those named (an A/B of one kernel served beside the others). Read at each call.
+ENV_SWITCH = "PDCLUSTER_NATIVE_KERNELS"
+KERNELS = ("argmax", "attention", "decoder", "linear", "norm", "quant", "rope", "screen")
 PREBUILT_ENV = "PDCLUSTER_NATIVE_PREBUILT"  # a folder of builds made elsewhere (an image), see prebuilt_root
 CFLAGS = ["-O3", "-march=x86-64-v4", "-mtune=native", "-fopenmp", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
@@ -43,10 +46,35 @@ def outcomes() -> dict[str, bool]:
         return {name: mod is not None for name, mod in _modules.items()}
 
 
-def switched_off(variable: str = ENV_SWITCH) -> bool:
-    """An off switch set to "0": this module's for every kernel, or a kernel's own (read at each call, so a
-    test or a benchmark can flip it)."""
-    return os.environ.get(variable, "1") == "0"
+@functools.lru_cache(maxsize=16)
+def _turned_off(raw: str) -> frozenset[str]:
+    """The kernels a value of the switch turns off (every one for "0"); ValueError naming the switch for a
+    value it does not take."""
+    value = raw.strip()
+    if value in ("", "1"):
+        return frozenset()
+    if value == "0":
+        return frozenset(KERNELS)
+    names = [part.strip() for part in value.split(",")]
+    bad = [n for n in names if not n.startswith("-") or n[1:] not in KERNELS]
+    if bad:
+        raise ValueError(f"{ENV_SWITCH}={raw!r}: expected 1, 0 or -kernel[,-kernel...] with kernels from "
+                         f"{', '.join(KERNELS)}")
+    return frozenset(n[1:] for n in names)
+
+
+def switched_off() -> bool:
+    """The switch turns every kernel off ("0"): none is built or loaded in this process from now on. Raises
+    ValueError for a value the switch does not take (the first load, at start-up, reports it)."""
+    return _turned_off(os.environ.get(ENV_SWITCH, "1")) == frozenset(KERNELS)
+
+
+def enabled(kernel: str) -> bool:
+    """Whether the switch lets ``kernel`` (one of KERNELS) run now (read at each call, so a test or a benchmark
+    can flip it); whether it can run here is the loader's business (None from ``load``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown native kernel {kernel!r} (one of {', '.join(KERNELS)})")
+    return kernel not in _turned_off(os.environ.get(ENV_SWITCH, "1"))
 
 
 @functools.cache
@@ -64,7 +92,7 @@ def cpu_flags() -> set[str]:
 def unrunnable_reason() -> str | None:
     """Why no native kernel can run here (switched off, another platform, no AVX-512), or None."""
     if switched_off():
-        return f"{ENV_SWITCH}=0"
+        return f"{ENV_SWITCH}={os.environ.get(ENV_SWITCH)}"
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 Linux ({sys.platform}/{platform.machine()})"
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - cpu_flags()

@@ -2,7 +2,7 @@
 // r = 1 / sqrt(sum(x * x) / H + eps).
 //
 // Why its own kernel: torch runs F.rms_norm as ~6 small ops (pow, sum, div, add, rsqrt, two muls), 37 us a
-// call at batch 1 and 76 us at batch 16 on the 2-core box, 17 calls a step (docs/benchmarks/engine.md).
+// call at batch 1 and 76 us at batch 16 on the 2-core box, 17 calls a step (docs/benchmarks/engine.md at 5f904a5).
 //
 // Bits: every step is one IEEE operation in torch's order, so the only hard part is the sum. torch's CPU sum of
 // a contiguous row (SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum) runs on 8-lane vectors

@@ -4,7 +4,8 @@ The kernel's ``add_rms_norm(x, delta, weight, eps)`` returns ``(x + delta, F.rms
 eps))`` (``(x, ...)`` without delta) with exactly torch's fp32 bits, so greedy tokens stay identical to
 transformers'. It repeats the summation order of torch's CPU sum, which depends on the torch build and CPU
 capability: :func:`trusted` compares it with ``F.rms_norm`` on random rows once per hidden size and eps, and
-:func:`kernel_for` hands it out only where that check passed. ``PDCLUSTER_NATIVE_NORM=0`` turns it off alone.
+:func:`kernel_for` hands it out only where that check passed. ``PDCLUSTER_NATIVE_KERNELS=-norm`` turns it off
+alone.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdcluster.kernels.cpu import native, step
+from pdcluster.kernels.cpu import step
 
 log = logging.getLogger("pdcluster.engine")
-ENV_SWITCH = "PDCLUSTER_NATIVE_NORM"
 
 
 @functools.cache
@@ -46,14 +46,10 @@ def kernel_for(weight: torch.Tensor, eps: float) -> Callable[..., tuple[torch.Te
     """The kernel's ``add_rms_norm(x, delta, weight, eps)`` for a norm with this weight and eps, or None where
     torch must run it (an fp16/bf16 or CUDA weight, a width whose bits the check refused, no build). Decided
     once per norm; each call still needs a contiguous fp32 CPU ``x`` of shape ``[rows, H]`` (and ``delta``
-    alike, or None) and the off switch unset (:func:`switched_off`)."""
+    alike, or None) and the switch still on (``native.enabled("norm")``)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 1:
         return None
     if not trusted(int(weight.numel()), float(eps)):
         return None
     mod = step.module()
     return None if mod is None else mod.add_rms_norm
-
-
-def switched_off() -> bool:
-    return native.switched_off(ENV_SWITCH)

@@ -2,7 +2,7 @@
 // items of one call from a shared counter.
 //
 // Why not at::parallel_for: its fork/join wakes sleeping OpenMP threads for every product, which on the
-// shared 2-core box cost 50-250 us per call (docs/benchmarks/engine.md, fifth pass) - more than a batch-1
+// shared 2-core box cost 50-250 us per call (docs/benchmarks/engine.md at 5f904a5, fifth pass) - more than a batch-1
 // projection takes on one thread. Here helpers spin for a short while after each call (a decode step is
 // dozens of back-to-back calls), so the next call finds them awake, and the caller never waits for a helper
 // that is not running: it claims every item nobody else has. A descheduled helper costs at most the item it

@@ -2,8 +2,9 @@
 
 Bit for bit ``pdcluster.kernels.kv_quant``'s ``quantize_kv(x, bits=8)`` and ``dequantize_kv(q, s, 8, float32)``,
 in one pass per vector instead of torch's several over full-size temporaries: what int8 compression of a
-float layer costs on the KV wire, at both ends. Callers keep their torch path wherever :func:`module` is None
-(no AVX-512 or compiler, ``PDCLUSTER_NATIVE_KERNELS=0``) or the tensors are not contiguous fp32/int8 on the CPU.
+float layer costs on the KV wire, at both ends. Callers keep their torch path wherever :func:`ready` is False
+(no AVX-512 or compiler, ``PDCLUSTER_NATIVE_KERNELS`` turning it off) or the tensors are not contiguous
+fp32/int8 on the CPU.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ def module() -> ModuleType | None:
     return native.load(NAME, SOURCES)
 
 
+def ready() -> bool:
+    """The kernel runs here now (the switch lets it, and it built)."""
+    return native.enabled("quant") and module() is not None
+
+
 def quantize8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 codes shaped like ``x``, float32 scales ``x.shape[:-1]``), or None when the kernel cannot take ``x``."""
-    mod = module()
+    mod = module() if native.enabled("quant") else None
     if mod is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or not x.shape[-1]:
         return None
     codes, scales = mod.quantize8(x.contiguous())
@@ -33,7 +39,7 @@ def quantize8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def dequantize8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """float32 ``q * scale`` per vector, or None when the kernel cannot take these tensors."""
-    mod = module()
+    mod = module() if native.enabled("quant") else None
     if (mod is None or q.device.type != "cpu" or q.dtype != torch.int8 or scales.device.type != "cpu"
             or q.dim() < 1 or tuple(scales.shape) != tuple(q.shape[:-1])):
         return None

@@ -4,8 +4,8 @@ The kernel's ``rope_write(qkv, cos, sin, nh, nkv, k_cache, v_cache, slots)`` ret
 ``[n, nh + nkv, d]`` q and k with the bits of attention.py's torch ops
 (``x * cos + roll(x, d/2) * sin_signed``) and stores the rotated k and the untouched v at ``slots``, as
 ``PagedKVCache.write`` does for an fp32 layer.
-:func:`kernel_for` says whether it serves a cache layer (fp32 CPU); ``PDCLUSTER_NATIVE_ROPE=0`` turns it off
-alone.
+:func:`kernel_for` says whether it serves a cache layer (fp32 CPU); ``PDCLUSTER_NATIVE_KERNELS=-rope`` turns
+it off alone.
 """
 
 from __future__ import annotations
@@ -14,21 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from pdcluster.kernels.cpu import native, step
-
-ENV_SWITCH = "PDCLUSTER_NATIVE_ROPE"
+from pdcluster.kernels.cpu import step
 
 
 def kernel_for(k_cache: torch.Tensor, quantized: bool) -> Callable[..., torch.Tensor] | None:
     """The kernel's ``rope_write`` for a cache layer it can write (fp32, CPU, contiguous, not quantized), or
     None (torch's ops and ``PagedKVCache.write``). Decided once per layer; each call still needs contiguous
-    fp32 CPU ``qkv`` and ``cos``/``sin`` and the off switch unset (:func:`switched_off`)."""
+    fp32 CPU ``qkv`` and ``cos``/``sin`` and the switch still on (``native.enabled("rope")``)."""
     on_cpu = k_cache.device.type == "cpu" and k_cache.is_contiguous()
     if quantized or k_cache.dtype != torch.float32 or not on_cpu:
         return None
     mod = step.module()
     return None if mod is None else mod.rope_write
-
-
-def switched_off() -> bool:
-    return native.switched_off(ENV_SWITCH)

@@ -4,13 +4,12 @@ bit for bit, at the cost of a bf16 product plus the fp32 logits of a few candida
 ``ScreenedHead.build(wp, n)`` makes the bf16 panels and error coefficients of an LM head once (half its
 bytes again, in memory); ``head.argmax(h)`` answers each row, -1 where the kernel could not decide (a
 non-finite value, a near-tie across many tokens): the caller runs the fp32 head for those rows. Runs where
-the native module loads and the CPU has AVX512-BF16; ``PDCLUSTER_NATIVE_SCREEN=0`` turns it off alone.
+the native module loads and the CPU has AVX512-BF16; ``PDCLUSTER_NATIVE_KERNELS=-screen`` turns it off alone.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,6 @@ import torch
 from pdcluster.kernels.cpu import linear as native_linear
 from pdcluster.kernels.cpu import native, step
 
-ENV_SWITCH = "PDCLUSTER_NATIVE_SCREEN"
 CPU_FLAG = "avx512_bf16"  # VDPBF16PS and VCVTNEPS2BF16 (Zen 4, Sapphire Rapids, Cooper Lake)
 # Rows whose candidates exceed this run the fp32 head instead: a screen that lets through more than a few
 # tokens has found a near-tie it cannot settle cheaply (64 exact logits cost ~1/500 of a 32k-vocab head)
@@ -29,9 +27,7 @@ PANELS_PER_ITEM = 16  # items of the shared product (pool.h): ~32 for a 32k voca
 # wins at every row count measured (1.5-1.9x at 8 to 64 rows); where it retires at a quarter of the rate
 # (Emerald Rapids: 1.3 vs 5.2 G instructions/s) it wins only while the head is bound by its bytes, up to 6
 # rows (one register block), and loses from 8 (0.85-0.98x). docs/benchmarks/engine.md, "Eleventh pass" and
-# "Twelfth pass". The ratio is probed once per process (screen.cpp, a few ms, registers only);
-# PDCLUSTER_NATIVE_SCREEN_MAX_ROWS overrides the limit.
-MAX_ROWS_ENV = "PDCLUSTER_NATIVE_SCREEN_MAX_ROWS"
+# "Twelfth pass". The ratio is probed once per process (screen.cpp, a few ms, registers only).
 SLOW_DOT_MAX_ROWS = 6
 FAST_DOT_MAX_ROWS = 64
 FAST_DOT_RATIO = 0.75  # dot/FMA instruction rate from which the fast limit applies (1.5x the multiply-adds)
@@ -39,8 +35,8 @@ FAST_DOT_RATIO = 0.75  # dot/FMA instruction rate from which the fast limit appl
 
 def unavailable_reason() -> str | None:
     """Why the screen cannot run here, or None."""
-    if native.switched_off(ENV_SWITCH):
-        return f"{ENV_SWITCH}=0"
+    if not native.enabled("screen"):
+        return f"{native.ENV_SWITCH} turns it off"
     reason = native.unrunnable_reason()
     if reason is not None:
         return reason
@@ -61,25 +57,11 @@ def dot_rate_ratio() -> float | None:
     return float(mod.bf16_dot_rate_ratio())
 
 
-def default_max_rows() -> int:
-    """The row limit this core's bf16 dot-product rate calls for (see FAST_DOT_RATIO)."""
+def max_rows() -> int:
+    """Rows up to which a step takes the screen: 64 where this core's bf16 dot product is fast (see
+    FAST_DOT_RATIO), 6 where it is not."""
     ratio = dot_rate_ratio()
     return FAST_DOT_MAX_ROWS if ratio is not None and ratio >= FAST_DOT_RATIO else SLOW_DOT_MAX_ROWS
-
-
-def max_rows() -> int:
-    """Rows up to which a step takes the screen: ``PDCLUSTER_NATIVE_SCREEN_MAX_ROWS``, else
-    ``default_max_rows()`` (64 where the bf16 dot product is fast, 6 where it is not)."""
-    raw = os.environ.get(MAX_ROWS_ENV, "")
-    if not raw:
-        return default_max_rows()
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_ROWS_ENV} must be an integer >= 0, not {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{MAX_ROWS_ENV} must be an integer >= 0, not {raw!r}")
-    return value
 
 
 @dataclass(frozen=True, eq=False)

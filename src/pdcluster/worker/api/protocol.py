@@ -16,21 +16,6 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-# The response bodies live in responses.py; imported from here by the routes (re-exported).
-from pdcluster.worker.api.responses import (  # noqa: F401
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-    Usage,
-    new_id,
-)
 from pdcluster.worker.api.structured_request import (
     NamedToolChoice,
     ResponseFormat,

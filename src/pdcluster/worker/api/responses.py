@@ -1,5 +1,5 @@
-"""OpenAI-compatible response bodies of /v1/completions, /v1/chat/completions and /v1/models (protocol.py
-re-exports them beside the request bodies)."""
+"""OpenAI-compatible response bodies of /v1/completions, /v1/chat/completions and /v1/models (the request
+bodies are protocol.py's)."""
 
 from __future__ import annotations
 

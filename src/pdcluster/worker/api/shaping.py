@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pdcluster.worker.api import errors
-from pdcluster.worker.api.protocol import (
+from pdcluster.worker.api.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -221,7 +221,7 @@ class Shaper:
         return body.model_dump()
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several streams as they come, tagged with the stream's index (n > 1, batched prompts). The
     first failure ends the merge (and with it the others: every stream is closed on the way out)."""
     if len(streams) == 1:

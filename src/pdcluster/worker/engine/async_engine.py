@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from pdcluster.kernels.cpu import native as cpu_native
-from pdcluster.kernels.cpu import step as cpu_step
+from pdcluster.kernels import native
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_connector import KVConnectorBase, KVLayout
 from pdcluster.worker.engine.llm_engine import EngineConfig, LLMEngine
@@ -234,9 +233,9 @@ class AsyncEngine:
         (safe from any thread). The pool's are read here, at scrape time, not after every step: calls, how many
         a helper thread shared, and stalls (a helper lost its core, so the next calls ran alone); and, per
         native module this process asked for, whether it loaded (NATIVE_LOADED)."""
-        pool = cpu_step.loaded_pool_stats()
+        pool = native.loaded_pool_stats()
         keys = ("calls", "shared_calls", "stalls")
-        loaded = {f"{NATIVE_LOADED}{name}": int(ok) for name, ok in cpu_native.outcomes().items()}
+        loaded = {f"{NATIVE_LOADED}{name}": int(ok) for name, ok in native.outcomes().items()}
         return {**self._stats, **{f"native_pool_{k}": pool[k] for k in keys if k in pool}, **loaded}
 
     # -- the engine thread ------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
 Prefill attends with SDPA (a banded mask for sliding-window layers) or, with soft-capping, with the same
 matmul / tanh / softmax sequence as transformers' eager attention. Decode on the CPU goes through the native
-AVX-512 kernel (``pdcluster.kernels.cpu.attention``: reads K/V through the block table, takes the window and
+AVX-512 kernel (``pdcluster.kernels.native``: reads K/V through the block table, takes the window and
 the soft-cap) wherever it builds and reads the layer's cache format. Otherwise decode goes through the paged
 kernel when it can; the kernels in ``pdcluster.kernels`` take neither a window nor a soft-cap, so those
 layers gather their keys and values by slot instead: a sliding-window layer gathers only the last ``window``
@@ -20,9 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.kernels import dequantize_kv, paged_decode_attention
-from pdcluster.kernels.cpu import attention as cpu_attention
-from pdcluster.kernels.cpu import rope as cpu_rope
+from pdcluster.kernels import dequantize_kv, native, paged_decode_attention
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
 from pdcluster.worker.engine.layers import RMSNorm
@@ -84,7 +82,7 @@ def gather_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[tor
     """K and V at ``slots`` ``[seqs, L]`` as ``[seqs, L, kv_heads, head_dim]`` in the model dtype."""
     kvh, d, bits = cache.kv_heads, cache.head_dim, cache.layer_bits[layer]
     # index_select over the flattened slots: a row copy per slot, ~40 % cheaper than advanced indexing
-    # (`x[slots]`) for the same bits (docs/benchmarks/engine.md)
+    # (`x[slots]`) for the same bits (docs/benchmarks/engine.md at 5f904a5)
     flat = slots.reshape(-1)
     out = []
     for codes, scale in ((cache.k[layer], cache.k_scale[layer]), (cache.v[layer], cache.v_scale[layer])):
@@ -174,10 +172,10 @@ class Attention(nn.Module):
     ) -> Callable[..., torch.Tensor] | None:
         k = self._rope
         if k is None:
-            k = self._rope = (self.q_norm is None and cpu_rope.kernel_for(
+            k = self._rope = (self.q_norm is None and native.rope_kernel_for(
                 cache.k[self.layer], cache.is_quantized(self.layer))) or False
         if (k is False or qkv.dtype is not torch.float32 or cos.dtype is not torch.float32 or not qkv.is_cpu
-                or not qkv.is_contiguous() or not cos.is_contiguous() or cpu_rope.switched_off()):
+                or not qkv.is_contiguous() or not cos.is_contiguous() or not native.enabled("rope")):
             return None
         assert callable(k)
         return k
@@ -220,12 +218,12 @@ class Attention(nn.Module):
     def uses_native_decode(self, cache: PagedKVCache) -> bool:
         """Decode goes through the native CPU kernel (decided at the first ask: it needs the cache's format)."""
         if self.native_decode is None:
-            self.native_decode = cpu_attention.available(cache.k[self.layer], self.head_dim)
+            self.native_decode = native.attention_available(cache.k[self.layer], self.head_dim)
         return self.native_decode
 
     def _decode(self, q: torch.Tensor, md: AttnMetadata, cache: PagedKVCache) -> torch.Tensor:
         if self.uses_native_decode(cache) and md.block_tables is not None and md.seq_lens is not None:
-            return cpu_attention.paged_decode_attention_cpu(
+            return native.paged_decode_attention(
                 q, cache.k[self.layer], cache.v[self.layer], md.block_tables, md.seq_lens, scale=self.scale,
                 k_scale=cache.k_scale[self.layer], v_scale=cache.v_scale[self.layer], window=self.window,
                 softcap=self.softcap,

@@ -4,7 +4,7 @@ A batch-1 decode step is a chain of matrix-vector products that stream every wei
 with a row-major ``W [out, in]`` is MKL's transposed sgemv (a dot product per output row); with ``W``'s
 transpose contiguous it is the plain sgemv (axpy-like sweeps down contiguous columns), which streams the
 same bytes 1.6-1.85x faster on this AMD EPYC (all 33 matrices of the 56M benchmark model, 1 and 2 threads,
-docs/benchmarks/engine.md). From 16 rows up MKL packs either layout and gives identical bits at the same
+docs/benchmarks/engine.md at 5f904a5). From 16 rows up MKL packs either layout and gives identical bits at the same
 speed, so prefill and batched decode neither gain nor lose.
 
 Only the memory layout changes: shapes, names, tied parameters (the same Parameter object) and the math

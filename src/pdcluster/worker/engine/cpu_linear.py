@@ -2,15 +2,15 @@
 
 Why: a decode step is a chain of small-M products (M = the batch). MKL's GEMV streams the weights at 46-63 %
 of the read bandwidth on this AMD EPYC, and its 16-row sgemm runs far below the core's AVX-512 FMA peak
-(docs/benchmarks/engine.md, fourth and fifth passes). The kernel streams 64-column panels packed once here.
+(docs/benchmarks/engine.md at 5f904a5, fourth and fifth passes). The kernel streams 64-column panels packed once here.
 
 What changes: every ``nn.Linear`` of the decoder (fused QKV, O, fused gate/up, down, LM head) becomes a
 ``PackedLinear`` holding only the packed panels; a tied input embedding becomes a ``PackedEmbedding`` that
 reads its rows out of the LM head's panels, so the tied matrix stays one tensor in memory. Values are the
 loaded ones: outputs equal ``F.linear``'s up to fp32 summation order (one accumulator per output, ascending
 k). MoE experts and routers, half dtypes, CUDA and tensor-parallel ranks keep the torch path, and so does
-every model when ``PDCLUSTER_NATIVE_KERNELS=0`` (all native kernels) or ``PDCLUSTER_NATIVE_LINEAR=0`` (this
-one) is set, or the kernel cannot be built.
+every model when ``PDCLUSTER_NATIVE_KERNELS`` turns it off (``0``: all native kernels; ``-linear``: this one),
+or the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ import logging
 import torch
 from torch import nn
 
-from pdcluster.kernels.cpu import linear as native_linear
-from pdcluster.kernels.cpu import native
+from pdcluster.kernels import native
 
 log = logging.getLogger("pdcluster.engine")
-# This kernel alone off ("0"), the other native kernels untouched: PDCLUSTER_NATIVE_KERNELS=0 turns all off.
-LINEAR_SWITCH = "PDCLUSTER_NATIVE_LINEAR"
 
 # Rows above which the product goes to MKL (batched GEMM on the panels) instead of the kernel. No crossover was
 # found up to here: the kernel beat MKL at every row count measured, 1 to 1024 ("Fifth pass"), and shared over
 # the step's pool 1.36x MKL on the panels at 2048 rows and 1.58x at 4096 (2026-12-02, "Sixth pass" in
-# docs/benchmarks/engine.md), so prefill chunks up to 4096 tokens take it; past that MKL (unmeasured).
+# docs/benchmarks/engine.md at 5f904a5), so prefill chunks up to 4096 tokens take it; past that MKL (unmeasured).
 MAX_KERNEL_ROWS = 4096
 
 
@@ -49,7 +46,7 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight, rebuilt from the panels (a copy: for inspection, not for the hot path)."""
-        return native_linear.unpack(self.wp.data, self.out_features)
+        return native.unpack_linear(self.wp.data, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -57,17 +54,17 @@ class PackedLinear(nn.Module):
             # the decoder's own calls: straight to the kernel (linear.linear, without its per-call checks)
             grain = self._grains.get(rows)
             if grain is None:
-                grain = self._grains[rows] = native_linear.grain(rows, self.in_features, int(self.wp.shape[0]))
-            mod = native_linear.module()
+                grain = self._grains[rows] = native.linear_grain(rows, self.in_features, int(self.wp.shape[0]))
+            mod = native.step_module()
             assert mod is not None  # a PackedLinear exists only where the kernel loaded
             y: torch.Tensor = mod.packed_linear(x, self.wp, self.out_features, self.bias, True, grain)
             return y
         x2 = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.data
         if x2.dtype == torch.float32 and x2.shape[0] <= MAX_KERNEL_ROWS:
-            y = native_linear.linear(x2, self.wp.data, self.out_features, bias)
+            y = native.linear(x2, self.wp.data, self.out_features, bias)
         else:  # prefill: MKL's GEMM over the panels, [NB, M, 64] -> [M, N]
-            y = native_linear.mkl_packed(x2.to(self.wp.dtype), self.wp.data, self.out_features)
+            y = native.mkl_packed(x2.to(self.wp.dtype), self.wp.data, self.out_features)
             if bias is not None:
                 y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -83,24 +80,17 @@ class PackedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return native_linear.unpack(self.wp.data, self.num_embeddings)
+        return native.unpack_linear(self.wp.data, self.num_embeddings)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # F.embedding's bounds check, kept: an id past the table must fail loudly, not read padding
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        return native_linear.rows(self.wp.data, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
-
-
-def native_linear_ready() -> bool:
-    """The kernel can run here now (re-reads the off switch each time, so a test can flip it)."""
-    if native.switched_off(LINEAR_SWITCH):
-        return False
-    return native.unrunnable_reason() is None and native_linear.module() is not None
+        return native.linear_rows(self.wp.data, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
 
 def _pack(weight: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(native_linear.pack(weight.detach()), requires_grad=False)
+    return nn.Parameter(native.pack_linear(weight.detach()), requires_grad=False)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -114,7 +104,7 @@ def pack_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
         and not _is_router(parent, name)
     ]
-    if not candidates or not native_linear_ready():
+    if not candidates or not native.linear_ready():
         return 0
     packed: dict[int, nn.Parameter] = {}
     for parent, name, lin in candidates:

@@ -9,23 +9,19 @@ the step keeps only the embedding lookup, the LM head and sampling in Python.
 It serves a model whose every layer would take the native path anyway: fp32 on the CPU, packed projections,
 RMSNorm (not Gemma's), no q/k norm, a dense gated SiLU MLP, RoPE on one table, the native attention reading a
 float cache. Anything else (MoE, Gemma, quantized KV layers, a tensor-parallel rank, ``torch.compile``, the
-kernels off) keeps the modules. ``PDCLUSTER_NATIVE_DECODER=0`` turns this alone off, read at every step so a
-benchmark can flip it.
+kernels off) keeps the modules. ``PDCLUSTER_NATIVE_KERNELS=-decoder`` turns this alone off (read at every step,
+as are ``-norm`` and ``-rope``, which turn it off too). The step runs without the GIL, so a server's event loop
+streams the last step's tokens meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from pdcluster.kernels.cpu import attention as cpu_attention
-from pdcluster.kernels.cpu import linear as native_linear
-from pdcluster.kernels.cpu import native, step
-from pdcluster.kernels.cpu import norm as cpu_norm
-from pdcluster.kernels.cpu import rope as cpu_rope
+from pdcluster.kernels import native
 from pdcluster.worker.engine.attention import AttnMetadata
 from pdcluster.worker.engine.cpu_linear import PackedLinear
 from pdcluster.worker.engine.kv_cache import PagedKVCache
@@ -35,17 +31,6 @@ if TYPE_CHECKING:
     from pdcluster.worker.engine.model import DecoderForCausalLM, DecoderLayer
 
 log = logging.getLogger("pdcluster.engine")
-SWITCH = "PDCLUSTER_NATIVE_DECODER"
-GIL_ENV = "PDCLUSTER_NATIVE_DECODER_GIL"  # "release" (default) or "hold": whether other threads run during a step
-
-
-def gil_policy() -> str:
-    """``release`` (default): the step runs without the GIL, so a server's event loop streams the last step's
-    tokens meanwhile; ``hold``: the GIL stays held through the step (``PDCLUSTER_NATIVE_DECODER_GIL``)."""
-    value = os.environ.get(GIL_ENV, "") or "release"
-    if value not in ("release", "hold"):
-        raise ValueError(f"{GIL_ENV} must be 'release' or 'hold', not {value!r}")
-    return value
 
 
 class FusedDecode:
@@ -58,25 +43,24 @@ class FusedDecode:
         first = cast("DecoderLayer", model.layers[0])
         mlp = cast(MLP, first.mlp)
         # (K, panels) of the four products of a layer: every layer has the same shapes (checked by build)
-        self._shapes = [(int(p.wp.shape[1]), int(p.wp.shape[0])) for p in (
-            first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        self._shapes = [(int(p.wp.shape[1]), int(p.wp.shape[0])) for p in (cast(PackedLinear, q) for q in (
+            first.self_attn.qkv_proj, first.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
         self._grains: dict[int, list[int]] = {}  # row count -> panels per shared item of each product
-        self._forward = plan.forward if gil_policy() == "hold" else plan.forward_released
 
     def usable(self, x: torch.Tensor, md: AttnMetadata) -> bool:
         """This step can take the plan: a pure decode step, fp32 rows, every switch still on."""
         return (not md.is_prefill and md.block_tables is not None and md.seq_lens is not None
                 and x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()
                 and all(a.native_decode for a in self.attns)  # benchmarks turn layers' kernel off this way
-                and not (native.switched_off(SWITCH) or cpu_norm.switched_off() or cpu_rope.switched_off()))
+                and native.enabled("decoder") and native.enabled("norm") and native.enabled("rope"))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttnMetadata) -> torch.Tensor:
         rows = int(x.shape[0])
         grains = self._grains.get(rows)
         if grains is None:
-            grains = self._grains[rows] = [native_linear.grain(rows, k, nb) for k, nb in self._shapes]
-        out: torch.Tensor = self._forward(x, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens, grains,
-                                          cpu_attention.PARALLEL_MIN)
+            grains = self._grains[rows] = [native.linear_grain(rows, k, nb) for k, nb in self._shapes]
+        out: torch.Tensor = self.plan.forward_released(x, cos, sin, md.slot_mapping, md.block_tables,
+                                                       md.seq_lens, grains, native.ATTENTION_PARALLEL_MIN)
         return out
 
 
@@ -103,7 +87,7 @@ def _why_not(model: DecoderForCausalLM, cache: PagedKVCache) -> str | None:
             return f"layer {i}: q/k norm"
         if not (_native_norm(layer.input_layernorm) and _native_norm(layer.post_attention_layernorm)):
             return f"layer {i}: a norm has no native kernel"
-        if cache.is_quantized(i) or cpu_rope.kernel_for(cache.k[i], False) is None:
+        if cache.is_quantized(i) or native.rope_kernel_for(cache.k[i], False) is None:
             return f"layer {i}: the cache is not an fp32 host cache the RoPE kernel writes"
         if not attn.uses_native_decode(cache):
             return f"layer {i}: the native attention does not read this cache"
@@ -115,14 +99,14 @@ def _why_not(model: DecoderForCausalLM, cache: PagedKVCache) -> str | None:
 
 
 def _native_norm(norm: RMSNorm) -> bool:
-    return not norm.gemma and norm.weight.dtype == torch.float32 and cpu_norm.kernel_for(norm.weight, norm.eps) is not None
+    return not norm.gemma and norm.weight.dtype == torch.float32 and native.norm_kernel_for(norm.weight, norm.eps) is not None
 
 
 def build(model: DecoderForCausalLM, cache: PagedKVCache) -> FusedDecode | None:
     """The plan for this model and cache, or None (logged once, with the reason) where the modules run."""
     from pdcluster.worker.engine.model import DecoderLayer
 
-    mod = step.module()
+    mod = native.step_module()
     reason = "the native kernels are off or not built" if mod is None else _why_not(model, cache)
     if reason is not None:
         log.info("decode steps through the modules (%s)", reason)

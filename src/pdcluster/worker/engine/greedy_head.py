@@ -1,7 +1,7 @@
-"""Greedy tokens without the whole fp32 LM head: the bf16 screen of ``kernels/cpu/screen.py`` answers each
+"""Greedy tokens without the whole fp32 LM head: the bf16 screen (``kernels/cpu/screen.py``) answers each
 row with the token ``argmax(compute_logits(h))`` would give, bit for bit; rows it cannot decide (a
 non-finite value, a near-tie across many tokens) run the fp32 head, and so do steps of more rows than
-``screen.max_rows()`` (where the bf16 product is slower than the fp32 one).
+``native.screen_max_rows()`` (where the bf16 product is slower than the fp32 one).
 
 Only where the head is the packed fp32 kernel's (``PackedLinear``) with no bias and no soft-capping: the
 screen reproduces that kernel's arithmetic exactly, nothing else. It costs half the head's bytes again in
@@ -16,8 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pdcluster.kernels.cpu import native, screen
-from pdcluster.kernels.cpu.argmax import argmax
+from pdcluster.kernels import native
 from pdcluster.worker.engine.cpu_linear import MAX_KERNEL_ROWS, PackedLinear
 
 log = logging.getLogger("pdcluster.engine")
@@ -31,7 +30,7 @@ def unusable_reason(lm_head: nn.Module, softcapping: float | None) -> str | None
         return "the LM head has a bias"
     if softcapping is not None:
         return "the logits are soft-capped"
-    return screen.unavailable_reason()
+    return native.screen_unavailable_reason()
 
 
 class GreedyHead:
@@ -40,15 +39,13 @@ class GreedyHead:
     def __init__(self, lm_head: nn.Module, softcapping: float | None,
                  logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._logits = logits  # the model's compute_logits: the fp32 head, for what the screen leaves
-        self._head: screen.ScreenedHead | None = None
-        self.max_rows = min(screen.max_rows(), MAX_KERNEL_ROWS)
+        self._head: native.ScreenedHead | None = None
+        self.max_rows = min(native.screen_max_rows(), MAX_KERNEL_ROWS)
         reason = unusable_reason(lm_head, softcapping)
-        if reason is None and self.max_rows == 0:
-            reason = f"{screen.MAX_ROWS_ENV}=0"
         if reason is None:
             assert isinstance(lm_head, PackedLinear)
-            self._head = screen.ScreenedHead.build(lm_head.wp.data, lm_head.out_features)
-            ratio = screen.dot_rate_ratio()
+            self._head = native.ScreenedHead.build(lm_head.wp.data, lm_head.out_features)
+            ratio = native.screen_dot_rate_ratio()
             log.info("greedy steps of up to %d rows screen the LM head in bf16 (+%.1f MiB; this core's bf16 dot "
                      "product retires at %s the FMA's rate)", self.max_rows, self._head.nbytes / 2**20,
                      "?" if ratio is None else f"{ratio:.2f}x")
@@ -62,11 +59,11 @@ class GreedyHead:
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """int64 ``[rows]`` for ``hidden [rows, K]``."""
         head = self._head
-        if (head is None or native.switched_off(screen.ENV_SWITCH) or hidden.dtype is not torch.float32
+        if (head is None or not native.enabled("screen") or hidden.dtype is not torch.float32
                 or hidden.dim() != 2 or hidden.shape[0] > self.max_rows):
-            return argmax(self._logits(hidden))
-        ids = head.argmax(hidden, screen.MAX_CANDIDATES)
+            return native.argmax(self._logits(hidden))
+        ids = head.argmax(hidden, native.SCREEN_MAX_CANDIDATES)
         missed = (ids < 0).nonzero().flatten()
         if missed.numel():
-            ids[missed] = argmax(self._logits(hidden[missed].contiguous()))
+            ids[missed] = native.argmax(self._logits(hidden[missed].contiguous()))
         return ids

@@ -152,7 +152,9 @@ class PagedKVCache:
             s_part = n * self.kv_heads * 4
             views += [out[2 * part + i * s_part:2 * part + (i + 1) * s_part].view(torch.float32).view(n, self.kv_heads)
                       for i in range(2)]
-            pools += [self.k_scale[layer], self.v_scale[layer]]  # type: ignore[list-item]
+            k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
+            assert k_scale is not None and v_scale is not None  # a quantized layer has its scales
+            pools += [k_scale, v_scale]
         slots = slots.to(self.device)
         for pool, dst in zip(pools, views, strict=True):
             flat = pool.view(-1, *pool.shape[2:])
@@ -188,5 +190,7 @@ class PagedKVCache:
                 (self.k_scale, dst.k_scale),
                 (self.v_scale, dst.v_scale),
             ):
-                if s[layer] is not None:
-                    d[layer].index_copy_(0, dst_ids, s[layer][src_ids.to(self.device)].to(dst.device))
+                src_pool, dst_pool = s[layer], d[layer]
+                if src_pool is not None:
+                    assert dst_pool is not None  # the same per-layer formats: the same pools exist
+                    dst_pool.index_copy_(0, dst_ids, src_pool[src_ids.to(self.device)].to(dst.device))

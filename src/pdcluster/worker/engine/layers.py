@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.kernels.cpu import norm as cpu_norm
+from pdcluster.kernels import native
 from pdcluster.worker.engine.families import MoeSpec
 
 
@@ -20,16 +20,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
         self.gemma = gemma
-        # The native kernel's entry point (kernels/cpu/norm.py), decided at the first call (the weights are
+        # The native kernel's entry point (kernels/native.py), decided at the first call (the weights are
         # loaded by then); False: torch's ops. A call per norm is ~2 us instead of ~15-40 us of torch ops.
         self._native: Callable[..., tuple[torch.Tensor, torch.Tensor]] | bool | None = None
 
     def _kernel(self, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         k = self._native
         if k is None:
-            k = self._native = (not self.gemma and cpu_norm.kernel_for(self.weight, self.eps)) or False
+            k = self._native = (not self.gemma and native.norm_kernel_for(self.weight, self.eps)) or False
         if (k is False or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or not x.is_contiguous()
-                or cpu_norm.switched_off()):
+                or not native.enabled("norm")):
             return None
         assert callable(k)
         return k

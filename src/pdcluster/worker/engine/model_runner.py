@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdcluster.worker.engine import fused_decode
+from pdcluster.kernels import native
 from pdcluster.worker.engine.attention import AttnMetadata, PrefillSeq, window_slots
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
@@ -45,7 +45,7 @@ class ModelRunner:
         self.full_precision_layers = full_precision_layers
         self.model = load_model(cfg, self.dtype, self.device, max_len=max_model_len)
         self.model.build_greedy_head()
-        fused_decode.gil_policy()  # a bad setting fails at start, not at the first decode step
+        native.enabled("decoder")  # a bad PDCLUSTER_NATIVE_KERNELS fails at start, not at the first decode step
         # Summed layer by layer: full-precision layers of a mixed cache cost more than the quantized ones,
         # so the block count from a byte budget must use the real per-block total.
         self.block_bytes = PagedKVCache.bytes_per_block(
@@ -73,7 +73,7 @@ class ModelRunner:
         self._host_cache: PagedKVCache | None = None
         # Decode steps through inductor (fused elementwise ops, fewer dispatches); dynamic shapes so batch
         # sizes and lengths share one graph. Prefill and mixed steps stay eager: their per-chunk loop would
-        # recompile for every chunk count. Off by default: see docs/benchmarks/engine.md for the compile cost.
+        # recompile for every chunk count. Off by default: see docs/benchmarks/engine.md at 5f904a5 for the compile cost.
         self._decode_forward: Callable[..., torch.Tensor] = (
             torch.compile(self.model, dynamic=True) if compile_decode else self.model
         )

@@ -3,7 +3,7 @@
 libgomp (PyTorch's OpenMP on Linux) makes an idle worker spin up to 300,000 times before it sleeps, but only
 1,000 times once the process has more OpenMP threads than CPUs — which a server has as soon as two threads
 (the engine thread and the main thread, which touched torch while loading) each own a team. So how a served
-step ran depended on that accident. Measured here (bench/served_vs_hf.py, docs/benchmarks/engine.md) on the 2-core VM
+step ran depended on that accident. Measured here (benchmarks/served_vs_hf.py, docs/benchmarks/engine.md at 5f904a5) on the 2-core VM
 under load from other processes: a batch-1 decode step in the main thread ran at 2.3-2.7 tok/s with the full
 spin and 34-49 tok/s with GOMP_SPINCOUNT=2000 or OMP_WAIT_POLICY=PASSIVE: a spinning worker burns the time
 slice its partner needs to reach the barrier. A short bounded spin keeps that win while still catching the

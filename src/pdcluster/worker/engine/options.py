@@ -1,4 +1,5 @@
-"""The engine's options, declared once: name, type, default, choices, bounds and help of each.
+"""The engine's options, declared once: name, type, default, choices, bounds and help of each (rows of
+`pdcluster.worker.options.Option`, shared with the KV transfer's and the router's tables).
 
 `pdcluster serve`'s engine flags are generated from this table (worker/server/cli.py), `EngineConfig.validate`
 checks against it, and the operator's PDCluster spec models must offer the same choices and bounds (a contract
@@ -8,9 +9,11 @@ test holds them to it). No torch here: `pdcluster.operator` may import this modu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
+
+from pdcluster.worker import options as declared
+from pdcluster.worker.options import Option
 
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -18,57 +21,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "int4")
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 DEVICES = ("cpu", "cuda")
 WATERMARK_MAX = 0.5  # more would keep most of the cache idle
-
-
-@dataclass(frozen=True)
-class Option:
-    name: str  # EngineConfig field
-    flag: str  # pdcluster serve's flag
-    kind: type  # int | float | str | tuple (of layer indices)
-    default: Any  # None: EngineConfig's own default applies (it depends on the model or device)
-    help: str
-    choices: tuple[Any, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    min_exclusive: bool = False  # the minimum itself is not allowed
-    nullable: bool = False  # None is a valid value (= derive it)
-    metavar: str | None = None
-    parse: Callable[[str], Any] | None = None  # CLI text -> value, when not kind(text)
-
-    def check(self, value: Any) -> None:
-        """ValueError naming the field when ``value`` is not allowed."""
-        if value is None and self.nullable:
-            return
-        if self.kind is tuple:
-            _check_layers(self.name, value)
-            return
-        if self.kind is str:
-            ok = isinstance(value, str)
-        elif self.kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:  # float accepts ints too
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok:
-            raise ValueError(f"{self.name} must be {_kind_name(self.kind)}, got {value!r}")
-        if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
-        lo, hi = self.minimum, self.maximum
-        if lo is not None and (value < lo or (self.min_exclusive and value == lo)):
-            raise ValueError(f"{self.name} must be {'>' if self.min_exclusive else '>='} {lo}, got {value!r}")
-        if hi is not None and value > hi:
-            raise ValueError(f"{self.name} must be <= {hi}, got {value!r}")
-
-
-def _kind_name(kind: type) -> str:
-    return {int: "an integer", float: "a finite number", str: "a string"}.get(kind, kind.__name__)
-
-
-def _check_layers(name: str, value: Any) -> None:
-    if isinstance(value, str | bytes) or not isinstance(value, tuple | list):  # "0,1" would iterate as chars
-        raise ValueError(f"{name} must be a sequence of layer indices, got {value!r}")
-    for i in value:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ValueError(f"{name}: {i!r} is not a layer index (an int >= 0)")
 
 
 def parse_bytes(text: str) -> int:
@@ -130,7 +82,4 @@ BY_NAME: Mapping[str, Option] = {o.name: o for o in ENGINE_OPTIONS}
 
 def validate(values: Mapping[str, Any]) -> None:
     """Check every declared option present in ``values`` (e.g. ``vars(EngineConfig)``)."""
-    for name, value in values.items():
-        opt = BY_NAME.get(name)
-        if opt is not None:
-            opt.check(value)
+    declared.validate(ENGINE_OPTIONS, values)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcluster.kernels.cpu.argmax import argmax
+from pdcluster.kernels import native
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     """``logits`` float32 ``[seqs, vocab]`` -> one token id per row. ``output_indices[i]``: the position in
     its request's output of the token row i draws (0 = the first generated token). ``histories[i]`` is
     needed for rows whose params shape the logits (``SamplingParams.shapes_logits``)."""
-    out = argmax(logits).tolist()
+    out = native.argmax(logits).tolist()
     for i, p in enumerate(params):
         h = histories[i] if histories is not None else None
         shaped = p.shapes_logits and h is not None

@@ -26,7 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +154,7 @@ class GrammarBackend:
     """The tokenizer's vocabulary as xgrammar sees it and the grammar compiler; both built on first use (a
     large vocabulary takes a while) and safe to use from any thread (compiles run off the event loop)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Iterable[int],
                  cache_bytes: int = CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

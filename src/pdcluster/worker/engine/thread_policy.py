@@ -4,7 +4,7 @@ Every step ends with a cross-thread wake-up of the event loop (``call_soon_threa
 Linux then lets the freshly woken loop thread preempt whatever runs on the CPU it lands on: on a box with no
 idle core (2 cores, 2 torch threads, or any other load) that is the engine thread itself, stopped inside the
 pipe write, or an OpenMP worker the next matmul's barrier waits for. A py-spy profile of ``pdcluster serve``
-(batch 1, docs/benchmarks/engine.md) had the engine thread in that one write for a third of its samples.
+(batch 1, docs/benchmarks/engine.md at 5f904a5) had the engine thread in that one write for a third of its samples.
 
 ``SCHED_BATCH`` tells the scheduler a thread never preempts on wake-up; it still gets its fair share of CPU
 (it is not ``SCHED_IDLE``), so it runs as soon as a core frees up: between parallel regions, when the step

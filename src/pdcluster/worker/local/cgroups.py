@@ -1,6 +1,6 @@
 """Where a child of `pdcluster up` was placed in the cgroup tree, so its restart goes back there.
 
-Why: a benchmark (bench/cpu_limits.py) or an operator of the box may move a worker into a cgroup of its own
+Why: a benchmark (benchmarks/cpu_limits.py) or an operator of the box may move a worker into a cgroup of its own
 (a CPU limit, as a pod's `limits.cpu`). A restarted worker is a new process forked by `up`, and a new process
 starts in its parent's cgroups: without this, the limit silently stopped applying after a crash. As a
 kubelet restarts a container inside its pod's cgroup, `up` restarts a worker inside its predecessor's.

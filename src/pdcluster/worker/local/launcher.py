@@ -22,14 +22,21 @@ from typing import Any
 
 import httpx
 
+from pdcluster.worker import options as declared
 from pdcluster.worker.api import cli_args as types
 from pdcluster.worker.api import tracing
 from pdcluster.worker.api.tool_calls import PARSERS
+from pdcluster.worker.engine import options as engine_options
 from pdcluster.worker.local.supervisor import USAGE_ERROR, CrashLoop, Supervisor
+from pdcluster.worker.router import options as router_options
+from pdcluster.worker.transfer import options as kv_options
 
 log = logging.getLogger("pdcluster.up")
 
 START_TIMEOUT = 180.0  # seconds; `--start-timeout`
+# The knobs `up` takes and hands on: generated from their declarations, forwarded when set to another value
+UP_TRANSFER = ("compression", "backend", "integrity")
+UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "decode_wait", "routing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,20 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--port", type=types.port, default=8080, help="router port; workers take the ports after it")
     a("--host", default="127.0.0.1")
     a("--threads", type=types.positive_int, default=1, help="torch threads per worker")
-    a("--block-size", type=int, choices=[8, 16, 32], default=16)
-    a("--kv-transfer-compression", choices=["none", "int8"], default="none")
-    a("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
-      help="passed to every worker (pdcluster serve --kv-transfer-backend); default auto")
-    a("--kv-transfer-integrity", "--kv-transfer-nixl-integrity", choices=["mac", "fabric"], default="mac",
-      dest="kv_transfer_integrity",
-      help="passed to every worker (pdcluster serve --kv-transfer-integrity); default mac")
-    a("--disaggregation-threshold", type=types.non_negative_int, default=64, metavar="TOKENS")
-    a("--max-queue-depth", type=types.non_negative_int, default=64)
-    a("--request-timeout", type=types.non_negative_float, default=120.0, metavar="S", help="504 after S seconds (0: none)")
-    a("--decode-wait", type=types.non_negative_float, default=30.0, metavar="S",
-      help="how long a request waits for a healthy decode worker (e.g. one restarting) before a 503")
-    a("--routing", choices=["prefix", "least-loaded"], default="prefix",
-      help="router's worker choice: prefer cached prompt prefixes within a load cap, or least loaded only")
+    declared.add_arguments(parser, [engine_options.BY_NAME["block_size"]])  # serve's own flag, passed on
+    # the same declarations (and so the same defaults) as `pdcluster serve` and `pdcluster router`
+    kv_options.add_arguments(parser.add_argument_group("KV transfer (passed to every worker)"), UP_TRANSFER)
+    router_options.add_arguments(parser.add_argument_group("router (passed to the router)"), UP_ROUTER)
     a("--autoscale", action="store_true",
       help="resize the pools from live metrics with the operator's autoscaler (up to --max-workers each)")
     a("--max-workers", type=types.positive_int, default=3, help="per pool, with --autoscale")
@@ -108,10 +105,7 @@ def ensure_demo_model(cache: Path) -> Path:
 def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> list[str]:
     return [sys.executable, "-m", "pdcluster", "serve", "--model", str(model), "--role", role, "--port", str(port),
             "--host", args.host, "--threads", str(args.threads), "--block-size", str(args.block_size),
-            "--kv-transfer-compression", args.kv_transfer_compression, "--log-level", "warning",
-            "--kv-transfer-backend", getattr(args, "kv_transfer_backend", "auto"),
-            *(["--kv-transfer-integrity", args.kv_transfer_integrity]
-              if getattr(args, "kv_transfer_integrity", "mac") != "mac" else []),
+            "--log-level", "warning", *declared.changed_argv(args, kv_options.rows(UP_TRANSFER)),
             *_otlp(args), *_tool_calls(args), *_tp(args, role)]
 
 
@@ -131,11 +125,10 @@ def _otlp(args: argparse.Namespace) -> list[str]:
 
 
 def router_cmd(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
+    # the knobs the user set; `up` probes its loopback workers every 0.5 s (a router's default is 1 s)
     cmd = [sys.executable, "-m", "pdcluster", "router", "--host", args.host, "--port", str(args.port),
-           "--disaggregation-threshold", str(args.disaggregation_threshold),
-           "--max-queue-depth", str(args.max_queue_depth), "--request-timeout", str(args.request_timeout),
-           "--decode-wait", str(args.decode_wait), "--routing", args.routing,
-           "--health-interval", "0.5", "--log-level", "warning", *_otlp(args), *_tool_calls(args)]
+           *declared.changed_argv(args, router_options.rows(UP_ROUTER)), "--health-interval", "0.5",
+           "--log-level", "warning", *_otlp(args), *_tool_calls(args)]
     if prefill:
         cmd += ["--prefill", *prefill]
     return cmd + ["--decode", *decode]

@@ -5,7 +5,7 @@ Restarting cannot fix everything: a child that exits with a usage error (code 2:
 failing soon after it starts (`max_restarts` times in a row, each within a minute) raises `CrashLoop` with
 the tail of its log, so `up` stops with the child's own message instead of restarting it forever.
 
-A child moved into other cgroups while it ran (a CPU limit set from outside, as bench/cpu_limits.py does) is
+A child moved into other cgroups while it ran (a CPU limit set from outside, as benchmarks/cpu_limits.py does) is
 restarted inside them (worker/local/cgroups.py): a restart must not silently lift a limit."""
 
 from __future__ import annotations

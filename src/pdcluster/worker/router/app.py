@@ -26,13 +26,15 @@ from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
 from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
-from pdcluster.worker.api.protocol import new_id
+from pdcluster.worker.api.responses import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tool_calls import ToolPlan
-from pdcluster.worker.router.flow import Chunk, Flow, NoCapacity, Tokenized, UpstreamError
+from pdcluster.worker.router.flow import Chunk, Flow, Tokenized
 from pdcluster.worker.router.front_door import credentials, sequences, use_api_key
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
+from pdcluster.worker.router.upstream import NoCapacity, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +62,17 @@ class _StageCollector(Collector):
 
 
 class RouterState:
-    def __init__(self, pool: Pool, *, max_queue_depth: int | None, threshold: int, request_timeout: float | None,
-                 max_retries: int, cluster: str | None = None, decode_wait: float = 30.0,
+    def __init__(self, pool: Pool, options: RouterOptions, *, cluster: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, tool_call_parser: str | None = None) -> None:
         self.pool = pool
         self.max_body_bytes = max_body_bytes
         # Calls to workers' public routes (/v1/models) go without the internal bearer token: it belongs to
         # authenticated /internal/* calls only (Flow's and Pool's clients).
         self.public_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
-        self.flow = Flow(pool, threshold=threshold, max_retries=max_retries, decode_wait=decode_wait)
+        self.flow = Flow(pool, options)
         self.flow.tool_call_parser = tool_call_parser
-        self.max_queue_depth, self.request_timeout = max_queue_depth, request_timeout
+        # 0 on the command line: no bound
+        self.max_queue_depth, self.request_timeout = options.max_queue_depth or None, options.request_timeout or None
         self.metrics = WorkerMetrics("router", cluster=cluster)
         self.metrics.bind_stats(self._stats)
         self.flow.metrics = self.metrics

@@ -6,9 +6,11 @@ import argparse
 import logging
 import sys
 
-from pdcluster.worker.api import cli_args, tracing
+from pdcluster.worker.api import tracing
 from pdcluster.worker.api.cli_args import port, worker_url
 from pdcluster.worker.api.tool_calls import PARSERS
+from pdcluster.worker.router import options
+from pdcluster.worker.router.options import RouterOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,19 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="Kubernetes (headless) Service of the decode pool")
     a("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a container)")
     a("--port", type=port, default=8080)
-    a("--max-queue-depth", type=cli_args.non_negative_int, default=256,
-      help="requests waiting for their first token beyond which the router answers 429 (0: unbounded)")
-    a("--disaggregation-threshold", type=cli_args.non_negative_int, default=256, metavar="TOKENS",
-      help="prompts shorter than this prefill on the decode worker itself (0: always disaggregate)")
-    a("--request-timeout", type=cli_args.non_negative_float, default=300.0, metavar="S", help="504 after S seconds (0: none)")
-    a("--max-retries", type=cli_args.non_negative_int, default=2, help="re-runs of a request on another worker pair after failures")
-    a("--decode-wait", type=cli_args.non_negative_float, default=30.0, metavar="S",
-      help="how long a request waits for any healthy decode worker (e.g. the only one restarting) before it "
-           "ends with a 503 / error event; keep it well under --request-timeout")
-    a("--routing", choices=["prefix", "least-loaded"], default="prefix",
-      help="prefix: prefer the worker believed to hold the prompt's longest cached prefix, within a load cap; "
-           "least-loaded: ignore prefix caches (default: %(default)s)")
-    a("--health-interval", type=cli_args.positive_float, default=1.0, metavar="S")
+    options.add_arguments(parser)  # the knobs, from their one declaration (router/options.py)
     a("--internal-secret-file", default=None, metavar="PATH",
       help="shared secret (the workers' --kv-transfer-secret-file; else $PDCLUSTER_KV_SECRET) that authenticates "
            "the router's /internal/* calls to workers")
@@ -57,17 +47,15 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pdcluster.worker.router.pool import Pool
     from pdcluster.worker.transfer.secret import optional_secret
 
+    opts = RouterOptions.from_args(args)
     pool = Pool(prefill_urls=list(args.prefill), decode_urls=list(args.decode),
                 prefill_services=list(args.prefill_service), decode_services=list(args.decode_service),
-                interval=args.health_interval, prefix_routing=getattr(args, "routing", "prefix") == "prefix",
-                secret=optional_secret(getattr(args, "internal_secret_file", None)))
-    state = RouterState(pool, max_queue_depth=args.max_queue_depth or None, threshold=args.disaggregation_threshold,
-                        request_timeout=args.request_timeout or None, max_retries=args.max_retries,
-                        cluster=args.cluster_name, decode_wait=args.decode_wait,
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                interval=opts.health_interval, prefix_routing=opts.routing == "prefix",
+                secret=optional_secret(args.internal_secret_file))
+    state = RouterState(pool, opts, cluster=args.cluster_name, tool_call_parser=args.tool_call_parser)
     from pdcluster.worker.api import api_key
 
-    return build_router_app(state, api_key=api_key.resolve(getattr(args, "api_key", None)))
+    return build_router_app(state, api_key=api_key.resolve(args.api_key))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,16 +63,10 @@ def run(args: argparse.Namespace) -> int:
     if not (args.decode or args.decode_service):
         print("pdcluster router: error: at least one --decode URL or --decode-service is required", file=sys.stderr)
         return 2
-    if args.max_retries < 0 or args.max_queue_depth < 0 or args.disaggregation_threshold < 0 or not (
-            args.decode_wait >= 0):
-        print("pdcluster router: error: --max-retries, --max-queue-depth, --disaggregation-threshold and "
-              "--decode-wait must be >= 0", file=sys.stderr)
-        return 2
-
     from pdcluster.worker.transfer.secret import SecretError
 
     try:
-        tracing.configure("router", getattr(args, "otlp_endpoint", None), cluster=args.cluster_name)
+        tracing.configure("router", args.otlp_endpoint, cluster=args.cluster_name)
         app = build(args)
     except (SecretError, OSError, ValueError) as e:
         print(f"pdcluster router: error: {e}", file=sys.stderr)

@@ -16,11 +16,12 @@ from typing import Any
 import httpx
 
 from pdcluster.worker.api import tracing
+from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
-from pdcluster.worker.router.progress import StageCursor, Stages, Timeline  # noqa: F401  (re-exported)
-from pdcluster.worker.router.tokenized import Chunk, Tokenized, tokenized_answer  # noqa: F401  (re-exported)
-from pdcluster.worker.router.upstream import (  # noqa: F401  (re-exported to app.py and tests)
+from pdcluster.worker.router.progress import Stages, Timeline
+from pdcluster.worker.router.tokenized import Chunk, Tokenized, tokenized_answer
+from pdcluster.worker.router.upstream import (
     NoCapacity,
     NoHealthyDecode,
     NoTransferPath,
@@ -36,12 +37,11 @@ log = logging.getLogger(__name__)
 
 
 class Flow:
-    def __init__(self, pool: Pool, *, threshold: int = 0, max_retries: int = 2, connect_timeout: float = 2.0,
-                 decode_wait: float = 30.0) -> None:
-        self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+    def __init__(self, pool: Pool, options: RouterOptions, *, connect_timeout: float = 2.0) -> None:
+        self.pool, self.threshold, self.max_retries = pool, options.disaggregation_threshold, options.max_retries
         # How long a request may wait for any decode worker to be healthy (e.g. the only one restarting):
         # well under the request timeout, so a dead pool gives a clear error, not a silent stall.
-        self.decode_wait = decode_wait
+        self.decode_wait = options.decode_wait
         # the pool's auth header (derived from the shared secret) goes on every /internal/* call
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
                                         headers=getattr(pool, "headers", {}))
@@ -177,7 +177,7 @@ class Flow:
             w.in_flight += 1  # counted from now, so concurrent picks see it; the caller keeps it on success
             ok = False
             try:
-                body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
+                body: dict[str, Any] = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
                 if prefill is not None and direct_pair(prefill, w):  # each TP rank sends its own KV heads
                     body["prefill_tp"] = prefill.tensor_parallel_size
                 r = await self.client.post(f"{w.url}/internal/reserve", headers=headers, json=body)

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import httpx
 
 from pdcluster.worker.engine.block_hash import prompt_block_hashes
+from pdcluster.worker.router import options
 from pdcluster.worker.router.picking import WorkerView, health_transition
 from pdcluster.worker.router.prefix_index import PrefixIndex, parse_report
 from pdcluster.worker.transfer.secret import internal_headers
@@ -108,10 +109,11 @@ class Pool:
     decode_urls: list[str] = field(default_factory=list)
     prefill_services: list[str] = field(default_factory=list)
     decode_services: list[str] = field(default_factory=list)
-    interval: float = 1.0
+    interval: float = options.default("health_interval")  # the flag's default (router/options.py)
     probe_timeout: float = 2.0
     secret: bytes | None = None  # shared KV secret: authenticates /internal/* calls (None: local dev)
-    prefix_routing: bool = True  # prefer workers believed to hold the prompt's prefix (see prefix_index)
+    # prefer workers believed to hold the prompt's prefix (see prefix_index)
+    prefix_routing: bool = options.default("routing") == "prefix"
     # seconds between whole-set reports from each worker (eviction reports come every probe round)
     prefix_resync: float = 30.0
 

@@ -29,7 +29,8 @@ from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.prompting import encode_text, render_chat
-from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.worker.api.responses import ModelCard, ModelList
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tokenize_request import DetokenizeRequest, TokenizeRequest
 from pdcluster.worker.engine.outputs import RequestOutput

@@ -11,30 +11,18 @@ import argparse
 import asyncio
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pdcluster.worker import options as declared
 from pdcluster.worker.api import cli_args, tracing
 from pdcluster.worker.api.tool_calls import PARSERS
-from pdcluster.worker.engine.options import ENGINE_OPTIONS, Option
+from pdcluster.worker.engine.options import ENGINE_OPTIONS
+from pdcluster.worker.transfer import options as kv_options
+from pdcluster.worker.transfer.options import TransferOptions
 
 log = logging.getLogger("pdcluster.serve")
 PROG = "pdcluster serve"
-
-
-@dataclass(frozen=True)
-class TransferOptions:
-    """KV-transfer flags, parsed here and handed to the prefill->decode transfer path."""
-
-    port: int | None = None  # None: the transfer listener picks its default
-    compression: str = "none"  # none | int8
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    secret_file: str | None = None  # shared secret authenticating prefill<->decode peers
-    backend: str = "auto"  # auto | nixl | tcp (worker/transfer/backend.py)
-    integrity: str = "mac"  # mac | fabric: MAC-check every KV byte, or trust the fabric with them (both backends)
-    tp_path: str = "auto"  # auto | direct | relay: KV between TP layouts (server/tp_direct.py)
 
 
 class UsageError(Exception):
@@ -51,28 +39,9 @@ def _error(self: argparse.ArgumentParser, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _option_type(opt: Option) -> Any:
-    """argparse type of one engine option: parse the text, then the option's own check (bounds, choices)."""
-
-    def convert(text: str) -> Any:
-        try:
-            value = opt.parse(text) if opt.parse else opt.kind(text)
-            opt.check(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e).replace(opt.name, opt.flag, 1)) from None
-        return value
-
-    convert.__name__ = opt.kind.__name__  # argparse names it in "invalid <type> value"
-    return convert
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, generated from its one declaration (pdcluster.worker.engine.options)."""
-    g = parser.add_argument_group("engine")
-    for opt in ENGINE_OPTIONS:
-        default = "" if opt.default in (None, ()) else f" (default {opt.default})"
-        g.add_argument(opt.flag, dest=opt.name, type=_option_type(opt), default=opt.default,
-                       choices=opt.choices, metavar=opt.metavar, help=opt.help + default)
+    declared.add_arguments(parser.add_argument_group("engine"), ENGINE_OPTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,46 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "per rank, NCCL); N must divide the attention heads, and the KV heads or be a multiple of them "
            "(default 1)")
     tracing.add_argument(parser)
-    t = parser.add_argument_group("KV transfer (prefill -> decode)")
-    t.add_argument("--kv-transfer-port", type=cli_args.port, default=None)
-    t.add_argument("--kv-transfer-compression", choices=["none", "int8"], default="none")
-    t.add_argument("--kv-transfer-backend", choices=["auto", "nixl", "tcp"], default="auto",
-                   help="how KV bytes move: nixl (UCX: RDMA, NVLink, shared memory; its data plane is not "
-                        "authenticated, the bytes are MAC-checked), tcp (the authenticated channel), auto "
-                        "(nixl where it loads, else tcp; one log line says which and why). Default: auto")
-    t.add_argument("--kv-transfer-integrity", "--kv-transfer-nixl-integrity", choices=["mac", "fabric"],
-                   default="mac", dest="kv_transfer_integrity",
-                   help="KV bytes, on either backend: mac (each layer tagged by the sender and checked before "
-                        "import; a pass over each layer on both sides) or fabric (trusted as they land, as "
-                        "vLLM's and Dynamo's connectors do: only where the network protects them, e.g. an "
-                        "isolated RDMA/NVLink fabric or mTLS/IPsec/WireGuard between nodes; the connection, "
-                        "frame headers and request ids stay authenticated). A mac receiver refuses a fabric "
-                        "sender's layers. Default: mac")
-    t.add_argument("--kv-transfer-timeout", type=cli_args.non_negative_float, default=30.0, metavar="S")
-    t.add_argument("--kv-transfer-max-retries", type=cli_args.non_negative_int, default=3)
-    t.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE")
-    t.add_argument("--kv-transfer-tp-path", choices=["auto", "direct", "relay"], default="auto",
-                   help="KV between tensor-parallel layouts: direct (each rank sends/receives its own KV heads "
-                        "on its own endpoint, when the peer advertises it), relay (through rank 0 over the "
-                        "ranks' group) or auto (today the same as direct, on either backend). Default: auto")
+    # from the KV transfer's one declaration (transfer/options.py)
+    kv_options.add_arguments(parser.add_argument_group("KV transfer (prefill -> decode)"))
     add_engine_arguments(parser)
 
 
 def transfer_options(args: argparse.Namespace) -> TransferOptions:
-    if args.kv_transfer_max_retries < 0:
-        raise UsageError("--kv-transfer-max-retries must be >= 0")
-    if args.kv_transfer_secret_file and not Path(args.kv_transfer_secret_file).is_file():
-        raise UsageError(f"--kv-transfer-secret-file {args.kv_transfer_secret_file!r} does not exist")
-    return TransferOptions(
-        port=args.kv_transfer_port,
-        compression=args.kv_transfer_compression,
-        timeout_s=args.kv_transfer_timeout,
-        max_retries=args.kv_transfer_max_retries,
-        secret_file=args.kv_transfer_secret_file,
-        backend=args.kv_transfer_backend,
-        integrity=getattr(args, "kv_transfer_integrity", "mac"),
-        tp_path=getattr(args, "kv_transfer_tp_path", "auto"),
-    )
+    """The --kv-transfer-* flags as the object passed down to the transfer path (values checked at parse time)."""
+    opts = TransferOptions.from_args(args)
+    if opts.secret_file and not Path(opts.secret_file).is_file():
+        raise UsageError(f"--kv-transfer-secret-file {opts.secret_file!r} does not exist")
+    return opts
 
 
 def check_model_folder(path: str) -> Path:

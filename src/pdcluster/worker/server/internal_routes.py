@@ -11,10 +11,7 @@ The router drives one disaggregated request like this:
   4. POST /internal/decode on the decode worker: waits for all layers, commits the import and streams the
      remaining tokens as NDJSON. Short prompts and resumes use /internal/generate (prefill on the decode side).
 Every path that does not end normally releases the request's blocks on both sides (abort, cancel, or the
-reaper for reservations that never get their /internal/decode).
-
-Long because the /internal/* routes and their three streams share one connector and one cleanup discipline
-(every path that does not end normally releases blocks on both sides); split apart, each would restate it."""
+reaper for reservations that never get their /internal/decode)."""
 
 from __future__ import annotations
 
@@ -49,9 +46,10 @@ from pdcluster.worker.server import ucx_bind
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import TCPConnector, TransferTarget
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.secret import check_internal_auth, worker_secret
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
@@ -65,47 +63,41 @@ def _line(obj: dict[str, Any]) -> bytes:
 class Disaggregation:
     """Owns the KV connector of one worker and the /internal/* routes."""
 
-    def __init__(self, engine: Any, *, role: str, secret: bytes | None, compression: str = "none",
-                 timeout: float = 30.0, max_retries: int = 2, listen_host: str = "127.0.0.1",
-                 transfer_port: int | None = None, node: str | None = None, backend: str = "tcp",
-                 tp_path: str = "auto", integrity: str = "mac") -> None:
+    def __init__(self, engine: Any, *, role: str, secret: bytes | None, options: TransferOptions,
+                 listen_host: str = "127.0.0.1", node: str | None = None) -> None:
         self.engine = engine  # AsyncEngine
         self.role = role
-        self.timeout = timeout
-        self.listen_host, self.transfer_port = listen_host, transfer_port or 0
+        self.options = options  # the --kv-transfer-* flags (transfer/options.py), handed to every rank
+        self.timeout = options.timeout_s
+        self.listen_host, self.transfer_port = listen_host, options.port or 0
         self.node = node if node is not None else os.environ.get("NODE_NAME")
         # the secret also authenticates router -> worker /internal/* calls (derived bearer token)
-        self.compression, self.max_retries, self.secret = compression, max_retries, secret
-        self.integrity = integrity  # mac | fabric (either backend), passed to every rank's connector
+        self.secret = secret
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
             eng = getattr(engine, "engine", None)  # destination: float layers land in the blocks; pools: NIXL's
             self.connector, choice = transfer_backend.build(
-                backend, secret, importer=self._import, compression=compression, timeout=timeout,
-                max_retries=max_retries, destination=getattr(eng, "import_views", None),
-                integrity=integrity, pools=getattr(eng, "transfer_pools", None))
+                options, secret, importer=self._import, destination=getattr(eng, "import_views", None),
+                pools=getattr(eng, "transfer_pools", None))
             self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.router = self._routes()
         self.layout = engine.kv_layout
         self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
-        self.direct = DirectKV(self, path=tp_path)  # each TP rank's own endpoint, or the relay
+        self.direct = DirectKV(self, path=options.tp_path)  # each TP rank's own endpoint, or the relay
 
     @classmethod
-    def from_options(cls, engine: Any, role: str, options: Any, listen_host: str = "127.0.0.1") -> Disaggregation:
-        """From serve_cli's TransferOptions. Without a secret there is no transfer listener at all (frames are
-        never accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and
-        the router prefills on it directly. A given but unusable secret is an error."""
-        secret = worker_secret(getattr(options, "secret_file", None), role)
+    def from_options(cls, engine: Any, role: str, options: TransferOptions,
+                     listen_host: str = "127.0.0.1") -> Disaggregation:
+        """From the worker's flags. Without a secret there is no transfer listener at all (frames are never
+        accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and the
+        router prefills on it directly. A given but unusable secret is an error."""
+        secret = worker_secret(options.secret_file, role)
         if secret is not None:
             ucx_bind.bind_to_host(listen_host)  # before any NIXL agent exists: UCX listens where the worker does
-        return cls(engine, role=role, secret=secret, compression=getattr(options, "compression", "none"),
-                   timeout=getattr(options, "timeout_s", 30.0), max_retries=getattr(options, "max_retries", 2),
-                   listen_host=listen_host, transfer_port=getattr(options, "port", None),
-                   backend=getattr(options, "backend", "auto"), tp_path=getattr(options, "tp_path", "auto"),
-                   integrity=getattr(options, "integrity", "mac"))
+        return cls(engine, role=role, secret=secret, options=options, listen_host=listen_host)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -166,7 +158,7 @@ class Disaggregation:
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
-            "transfer_backend": self.backend, "transfer_integrity": self.integrity, **self.direct.describe(),
+            "transfer_backend": self.backend, "transfer_integrity": self.options.integrity, **self.direct.describe(),
         }
 
     # ------------------------------------------------------------------ routes
@@ -208,7 +200,8 @@ class Disaggregation:
         @r.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, TokenizeBody)
-            req = validate(ChatCompletionRequest if data.kind == "chat" else CompletionRequest, data.body)
+            req: CompletionRequest | ChatCompletionRequest = (
+                validate(ChatCompletionRequest, data.body) if data.kind == "chat" else validate(CompletionRequest, data.body))
             tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
             subs = await unless_client_leaves(request, w.prepare_all(req))  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),

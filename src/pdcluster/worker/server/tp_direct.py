@@ -13,6 +13,7 @@ prefill worker takes it when its target carries those ports. Anything else is th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -20,8 +21,8 @@ from pdcluster.worker.api import errors
 from pdcluster.worker.engine.parallel import kv_relay
 from pdcluster.worker.engine.parallel.heads import kv_heads_of_rank
 from pdcluster.worker.transfer import head_slice, reshard
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec, SaveResult, TransferTarget
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
@@ -81,9 +82,9 @@ class DirectKV:
         self._loop = asyncio.get_running_loop()
         d = self.disagg
         port0 = d.transfer_port
-        options = {"secret": (d.secret or b"").hex(), "backend": d.backend, "compression": d.compression,
-                   "integrity": d.integrity,
-                   "timeout": d.timeout, "max_retries": d.max_retries, "host": d.listen_host,
+        # the worker's transfer options, with the backend rank 0 settled on (every rank runs the same one)
+        transfer = dataclasses.asdict(dataclasses.replace(d.options, backend=d.backend)) if self.enabled else {}
+        options = {"secret": (d.secret or b"").hex(), "transfer": transfer, "host": d.listen_host,
                    "port_base": self.port_base,
                    "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers}
         if self.enabled and self.tp > 1:

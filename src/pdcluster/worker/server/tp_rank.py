@@ -27,8 +27,9 @@ import torch
 
 from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer import head_slice, reshard
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import LoadSpec
-from pdcluster.worker.transfer.transport import TransferError
+from pdcluster.worker.transfer.options import TransferOptions
 
 log = logging.getLogger("pdcluster.tp.endpoint")
 KILL_ENV = "PDCLUSTER_TEST_TP_KILL_AFTER_LAYER"
@@ -39,20 +40,17 @@ class RankEndpoint:
                  options: dict[str, Any]) -> None:
         self.rank, self.size, self.runner, self.lock, self.reply = rank, size, runner, lock, reply
         self.num_kv_heads, self.num_layers = int(options["num_kv_heads"]), int(options["num_layers"])
-        self.timeout = float(options.get("timeout", 30.0))
+        transfer = TransferOptions(**options["transfer"])  # rank 0's flags, its backend choice made
+        self.timeout = transfer.timeout_s
         self.saving: dict[str, list[head_slice.HeadRoute]] = {}
         self.slots: dict[str, torch.Tensor] = {}
         kill = os.environ.get(KILL_ENV)
         self.kill_after = int(kill) if kill else None
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name=f"pdcluster-tp-kv-{rank}", daemon=True).start()
-        self.conn, choice = transfer_backend.build(
-            str(options.get("backend", "tcp")), bytes.fromhex(options["secret"]), importer=self._import,
-            compression=str(options.get("compression", "none")), timeout=self.timeout,
-            integrity=str(options.get("integrity", "mac")),
-            max_retries=int(options.get("max_retries", 2)))
-        base = int(options.get("port_base", 0))  # rank 0's fixed --kv-transfer-port: this rank takes base + rank
-        port = self._run(self.conn.listen(str(options.get("host", "127.0.0.1")), base + rank if base else 0))
+        self.conn, choice = transfer_backend.build(transfer, bytes.fromhex(options["secret"]), importer=self._import)
+        base = int(options["port_base"])  # rank 0's fixed --kv-transfer-port: this rank takes base + rank
+        port = self._run(self.conn.listen(str(options["host"]), base + rank if base else 0))
         log.info("tensor-parallel rank %d: kv transfer (%s) listening on port %d", rank, choice.backend, port)
         reply({"op": "kv_ready", "port": port, "backend": choice.backend})
 

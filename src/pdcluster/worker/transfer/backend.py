@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.worker.transfer.nixl_agent import Availability
+from pdcluster.worker.transfer.options import BACKENDS, TransferOptions
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "nixl", "tcp")
 
 
 class BackendUnavailable(ValueError):
@@ -48,25 +48,26 @@ def choose(requested: str, nixl: Availability) -> Choice:
     return Choice("tcp", f"auto: {nixl.reason}; falling back to tcp", fallback=True)
 
 
-def build(requested: str, secret: bytes, integrity: str = "mac",
-          pools: Callable[[], list[Any]] | None = None, **kw: Any) -> tuple[Any, Choice]:
-    """The connector for `requested` (a TCPConnector or NixlConnector) and the choice, logged once.
-    `integrity` (mac | fabric): whether KV bytes are MAC'd and checked, or the fabric is trusted with them
-    (both backends). NIXL's alone: `pools`, the engine's cache pools it registers once (float layers then move
-    from cache blocks to cache blocks, nixl_direct.py)."""
+def build(options: TransferOptions, secret: bytes, pools: Callable[[], list[Any]] | None = None,
+          **kw: Any) -> tuple[Any, Choice]:
+    """The connector for `options.backend` (a TCPConnector or NixlConnector) and the choice, logged once.
+    `options.integrity` (mac | fabric): whether KV bytes are MAC'd and checked, or the fabric is trusted with
+    them (both backends). NIXL's alone: `pools`, the engine's cache pools it registers once (float layers then
+    move from cache blocks to cache blocks, nixl_direct.py)."""
     from pdcluster.worker.transfer.connector import TCPConnector
     from pdcluster.worker.transfer.nixl_agent import availability
 
+    requested = options.backend
     choice = choose(requested, availability() if requested != "tcp" else Availability(False, "not probed"))
     (log.warning if choice.fallback else log.info)(choice.message)
-    if integrity == "fabric":
+    if options.integrity == "fabric":
         log.warning("kv transfer: KV bytes are not MAC-checked (--kv-transfer-integrity fabric; headers and the "
                     "connection still are): only on a fabric that protects them (mTLS/IPsec/WireGuard, RDMA)")
     if choice.backend == "nixl":
         from pdcluster.worker.transfer.nixl_connector import NixlConnector
 
-        conn = NixlConnector(secret, integrity=integrity, **kw)
+        conn = NixlConnector(secret, options, **kw)
         if pools is not None:
             conn.register_cache(pools())
         return conn, choice
-    return TCPConnector(secret, integrity=integrity, **kw), choice
+    return TCPConnector(secret, options, **kw), choice

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.kernels.kv_quant import QMAX, quantize_kv
+from pdcluster.worker.transfer import options as transfer_options
 from pdcluster.worker.transfer.frame import (
     FLAG_QUANT,
     DType,
@@ -32,7 +33,7 @@ TORCH_OF = {DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torc
             DType.I4: torch.uint8}
 WIRE_OF = {v: k for k, v in TORCH_OF.items()}
 BITS_OF = {torch.int8: 8, torch.uint8: 4}  # code dtype -> bits (uint8 = int4 packed two per byte)
-COMPRESSIONS = ("none", "int8")
+COMPRESSIONS = transfer_options.COMPRESSIONS  # declared with --kv-transfer-compression
 Scales = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -46,7 +47,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray implements the buffer protocol
+    return t.numpy().data.cast("B")
 
 
 def adjacent(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -67,16 +68,22 @@ def adjacent(ts: list[torch.Tensor]) -> torch.Tensor | None:
 GATHER_MIN = 1 << 16  # below this a join costs less than another part to tag and write
 
 
-def _raw(*ts: torch.Tensor, gather: bool = False) -> memoryview | bytes | Gathered:
-    """The tensors' bytes in order: a view when they already lie back to back, else (`gather`, big ones) the
-    views as parts of one payload, else one joined copy."""
+def _raw(*ts: torch.Tensor) -> memoryview | bytes:
+    """The tensors' bytes in order: a view when they already lie back to back, else one joined copy."""
     ts = tuple(t.detach().cpu() for t in ts)
     span = adjacent(list(ts))
     if span is not None:
         return byte_view(span)
-    if gather and sum(t.numel() * t.element_size() for t in ts) >= GATHER_MIN:
-        return Gathered([byte_view(t) for t in ts])  # e.g. K and V of one token range of a bigger export
     return b"".join(byte_view(t) for t in ts)
+
+
+def _payload(*ts: torch.Tensor) -> memoryview | bytes | Gathered:
+    """As `_raw`, but big tensors that do not lie back to back stay views, the parts of one payload (e.g. K
+    and V of one token range of a bigger export)."""
+    ts = tuple(t.detach().cpu() for t in ts)
+    if adjacent(list(ts)) is None and sum(t.numel() * t.element_size() for t in ts) >= GATHER_MIN:
+        return Gathered([byte_view(t) for t in ts])
+    return _raw(*ts)
 
 
 def _from_raw(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -108,12 +115,11 @@ def encode_layer(
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim], got {tuple(k.shape)}/{tuple(v.shape)}")
     tokens, heads, width = k.shape
     dim = width * 2 if code_bits(k) == 4 else width
-    common = dict(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
-                  token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim,
-                  head_start=head_start)
     dtype, flags, payload, wire_scales = wire_tensors(k, v, compression, scales)
-    return Frame(**common, dtype=dtype, flags=flags,  # type: ignore[arg-type]
-                 scales=_raw(*wire_scales) if wire_scales else b"", payload=_raw(*payload, gather=True))
+    return Frame(kind=Kind.LAYER, request_id=request_id, layer=layer, num_layers=num_layers,
+                 token_start=token_start, token_end=token_start + tokens, kv_heads=heads, head_dim=dim,
+                 head_start=head_start, dtype=dtype, flags=flags,
+                 scales=_raw(*wire_scales) if wire_scales else b"", payload=_payload(*payload))
 
 
 def wire_tensors(k: torch.Tensor, v: torch.Tensor, compression: str = "none",
@@ -156,9 +162,9 @@ def quantize8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     aminmax pass instead of abs then amax. Other devices and dtypes go to the kernel."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1 or not x.shape[-1]:
         return quantize_kv(x, bits=8)
-    native = cpu_quant.quantize8(x)  # the AVX-512 kernel, same bits, one pass per vector
-    if native is not None:
-        return native
+    fast = native.quantize8(x)  # the AVX-512 kernel, same bits, one pass per vector
+    if fast is not None:
+        return fast
     dim = x.shape[-1]
     flat = x.reshape(-1, dim)
     rows = flat.shape[0]
@@ -204,7 +210,7 @@ def to_float(k: torch.Tensor, v: torch.Tensor, scales: Scales | None,
         return k.to(out_dtype), v.to(out_dtype)
     if scales is None:
         raise ValueError("codes without scales")
-    return cpu_quant.dequantize(k, scales[0], bits, out_dtype), cpu_quant.dequantize(v, scales[1], bits, out_dtype)
+    return native.dequantize(k, scales[0], bits, out_dtype), native.dequantize(v, scales[1], bits, out_dtype)
 
 
 def decode_layer(frame: Frame, out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,19 +25,20 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, placing, views
 from pdcluster.worker.transfer.chancache import ChannelCache
-from pdcluster.worker.transfer.channel import Placement
+from pdcluster.worker.transfer.channel import FATAL, Placement, TransferError, TransportStats
 from pdcluster.worker.transfer.frame import DEFAULT_LIMITS, ErrorCode, Frame, Header, Kind, Limits
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.interface import KVConnector
 from pdcluster.worker.transfer.lending import Lender
+from pdcluster.worker.transfer.options import TransferOptions
+from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.specs import LoadSpec, Received, SaveResult, TransferTarget, _Load
-from pdcluster.worker.transfer.transport import FATAL, KVServer, Outbox, TransferError, TransportStats
+from pdcluster.worker.transfer.transport import KVServer
 
 log = logging.getLogger(__name__)
-INTEGRITY = ("mac", "fabric")  # --kv-transfer-integrity, spec.kvTransfer.integrity
 INLINE_MAX = 4 * 1024 * 1024  # bytes of K+V up to which a layer is framed on the caller's thread (`_inline`)
 
 # Importer: (request_id, layer, k, v, token_start=..., scales=...) for tokens [token_start, +k.shape[0]) of a
@@ -53,23 +54,20 @@ class TCPConnector(KVConnector):
     _streams = True  # int8 compression: frames leave one by one as the encoder quantizes (chunking.py)
     _sends_views = True  # float layers sent from the engine's cache blocks (save_kv_views, views.py)
 
-    def __init__(self, secret: bytes, *, importer: Importer | None = None, compression: str = "none",
-                 timeout: float = 30.0, max_retries: int = 2, limits: Limits = DEFAULT_LIMITS,
-                 chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4,
-                 destination: placing.Destination | None = None, integrity: str = "mac") -> None:
-        if compression not in codec.COMPRESSIONS:
-            raise ValueError(f"compression must be one of {codec.COMPRESSIONS}")
-        if integrity not in INTEGRITY:
-            raise ValueError(f"kv transfer integrity must be one of {INTEGRITY}, got {integrity!r}")
+    def __init__(self, secret: bytes, options: TransferOptions, *, importer: Importer | None = None,
+                 limits: Limits = DEFAULT_LIMITS, chunk_bytes: int = 64 * 1024 * 1024, encoder_threads: int = 4,
+                 destination: placing.Destination | None = None) -> None:
+        # the knobs come from the worker's flags (transfer/options.py, checked there): none is defaulted here
+        self.options = options
         # mac: every byte of KV is tagged and checked; fabric: the payloads go untagged and untagged ones are
         # accepted (headers, request ids and scales stay tagged; the connection stays authenticated)
-        self.integrity = integrity
-        limits = dataclasses.replace(limits, trust_fabric=integrity == "fabric")
-        self.secret, self.importer, self.compression = secret, importer, compression
+        self.integrity = options.integrity
+        limits = dataclasses.replace(limits, trust_fabric=options.integrity == "fabric")
+        self.secret, self.importer, self.compression = secret, importer, options.compression
         # float layers received straight into the cache, no importer call (placing.py); the owner must call
         # cancel_load before it frees a request's blocks
         self.destination = destination
-        self.timeout, self.max_retries, self.limits = timeout, max_retries, limits
+        self.timeout, self.max_retries, self.limits = options.timeout_s, options.max_retries, limits
         self.chunk_bytes = min(chunk_bytes, limits.max_frame_bytes // 2)
         self.stats = TransportStats()
         self.server: KVServer | None = None
@@ -138,14 +136,15 @@ class TCPConnector(KVConnector):
         loop = self._loop
 
         def encode() -> list[tuple[Outbox, Frame]]:
+            to = box  # a local, which isinstance narrows (the closure's `box` it does not)
+            if isinstance(to, Fanout):
+                return to.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
+                                                                 s, head_start=h), k, v, scales)
             if stream:  # each frame to the loop as soon as it is built: the next one is encoded meanwhile
                 for f in self._frame_iter(request_id, layer, num_layers, k, v, token_start, scales):
-                    loop.call_soon_threadsafe(put, handoff.done([(box, f)]))
+                    loop.call_soon_threadsafe(put, handoff.done([(to, f)]))
                 return []
-            if isinstance(box, Fanout):
-                return box.frames(lambda k, v, s, h: self._frames(request_id, layer, num_layers, k, v, token_start,
-                                                                  s, head_start=h), k, v, scales)
-            return [(box, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
+            return [(to, f) for f in self._frames(request_id, layer, num_layers, k, v, token_start, scales)]
 
         def enqueue(fut: concurrent.futures.Future[list[tuple[Outbox, Frame]]]) -> None:
             loop.call_soon_threadsafe(put, fut)
@@ -194,7 +193,7 @@ class TCPConnector(KVConnector):
         shape = dict(token_start=token_start, num_tokens=num_tokens, kv_heads=kv_heads, head_dim=head_dim)
         if self.compression == "int8":  # quantized here, from the views: with the native kernel, any size
             if dtype != torch.float32 or (2 * num_tokens * kv_heads * head_dim * 4 > INLINE_MAX
-                                          and cpu_quant.module() is None):
+                                          and not native.quant_ready()):
                 return False  # the torch quantizer is ~14x slower: a big layer pipelines on an encoder thread
             frames = views.quantized_frames(request_id, layer, num_layers, parts, **shape,
                                             frame_bytes=min(chunking.PIPE_BYTES, self.chunk_bytes))

@@ -2,7 +2,7 @@
 connection and direction (`handshake.py`), its nonce a label plus the frame's position on the connection.
 
 ~18 GB/s with AES-NI/VPCLMULQDQ on one core here, and it releases the GIL; BLAKE3 and Poly1305 are slower per
-byte on this hardware (docs/benchmarks/disaggregation.md).
+byte on this hardware (docs/benchmarks.md, KV transfer).
 """
 
 from __future__ import annotations

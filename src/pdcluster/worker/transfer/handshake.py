@@ -49,7 +49,7 @@ def hello(nc: bytes) -> bytes:
     return HELLO.pack(MAGIC, VERSION, nc)
 
 
-def parse_hello(buf: bytes | bytearray) -> bytes:
+def parse_hello(buf: bytes | bytearray | memoryview) -> bytes:
     """The client nonce from a HELLO. Raises FrameError (garbage, another protocol, another version)."""
     magic, version, nc = HELLO.unpack(bytes(buf))
     if magic != MAGIC:
@@ -63,7 +63,7 @@ def server_proof(secret: bytes, nc: bytes, ns: bytes) -> bytes:
     return SERVER_PROOF.pack(MAGIC, VERSION, ns, _mac(secret, b"server", nc, ns))
 
 
-def check_server_proof(secret: bytes, nc: bytes, buf: bytes | bytearray) -> bytes:
+def check_server_proof(secret: bytes, nc: bytes, buf: bytes | bytearray | memoryview) -> bytes:
     """The server nonce, once the server has proven it holds the secret. Raises FrameError."""
     magic, version, ns, proof = SERVER_PROOF.unpack(bytes(buf))
     if magic != MAGIC or version != VERSION:
@@ -77,7 +77,7 @@ def client_proof(secret: bytes, nc: bytes, ns: bytes) -> bytes:
     return _mac(secret, b"client", nc, ns)
 
 
-def check_client_proof(secret: bytes, nc: bytes, ns: bytes, proof: bytes | bytearray) -> None:
+def check_client_proof(secret: bytes, nc: bytes, ns: bytes, proof: bytes | bytearray | memoryview) -> None:
     if not hmac.compare_digest(bytes(proof), _mac(secret, b"client", nc, ns)):
         raise FrameError(ErrorCode.UNAUTHENTICATED, "the sender could not prove it holds the KV secret")
 

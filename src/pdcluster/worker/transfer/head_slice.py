@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdcluster.worker.engine.kv_transfer import store_heads
 from pdcluster.worker.transfer import codec
 from pdcluster.worker.transfer.frame import Frame
 from pdcluster.worker.transfer.outbox import Outbox
@@ -139,6 +140,4 @@ def write_heads(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tenso
                 head_offset: int, scales: codec.Scales | None = None) -> None:
     """Store a head range (as the wire carried it) into heads ``[head_offset, +k.shape[1])`` of ``slots`` of
     one layer of ``cache`` (the engine's ``kv_transfer.store_heads``: what every rank of a TP worker runs)."""
-    from pdcluster.worker.engine.kv_transfer import store_heads
-
     store_heads(cache, layer, k, v, slots, head_offset, scales)

@@ -36,19 +36,27 @@ from typing import Any
 
 import torch
 
-from pdcluster.kernels.cpu import quant as cpu_quant
+from pdcluster.kernels import native
 from pdcluster.worker.transfer import chunking, codec, handoff, nixl_direct, nixl_wire, views
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.connector import INLINE_MAX, Received, SaveResult, TCPConnector, TransferTarget
 from pdcluster.worker.transfer.frame import DType, ErrorCode, Frame, Kind, expected_lengths
+from pdcluster.worker.transfer.gmac import Gathered
 from pdcluster.worker.transfer.head_slice import Fanout, HeadRoute
 from pdcluster.worker.transfer.nixl_agent import Agent
+from pdcluster.worker.transfer.options import TransferOptions
 from pdcluster.worker.transfer.staging import Staging
-from pdcluster.worker.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 MAX_REMOTES = 64  # peer agents kept added; the least recently used one is removed beyond this
+
+
+def _descriptor(frame: Frame) -> nixl_wire.Descriptor:
+    """A STAGED frame's descriptor: its payload, one small buffer (joined should it ever come in parts)."""
+    payload = frame.payload
+    return nixl_wire.unpack(bytes(payload) if isinstance(payload, Gathered) else payload)
 
 
 @dataclass
@@ -65,12 +73,12 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
     _streams = False  # a layer is staged whole (one region, one descriptor)
     _sends_views = False  # layers go through the registered staging buffer, never straight from the cache
 
-    def __init__(self, secret: bytes, *, staging_bytes: int = DEFAULT_STAGING_BYTES, agent_name: str | None = None,
-                 integrity: str = "mac", **kw: Any) -> None:
-        # mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is not authenticated);
-        # fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated RDMA/NVLink fabric),
-        # and so are the payloads of layers that go over the channel (TCPConnector)
-        super().__init__(secret, integrity=integrity, **kw)
+    def __init__(self, secret: bytes, options: TransferOptions, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 agent_name: str | None = None, **kw: Any) -> None:
+        # options.integrity mac: the bytes read over NIXL are MAC-checked before import (NIXL's data plane is
+        # not authenticated); fabric: trusted as they land, as vLLM's and Dynamo's connectors do (an isolated
+        # RDMA/NVLink fabric), and so are the payloads of layers that go over the channel (TCPConnector)
+        super().__init__(secret, options, **kw)
         self.agent = Agent(agent_name or f"pdkv-{uuid.uuid4().hex[:12]}", staging_bytes)
         self.staging = Staging(staging_bytes)
         self._metadata = self.agent.metadata()
@@ -155,7 +163,7 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
         codes and scales staged and described at once, so that the receiver READs and imports piece n while
         piece n+1 is quantized. False (gather it for save_kv_layer) without the native quantizer: the torch
         one is ~14x slower and belongs on an encoder thread."""
-        if dtype != torch.float32 or cpu_quant.module() is None:
+        if dtype != torch.float32 or not native.quant_ready():
             return False
         loop = self._loop
         assert loop is not None
@@ -242,13 +250,13 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
                       dtype=dtype, flags=flags, payload=desc, head_start=head_start)]
 
     def _view(self, off: int, nbytes: int) -> memoryview:
-        return memoryview(self.agent.buffer[off:off + nbytes].numpy())
+        return self.agent.buffer[off:off + nbytes].numpy().data
 
     def _acked(self, frame: Frame) -> None:
         """The receiver has read and checked this layer: its region can be reused."""
         if frame.kind != Kind.STAGED:
             return
-        off = nixl_wire.unpack(frame.payload).addr - self.agent.base  # our own descriptor: where it lies
+        off = _descriptor(frame).addr - self.agent.base  # our own descriptor: where it lies
         with self._out_lock:
             out = self._out.get(frame.request_id)
             if out is None or off not in out.regions:
@@ -284,7 +292,7 @@ class NixlConnector(nixl_direct.DirectPath, TCPConnector):
         if frame.kind != Kind.STAGED:
             return await super()._decode(frame)
         try:
-            d = nixl_wire.unpack(frame.payload)
+            d = _descriptor(frame)
         except nixl_wire.DescriptorError as e:
             raise TransferError(f"bad staged descriptor: {e}", ErrorCode.BAD_HEADER) from None
         want_scales, want_payload = expected_lengths(Kind.LAYER, frame.flags, frame.dtype, frame.num_tokens,

@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from pdcluster.worker.transfer import handoff, nixl_wire
+from pdcluster.worker.transfer.channel import TransferError
 from pdcluster.worker.transfer.codec import TORCH_OF, WIRE_OF
 from pdcluster.worker.transfer.frame import ErrorCode, Frame, Kind
 from pdcluster.worker.transfer.head_slice import Fanout
 from pdcluster.worker.transfer.nixl_agent import Agent, Segments
 from pdcluster.worker.transfer.specs import Received, _Load
-from pdcluster.worker.transfer.transport import TransferError
 
 
 def addresses(views: list[memoryview]) -> Segments:

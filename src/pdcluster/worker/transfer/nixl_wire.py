@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -115,12 +116,12 @@ def _key(secret: bytes, salt: bytes, request_id: str) -> bytes:
     return hmac.new(secret, _LABEL + salt + request_id.encode(), hashlib.sha256).digest()
 
 
-def mac(secret: bytes, salt: bytes, request_id: str, layer: int, token_start: int, data: Buffer | list[Buffer],
+def mac(secret: bytes, salt: bytes, request_id: str, layer: int, token_start: int, data: Buffer | Sequence[Buffer],
         head_start: int = 0) -> bytes:
     """The tag of the staged bytes: one buffer, or several in wire order (the same tag as their join: GCM's
     associated data streams)."""
     key, nonce = _key(secret, salt, request_id), _NONCE.pack(layer, token_start, head_start)
-    if not isinstance(data, list):
+    if isinstance(data, (bytes, bytearray, memoryview)):
         return AESGCM(key).encrypt(nonce, b"", data)
     enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
     for part in data:
@@ -130,7 +131,7 @@ def mac(secret: bytes, salt: bytes, request_id: str, layer: int, token_start: in
 
 
 def verify(secret: bytes, d: Descriptor, request_id: str, layer: int, token_start: int,
-           data: Buffer | list[Buffer], head_start: int = 0) -> bool:
+           data: Buffer | Sequence[Buffer], head_start: int = 0) -> bool:
     if len(d.salt) != SALT_SIZE or len(d.tag) != TAG_SIZE:
         return False
     return hmac.compare_digest(mac(secret, d.salt, request_id, layer, token_start, data, head_start), d.tag)

@@ -28,7 +28,7 @@ class Outbox:
     Usage: `put(frame)` for each frame, `close()` when no more will come, then `await wait()`.
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, *, timeout: float = 30.0, max_retries: int = 2,
+    def __init__(self, host: str, port: int, secret: bytes, *, timeout: float, max_retries: int,
                  limits: Limits = DEFAULT_LIMITS, stats: TransportStats | None = None,
                  channels: ChannelCache | None = None) -> None:
         self.host, self.port, self.secret, self.limits = host, port, secret, limits

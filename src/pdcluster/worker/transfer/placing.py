@@ -32,11 +32,18 @@ Destination = Callable[[str, int, int, int, torch.dtype], tuple[list[memoryview]
 
 
 class Shaped(Protocol):
-    num_layers: int
-    head_dim: int
-    token_end: int
-    head_start: int
-    kv_heads: int
+    """What `fits` reads of a frame or a header (both frozen: read-only here)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def token_end(self) -> int: ...
+    @property
+    def head_start(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
 
 
 def fits(spec: Any, f: Shaped) -> bool:

@@ -1,7 +1,7 @@
 """The KV transport's receiving side: a TCP server that authenticates each connection once (mutual
 challenge-response, `handshake.py`), then verifies every frame's tags and hands it to a handler.
 
-The sender is `outbox.Outbox` (re-exported here). Memory before authentication is bounded: a peer that
+The sender is `outbox.Outbox`; the channel both share is `channel.py`. Memory before authentication is bounded: a peer that
 cannot prove it holds the secret costs 69 bytes; at most `max_unauthenticated` connections may be in the
 handshake at once (each for `auth_timeout`); a body is received straight into one buffer of its announced
 size only after its header's tag checked, and all connections together hold at most `max_buffered_bytes`.
@@ -16,15 +16,12 @@ import socket
 
 from pdcluster.worker.transfer.bufpool import BufferPool
 from pdcluster.worker.transfer.channel import (
-    FATAL,
     Channel,
     FrameHandler,
     Place,
-    TransferError,
     TransportStats,
     accept_channel,
     read_exact,
-    read_frame,
     read_placed,
 )
 from pdcluster.worker.transfer.frame import (
@@ -37,10 +34,8 @@ from pdcluster.worker.transfer.frame import (
     Limits,
     ack,
 )
-from pdcluster.worker.transfer.outbox import Outbox
 from pdcluster.worker.transfer.sockio import Buffer, Conn
 
-__all__ = ["FATAL", "ByteBudget", "KVServer", "Outbox", "TransferError", "TransportStats", "read_frame"]
 log = logging.getLogger(__name__)
 
 

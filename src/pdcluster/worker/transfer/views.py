@@ -7,7 +7,7 @@ token boundaries when the range is bigger than one frame): the GMAC tag is compu
 `sendmsg` writes them to the socket where they lie. The wire and the tags are exactly those of a gathered
 export, so the receiver cannot tell the two apart.
 
-Why this is safe (what the engine's side guarantees, `kv_transfer.KVTransferMixin._save_layer`):
+Why this is safe (what the engine's side guarantees, `LLMEngine._save_layer`):
 - views are offered only for a request's last prefill chunk: once that step ends the request is PREFILLED
   and holds its blocks, untouched (no preemption, no later chunk writes them), until the worker releases it,
   which happens after `wait_for_save` returned (every frame ACKed) or after `abort_save` cancelled the

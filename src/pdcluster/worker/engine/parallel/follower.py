@@ -103,7 +103,7 @@ def serve(spec: dict, me: Rank) -> None:
     me.ready.set()
     box: list[step.StepMsg | None] = [None]
     while True:
-        dist.broadcast_object_list(box, src=0, group=group.step_group())  # type: ignore[arg-type]
+        dist.broadcast_object_list(box, src=0, group=group.step_group())
         msg = box[0]
         if msg is None:  # rank 0 is closing
             break

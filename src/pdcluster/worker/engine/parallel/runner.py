@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pdcluster.worker.engine.config import ModelConfig
 from pdcluster.worker.engine.engine_config import EngineConfig
 from pdcluster.worker.engine.kv_cache import PagedKVCache
+from pdcluster.worker.engine.kv_transfer import store_layer
 from pdcluster.worker.engine.model_runner import ModelRunner
 from pdcluster.worker.engine.parallel import group, step
 from pdcluster.worker.engine.parallel.control import Control
@@ -55,8 +56,6 @@ def agree_num_blocks(runner: ModelRunner) -> int:
 
 def store_own(runner: ModelRunner, msg: step.ImportMsg, part: Views) -> None:
     """Write this rank's heads of a relayed layer into its cache (any rank)."""
-    from pdcluster.worker.engine.kv_transfer import store_layer  # kv_transfer imports the engine's pieces
-
     store_layer(runner.cache, msg.layer, part[0], part[1], part[2], msg.slots, runner.device, runner.dtype)
 
 
@@ -69,8 +68,9 @@ class TPModelRunner:
         self._closed = False
         if config.num_threads is None and not config.device.startswith("cuda"):
             # N ranks on one machine's cores: each gets its share instead of all of them (oversubscription)
-            config = dataclasses.replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) // tp))
-            torch.set_num_threads(config.num_threads)
+            threads = max(1, len(os.sched_getaffinity(0)) // tp)
+            config = dataclasses.replace(config, num_threads=threads)
+            torch.set_num_threads(threads)
         port = group.free_port()
         spec = {"log_level": logging.getLogger().getEffectiveLevel(), "size": tp, "port": port, "config": dataclasses.asdict(config), "max_model_len": max_model_len}
         self.followers: list[subprocess.Popen[bytes]] = []
@@ -162,7 +162,8 @@ class TPModelRunner:
         try:
             parts = scatter_parts(k, v, scales, self.num_kv_heads, self.tp)
             own = own_heads(k, v, scales, self.num_kv_heads, self.tp, 0)
-            msg = step.ImportMsg(layer, slots.cpu(), str(k.dtype).removeprefix("torch."), tuple(own[0].shape),
+            tokens, heads, width = own[0].shape
+            msg = step.ImportMsg(layer, slots.cpu(), str(k.dtype).removeprefix("torch."), (tokens, heads, width),
                                  scales is not None)
             dist.broadcast_object_list([msg], src=0, group=group.step_group())
             dist.scatter(torch.empty_like(parts[0]), parts, src=0, group=group.step_group())

@@ -57,7 +57,7 @@ class ImportMsg:
 
 def export_ranges(batch: Batch, direct: dict[str, Targets] | None = None) -> list[Export]:
     """(row, first token not yet sent, end, request id, targets) of the prefill-only rows that export KV this
-    step: the same rows and order as the engine's ``_save_layer`` (kv_transfer.py), which hands over only
+    step: the same rows and order as the engine's ``_save_layer`` (llm_engine.py), which hands over only
     ``end > start``; targets are the request's decode rank addresses when it goes direct (``direct``)."""
     if not batch.is_prefill:
         return []
