@@ -60,6 +60,13 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj) + "\n").encode()
 
 
+def _out_line(out: Any, ids: list[int], text: str, lps: Any) -> bytes:
+    """An output as a stream line; a failure carries the status the router passes on (400: the request's fault)."""
+    status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
+    return _line({"token_ids": ids, "text": text, "finished": out.finished, "logprobs": lps,
+                  "finish_reason": out.finish_reason, "error": out.error, "status": status})
+
+
 class Disaggregation:
     """Owns the KV connector of one worker and the /internal/* routes."""
 
@@ -76,6 +83,7 @@ class Disaggregation:
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
+            ucx_bind.bind_to_host(listen_host)  # before any NIXL agent exists: UCX listens where the worker does
             eng = getattr(engine, "engine", None)  # destination: float layers land in the blocks; pools: NIXL's
             self.connector, choice = transfer_backend.build(
                 options, secret, importer=self._import, destination=getattr(eng, "import_views", None),
@@ -94,10 +102,8 @@ class Disaggregation:
         """From the worker's flags. Without a secret there is no transfer listener at all (frames are never
         accepted unauthenticated): the worker still serves the OpenAI API and `/internal/generate`, and the
         router prefills on it directly. A given but unusable secret is an error."""
-        secret = worker_secret(options.secret_file, role)
-        if secret is not None:
-            ucx_bind.bind_to_host(listen_host)  # before any NIXL agent exists: UCX listens where the worker does
-        return cls(engine, role=role, secret=secret, options=options, listen_host=listen_host)
+        return cls(engine, role=role, secret=worker_secret(options.secret_file, role), options=options,
+                   listen_host=listen_host)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -184,12 +190,9 @@ class Disaggregation:
 
         async def checked(request: Request, w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody
                           ) -> tuple[list[int], SamplingParams]:
-            """What the router sends is held to the public path's limits: bad data never reaches the engine. A
-            grammar compiles here (its pool, its budget; cached for the engine), not on the engine's own path."""
+            """What the router sends is held to the public path's limits (WorkerServer.check_routed)."""
             ids, params = run.prompt_token_ids, run.params.to_sampling_params()
-            w.check_prompt(ids, params.max_tokens)
-            w.check_request(ids, params)
-            await unless_client_leaves(request, w.check_grammar(None, params))
+            await unless_client_leaves(request, w.check_routed(ids, params))
             return ids, params
 
         @r.get("/load")
@@ -378,9 +381,7 @@ class Disaggregation:
                         tracing.observed(w.metrics, span).request_finished(out.finish_reason, out.prompt_tokens,
                                                                            out.completion_tokens)
                     if ids or text or finished:
-                        status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
-                        yield _line({"token_ids": ids, "text": text, "finished": finished, "logprobs": lps,
-                                     "finish_reason": out.finish_reason, "error": out.error, "status": status})
+                        yield _out_line(out, ids, text, lps)
                     if finished:
                         return
             finally:
@@ -397,9 +398,6 @@ class Disaggregation:
             async with contextlib.aclosing(w.run(rid, ids, params, span=span)) as outs:
                 async for out in outs:
                     if out.new_token_ids or out.new_text or out.finished:
-                        status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
-                        yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-                                     "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-                                     "error": out.error, "status": status})
+                        yield _out_line(out, out.new_token_ids, out.new_text, out.logprobs)
         except errors.APIError as e:
             yield _line({"error": e.message, "finished": True, "finish_reason": "error", "status": e.status})

@@ -244,6 +244,13 @@ class WorkerServer:
         """Validate token ids and length; return the max_tokens to use (see api.limits)."""
         return request_limits.check_prompt(prompt_ids, max_tokens, self.limits)
 
+    async def check_routed(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Work the router sends (/internal/*) held to the public path's limits, so bad data never reaches the
+        engine; its grammar compiles here (the grammar pool, its budget; cached for the engine)."""
+        self.check_prompt(prompt_ids, params.max_tokens)
+        self.check_request(prompt_ids, params)
+        await self.check_grammar(None, params)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Stop ids in the vocabulary, then the params' and the engine's own validation, as a 400."""
         request_limits.check_stop_ids(params.stop_token_ids, self.limits, params.logit_bias)
