@@ -138,14 +138,28 @@ def test_internal_token_only_on_internal_routes() -> None:
 def test_router_cli_runs_uvicorn_with_read_timeouts_and_a_connection_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    import uvicorn
-
+    from pdcluster.worker.api import http_limits
     from pdcluster.worker.router import cli
 
     got: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(kw))
+    monkeypatch.setattr(http_limits.ExitBoundServer, "run", lambda self: got.update(vars(self.config)))
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     assert cli.run(p.parse_args(["--decode", "http://127.0.0.1:9"])) == 0
     assert got["limit_concurrency"] and got["timeout_keep_alive"] <= 10
     assert got["http"].__name__ == "BoundedH11Protocol"
+
+
+def test_a_bomb_through_the_router_is_400_and_the_pool_stays_whole(router: str) -> None:
+    # issue 38 row 1: the worker's RecursionError 500 made the router drop it; others then got 503 no_workers
+    calls = [({"prompt": "a", "guided_json": "[" * 3000}, 400),
+             ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [
+                 {"type": "function", "function": {"name": "f", "arguments": "{\"a\":" * 3000}}]}]}, 400),
+             ({"prompt": "a", "ignored": "[" * 3000}, 200)]  # brackets in a string are only text
+    for body, status in calls:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(f"{router}{path}", json={**body, "max_tokens": 2}, timeout=30)
+        assert r.status_code == status, r.text
+    workers = httpx.get(f"{router}/cluster", timeout=10).json()["decode"]
+    assert workers and all(w["healthy"] for w in workers)
+    assert httpx.post(f"{router}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200

@@ -5,26 +5,34 @@ any byte is read; a chunked body is refused as soon as it crosses the cap) and w
 dribbling its body must not hold a connection forever). The JSON is then held to what the rest of the system
 can re-encode and compute with: finite numbers only (NaN, Infinity and 1e309 are refused), integers of a sane
 size (a 5,000-digit integer would otherwise make Python's int parser raise ValueError), strings without lone
-surrogates (they cannot be UTF-8 encoded for the tokenizer or the router's re-encoding) and bounded nesting.
-Each refusal is a 400 that names the field (OpenAI's `param`), so no bad body becomes a 500 or a traceback.
+surrogates (they cannot be UTF-8 encoded for the tokenizer or the router's re-encoding) and a bounded shape.
+The shape (nesting depth, number of values, strings, objects and arrays: api/json_shape.py) is checked on the
+raw bytes *while they arrive*, before anything is parsed, so a bomb never becomes a tree; a body that passes is
+parsed and checked off the event loop when it is large (its own small pool: the tokenizer's threads and the
+loop never wait behind a 32 MiB parse). Each refusal is a 400 that names the field (OpenAI's `param`), so no
+bad body becomes a 500 or a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.json_shape import MAX_DEPTH, ShapeError, ShapeScanner
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # far above any prompt a model can take; stops a runaway client early
 BODY_TIMEOUT_S = 60.0  # a whole body must arrive within this (32 MiB at ~0.5 MiB/s)
-MAX_DEPTH = 32  # OpenAI bodies nest ~5 deep (messages -> content parts -> ...)
+OFF_LOOP_BYTES = 256 * 1024  # bodies above this are parsed on _PARSE_POOL (a 256 KiB parse takes ~1 ms)
 MAX_INT_DIGITS = 40  # every integer field fits in 2**128; more digits is not a number a client means
 M = TypeVar("M", bound=BaseModel)
+# Two threads: parsing is CPU work under the GIL, more threads would not parse faster, only hold more bodies.
+_PARSE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="json-parse")
 
 
 class _Refused:
@@ -90,10 +98,21 @@ def check_tree(data: Any, max_depth: int = MAX_DEPTH) -> None:
             stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
 
 
-def decode_json(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
-    """Bytes -> a JSON object every later stage can handle, or a 400."""
+def shape_refused(e: ShapeError) -> errors.APIError:
+    where = f"{e.field}: " if e.field else ""
+    return errors.bad_request(f"{where}{e}", param=e.field, code="invalid_json")
+
+
+def decode_json(raw: bytes, max_depth: int = MAX_DEPTH, *, scanned: bool = False) -> dict[str, Any]:
+    """Bytes -> a JSON object every later stage can handle, or a 400. `scanned`: the shape was checked as the
+    bytes arrived (read_body), else it is checked here first."""
     if not raw.strip():
         raise errors.bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    if not scanned:
+        try:
+            ShapeScanner(max_depth).feed(raw)
+        except ShapeError as e:
+            raise shape_refused(e) from None
     try:
         data = json.loads(raw, parse_float=_float, parse_int=_int, parse_constant=_constant)
     except RecursionError:
@@ -113,8 +132,10 @@ def _limits(request: Request, max_bytes: int | None, timeout: float | None) -> t
             timeout or getattr(state, "body_timeout", None) or BODY_TIMEOUT_S)
 
 
-async def read_body(request: Request, max_bytes: int | None = None, timeout: float | None = None) -> bytes:
-    """The raw body, refused with 413 past `max_bytes` (before reading when declared) and 408 past `timeout`."""
+async def read_body(request: Request, max_bytes: int | None = None, timeout: float | None = None,
+                    shape: ShapeScanner | None = None) -> bytes:
+    """The raw body, refused with 413 past `max_bytes` (before reading when declared) and 408 past `timeout`;
+    with `shape`, each piece is scanned as it arrives and a body past its bounds is refused (400) at once."""
     max_bytes, timeout = _limits(request, max_bytes, timeout)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -127,12 +148,18 @@ async def read_body(request: Request, max_bytes: int | None = None, timeout: flo
                 size += len(chunk)
                 if size > max_bytes:
                     raise _too_large(max_bytes)
+                if shape is not None:
+                    shape.feed(chunk)
                 chunks.append(chunk)
     except TimeoutError:
         raise errors.APIError(408, f"the request body did not arrive within {timeout:g} s",
                               code="body_timeout", headers={"Connection": "close"}) from None
     except ClientDisconnect:
         raise errors.APIError(499, "client disconnected while sending the body", code="client_closed") from None
+    except ShapeError as e:  # Connection: close, as for 413: the rest of the body is not worth reading
+        refusal = shape_refused(e)
+        refusal.headers = {"Connection": "close"}
+        raise refusal from None
     return b"".join(chunks)
 
 
@@ -152,8 +179,15 @@ def validate(model: type[M], data: Any) -> M:
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """A capped, timed, checked JSON object (see the module docstring)."""
-    return decode_json(await read_body(request))
+    """A capped, timed, shape-checked JSON object (see the module docstring)."""
+    raw = await read_body(request, shape=ShapeScanner())
+    if len(raw) <= OFF_LOOP_BYTES:
+        return decode_json(raw, scanned=True)
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_POOL, _decode_scanned, raw)
+
+
+def _decode_scanned(raw: bytes) -> dict[str, Any]:
+    return decode_json(raw, scanned=True)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

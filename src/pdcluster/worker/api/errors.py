@@ -63,6 +63,20 @@ def error_body(message: str, type: str, code: str | None = None, param: str | No
     return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
 
+# The words engine/structured.py's GrammarState.accept fails a request with when the request's own grammar left
+# no token to take (a pattern that dead-ends past what the compile-time check follows): the client's constraint,
+# not the worker, so a 400 and no retry elsewhere. tests/engine/test_grammar_bounds.py keeps the two in step.
+GRAMMAR_MISFIT = "does not fit the request's grammar"
+
+
+def engine_failure(message: str | None) -> APIError:
+    """The error for a request the engine ended with finish_reason "error"."""
+    if message and GRAMMAR_MISFIT in message:
+        return APIError(400, f"the request's output constraint admits no continuation here ({message[:200]})",
+                        code="grammar_dead_end")
+    return APIError(500, f"generation failed: {message or 'unknown error'}", code="engine_error")
+
+
 def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> APIError:
     return APIError(400, message, code=code, param=param)
 

@@ -5,12 +5,12 @@ that receive already-tokenized work call `check_prompt` and `check_stop_ids` on 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.grammar_jobs import JOBS, GrammarJobs
 from pdcluster.worker.engine.sampling_params import SamplingParams
 
 # A prompt is refused before tokenizing when it has more characters than it could have if every token were
@@ -101,16 +101,14 @@ def checked_params(req: Any, prompt_ids: list[int], max_tokens: int | None, limi
     return params
 
 
-async def check_grammar(req: Any, params: SamplingParams, compile_grammar: Callable[[SamplingParams], None] | None) -> None:
-    """A structured-output request's grammar compiles (on a thread: a schema over a large vocabulary takes a
-    while; the engine caches it for the request itself), else a 400 naming the field that asked for it."""
+async def check_grammar(req: Any, params: SamplingParams, compile_grammar: Callable[[SamplingParams], None] | None,
+                        jobs: GrammarJobs = JOBS) -> None:
+    """A structured-output request's grammar compiles (on the grammar pool, within its budget: api/grammar_jobs;
+    the engine caches it for the request itself), else a 400 naming the field that asked for it."""
     if not params.structured_kind:
         return
-    asked = req.structured()
-    param = asked[0] if asked else "response_format"
+    asked = req.structured() if req is not None else None
+    param = asked[0] if asked else "response_format" if req is not None else "params.structured_spec"
     if compile_grammar is None:
         raise errors.bad_request(f"{param}: structured output is not available on this engine", param=param)
-    try:
-        await asyncio.to_thread(compile_grammar, params)
-    except ValueError as e:
-        raise errors.bad_request(f"{param}: {e}", param=param) from None
+    await jobs.run(compile_grammar, params, param)

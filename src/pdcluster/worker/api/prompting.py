@@ -42,9 +42,12 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                max_chars: int | None = None) -> list[int]:
     """Apply the model's chat template (from tokenizer_config.json, or --chat-template) and tokenize the result.
-    ``tools`` and ``template_kwargs`` (chat_template_kwargs) are template variables, as in transformers."""
+    ``tools`` and ``template_kwargs`` (chat_template_kwargs) are template variables, as in transformers.
+    ``max_chars``: a rendered text longer than this is a 400 before it is tokenized (the caller has capped the
+    template's input already; this bounds what a template makes of it)."""
     extra: dict[str, Any] = {**(template_kwargs or {})}
     if tools is not None:
         extra["tools"] = tools
@@ -72,6 +75,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
         raise
     except Exception as e:  # templates raise on e.g. role order they do not accept
         raise errors.bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+    if isinstance(rendered, str) and max_chars is not None and len(rendered) > max_chars:
+        raise errors.bad_request(f"messages: the rendered conversation has {len(rendered)} characters, more than "
+                                 f"the {max_chars} that could fit the model's context", param="messages",
+                                 code="context_length_exceeded")
     if isinstance(rendered, str):
         # The template already places BOS and other special tokens.
         return encode_text(tokenizer, rendered, add_special_tokens=False)

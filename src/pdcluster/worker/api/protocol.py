@@ -10,6 +10,7 @@ never silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +32,9 @@ from pdcluster.worker.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024  # as logit_bias: a million ids was a 5 s loop stall in the vocabulary check
+MAX_MESSAGES = 4096
+MAX_GUIDED_CHOICES = 1024
 MAX_CHOICES = 128  # prompts x n of one request (OpenAI's bound on n)
 
 # Fields of the OpenAI / vLLM request bodies that would change the output and are not implemented yet, each
@@ -87,7 +91,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     n: int | None = 1
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -99,7 +103,7 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
     # pdcluster extensions
     return_token_ids: bool = False
     ignore_eos: bool = False
@@ -282,6 +286,23 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_chars(self) -> int:
+        """Characters this message puts into the template's input: its text, name and earlier calls."""
+        calls = len(json.dumps(self.tool_calls)) if self.tool_calls else 0
+        return len(self.text()) + len(self.name or "") + len(self.tool_call_id or "") + calls
+
+
+def template_input_chars(messages: list[ChatMessage], tools: list[Any] | None = None,
+                         kwargs: dict[str, Any] | None = None) -> int:
+    """Everything a chat template renders from, in characters: counted against the prompt cap *before* the
+    template runs (20 MB of tool descriptions were a 30-80 s render, then a prompt far over any context)."""
+    n = sum(m.template_chars() for m in messages)
+    if tools:
+        n += sum(len(t.model_dump_json()) for t in tools)
+    if kwargs:
+        n += len(json.dumps(kwargs))
+    return n
+
 
 # Template variables a request's chat_template_kwargs may not replace (the server sets them).
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -291,7 +312,7 @@ class ChatCompletionRequest(_SamplingFields):
     # tools reach the chat template (the model sees them); tool_choice named / "required" constrains the output
     # to a call (a grammar), "auto" parses calls out of free text (needs --tool-call-parser; api/tool_calls.py)
     implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "chat_template_kwargs"})
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: str | NamedToolChoice | None = None
 
@@ -354,30 +375,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def prompt_chars(self) -> int:
-        return sum(len(m.text()) for m in self.messages)
+        return template_input_chars(self.messages, self.tools, self.chat_template_kwargs)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    model: str | None = None
-    prompt: str | None = None
-    add_special_tokens: bool = True
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _one_of(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt and messages")
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)

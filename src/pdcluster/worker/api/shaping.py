@@ -56,8 +56,20 @@ def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str,
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top") or []} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": [_top_dict(e) for e in entries], "text_offset": offsets}
+
+
+def _top_dict(entry: dict[str, Any]) -> dict[str, float]:
+    """One token's top alternatives as the legacy shape's {text: logprob}. Two tokens can decode to the same
+    text (byte-level pieces of one character both read "\ufffd"): the key keeps the higher value, and the chosen
+    token's own text always maps to the chosen token's value (never a rival's that shares its text)."""
+    top: dict[str, float] = {}
+    for t in entry.get("top") or []:
+        if t["token"] not in top or t["logprob"] > top[t["token"]]:
+            top[t["token"]] = t["logprob"]
+    if entry["token"] in top:
+        top[entry["token"]] = entry["logprob"]
+    return top
 
 
 def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

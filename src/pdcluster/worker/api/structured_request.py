@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.api.json_shape import MAX_DEPTH, loads_bounded
 from pdcluster.worker.api.tool_calls import ToolPlan, forced_call_schema
 from pdcluster.worker.engine.sampling_params import MAX_STRUCTURED_SPEC
 
@@ -137,10 +138,11 @@ def check_tool_call_messages(calls: list[dict[str, Any]] | None) -> list[dict[st
             raise ValueError("each tool_calls item needs function.name (a string)")
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise ValueError(f"tool call {fn['name'][:64]!r}: function.arguments is not valid JSON") from None
+            try:  # bounded: the string could hold JSON nested thousands deep (RecursionError otherwise)
+                args = loads_bounded(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"tool call {fn['name'][:64]!r}: function.arguments is not valid JSON "
+                                 f"({str(e)[:120]})") from None
         if not isinstance(args, dict):
             raise ValueError(f"tool call {fn['name'][:64]!r}: function.arguments must be a JSON object")
         out.append({**call, "function": {**fn, "arguments": args}})
@@ -172,10 +174,10 @@ def structured_of(response_format: ResponseFormat | None, guided_json: str | dic
     if found and len(found[0][2]) > MAX_STRUCTURED_SPEC:
         raise field_error(found[0][0], f"longer than {MAX_STRUCTURED_SPEC} characters")
     if found and found[0][1] == "json_schema":
-        try:
-            schema = json.loads(found[0][2])
-        except json.JSONDecodeError as e:
-            raise field_error(found[0][0], f"not valid JSON ({e})") from None
+        try:  # bounded like a body: a schema string nested 3,000 deep must not reach RecursionError
+            schema = loads_bounded(found[0][2], MAX_DEPTH)
+        except ValueError as e:
+            raise field_error(found[0][0], f"not a usable JSON schema ({str(e)[:200]})") from None
         if not isinstance(schema, dict):
             raise field_error(found[0][0], "must be a JSON schema (an object)")
     return found[0] if found else None

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pdcluster.worker.api.json_shape import loads_bounded
+
 ToolMode = Literal["named", "required", "auto"]
 PARSERS = ("hermes",)  # --tool-call-parser choices
 _START, _END = "<tool_call>", "</tool_call>"
@@ -28,6 +30,9 @@ _START, _END = "<tool_call>", "</tool_call>"
 # matched once the arguments' first character is there (text arrives a token at a time)
 _REQUIRED_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 EMPTY_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
+# Generated JSON read back as a call nests at most this deep; deeper is text (json.loads would recurse until
+# RecursionError on a model that writes 1,400 `[`, and the whole response would be a 500).
+MAX_OUTPUT_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,8 @@ class ToolCallStream:
         if self._name is None:  # cut before the name was complete: nothing to call, say what was written
             return [("content", self._emitted)] if self._emitted else []
         try:
-            whole = isinstance(json.loads(self._emitted), dict)
-        except json.JSONDecodeError:
+            whole = isinstance(loads_bounded(self._emitted, MAX_OUTPUT_DEPTH), dict)
+        except ValueError:  # not JSON, or deeper than any call's arguments can be
             whole = False
         rest = self._buf.rstrip()
         if whole and rest.endswith("}"):
@@ -222,8 +227,8 @@ def _partial_tag(buf: str) -> int:
 def _hermes_call(body: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a `<tool_call>` block's JSON, or None when it is not a call."""
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+        obj = loads_bounded(body, MAX_OUTPUT_DEPTH)
+    except ValueError:  # not JSON, or deeper than a call can be: the block is text
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None

@@ -190,8 +190,9 @@ class AsyncEngine:
     async def _compile(self, params: SamplingParams) -> None:
         """A structured-output grammar is compiled on a worker thread (cached), so neither the event loop nor
         the engine thread (every running request's next token) waits for it; the engine then finds it cached."""
-        if params.structured_kind:
-            await asyncio.to_thread(self.engine.compile_grammar, params)
+        if params.structured_kind:  # its own thread: plain requests' tokenizing never waits behind a compile
+            await asyncio.get_running_loop().run_in_executor(self.engine.grammar.executor, self.engine.compile_grammar,
+                                                             params)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the request's stream (if any) ends with finish_reason "abort"."""

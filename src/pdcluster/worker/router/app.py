@@ -24,11 +24,13 @@ from pdcluster import __version__
 from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.api_key import install as install_api_key
 from pdcluster.worker.api.body import MAX_BODY_BYTES, json_object
+from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.responses import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tool_calls import ToolPlan
 from pdcluster.worker.router.flow import Chunk, Flow, Tokenized
+from pdcluster.worker.router.front_door import credentials, sequences, use_api_key
 from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import admit, retry_after_seconds
 from pdcluster.worker.router.pool import Pool
@@ -96,7 +98,8 @@ class RouterState:
         """Every request needs a decode worker (prefill workers only help): without one, not ready."""
         return any(w.healthy for w in self.pool.pool("decode"))
 
-    def admit(self) -> None:
+    def admit(self, cost: int = 1) -> None:
+        """503 without workers, 429 when the queue has no room for `cost` more sequences (prompts x n)."""
         if not self.pool.any_healthy():
             self.metrics.rejected("not_ready")
             raise errors.unavailable("no healthy workers behind the router", code="no_workers")
@@ -106,7 +109,10 @@ class RouterState:
             self.metrics.rejected("not_ready")
             raise errors.unavailable("no healthy decode worker behind the router (down, restarting or draining)",
                                      code="no_decode_worker")
-        if not admit(self.waiting, self.max_queue_depth):
+        if self.max_queue_depth and cost > self.max_queue_depth:
+            raise errors.bad_request(f"the request stands for {cost} sequences (prompts x n); the router queues "
+                                     f"at most {self.max_queue_depth}", param="n", code="too_many_sequences")
+        if not admit(self.waiting + cost - 1, self.max_queue_depth):
             self.metrics.rejected("queue_full")
             raise errors.queue_full(retry_after_seconds(self.waiting, self.completion_rate()))
 
@@ -118,10 +124,10 @@ def _state(request: Request) -> RouterState:
 class Tracker:
     """TTFT/TPOT as the client sees them, plus the router's queue accounting, for one request."""
 
-    def __init__(self, st: RouterState, arrival: float) -> None:
-        self.st, self.arrival, self.last = st, arrival, arrival
+    def __init__(self, st: RouterState, arrival: float, cost: int = 1) -> None:
+        self.st, self.arrival, self.last, self.cost = st, arrival, arrival, cost
         self.first, self.tokens, self.finished = True, 0, False
-        st.waiting += 1
+        st.waiting += cost  # a fan-out waits as the sequences it stands for
         st.in_flight += 1
 
     def saw(self, c: Chunk) -> None:
@@ -131,7 +137,7 @@ class Tracker:
         now = time.monotonic()
         if self.first:
             self.first = False
-            self.st.waiting -= 1
+            self.st.waiting -= self.cost
             self.st.metrics.observe_ttft(now - self.arrival)
             if n > 1:
                 self.st.metrics.observe_tpot((now - self.last) / n)
@@ -146,7 +152,7 @@ class Tracker:
             return
         self.finished = True
         if self.first:
-            self.st.waiting -= 1
+            self.st.waiting -= self.cost
         self.st.in_flight -= 1
         self.st._done.append(time.monotonic())
 
@@ -191,20 +197,22 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     app.state.max_body_bytes = state.max_body_bytes  # read by api.body
     errors.install_error_handlers(app, on_error=lambda s: state.metrics.rejected("invalid") if s == 400 else None)
     install_api_key(app, api_key)
+    use_api_key(state.pool, state.flow, api_key)
     tracing.install(app)  # a span per POST when tracing is configured; the request's trace root
 
     async def handle(request: Request, kind: str) -> Response:
         st = _state(request)
         arrival = time.monotonic()
         body = await json_object(request)  # capped while reading; hostile JSON is a 400 here, not a 500 later
-        st.admit()
-        tracker = Tracker(st, arrival)
+        cost = sequences(body)
+        st.admit(cost)
+        tracker = Tracker(st, arrival, cost)
         if st.vllm is not None:  # admitted here; the rest is router/vllm_pd.py's
             return await st.vllm.respond(st, kind, body, tracker)  # type: ignore[no-any-return]
         span = tracing.span_of(request)  # its traceparent goes on every /internal/* call made for this request
         try:
-            try:
-                tok = await st.flow.tokenize(kind, body, span)
+            try:  # a compile queued on the worker for a client that left is cancelled there too
+                tok = await unless_client_leaves(request, st.flow.tokenize(kind, body, span))
             except UpstreamError as e:
                 raise _upstream(e) from None
             except NoCapacity:
@@ -239,7 +247,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         st = _state(request)
         for w in [w for w in st.pool.workers.values() if w.healthy]:
             with contextlib.suppress(Exception):
-                r = await st.public_client.get(f"{w.url}/v1/models")
+                r = await st.public_client.get(f"{w.url}/v1/models", headers=credentials(request))
                 if r.status_code == 200:
                     return JSONResponse(r.json())
         raise errors.unavailable("no healthy workers behind the router", code="no_workers")
@@ -249,9 +257,7 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
         st = _state(request)
         for w in [w for w in st.pool.workers.values() if w.healthy]:
             try:
-                # the client's own key goes along: workers behind a keyed router may require the same key
-                auth = {"Authorization": a} if (a := request.headers.get("authorization")) else {}
-                r = await st.public_client.request(method, f"{w.url}{path}", json=body, headers=auth)
+                r = await st.public_client.request(method, f"{w.url}{path}", json=body, headers=credentials(request))
             except httpx.HTTPError:
                 continue
             if r.status_code < 500:

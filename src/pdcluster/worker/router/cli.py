@@ -66,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     if not (args.decode or args.decode_service):
         print("pdcluster router: error: at least one --decode URL or --decode-service is required", file=sys.stderr)
         return 2
-    import uvicorn
-
     from pdcluster.worker.transfer.secret import SecretError
 
     try:
@@ -78,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger(__name__).info("router on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
                                      args.prefill or args.prefill_service, args.decode or args.decode_service)
-    from pdcluster.worker.api.http_limits import uvicorn_options
+    from pdcluster.worker.api.http_limits import serve
 
     # read timeouts and a connection limit: slow or idle clients cannot hold connections forever
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
-                **uvicorn_options())
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     return 0

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_di
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
 from pdcluster.worker.router.progress import Stages, Timeline
 from pdcluster.worker.router.quarantine import PairQuarantine
+from pdcluster.worker.router.tokenized import Chunk, Tokenized, tokenized_answer
 from pdcluster.worker.router.upstream import (
     NoCapacity,
     NoHealthyDecode,
@@ -35,45 +35,6 @@ from pdcluster.worker.router.upstream import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Tokenized:
-    prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams as a dict (the router never imports torch)
-    model: str
-    stream: bool = False
-    return_token_ids: bool = False
-    index: int = 0  # the choice this request produces (prompt i, sample j of n -> i * n + j)
-    echo: str = ""  # text before the choice's text (completions with echo)
-    n: int = 1
-    include_usage: bool = False
-    tools: dict[str, Any] | None = None  # how the chat output becomes tool calls (api/tool_calls.ToolPlan)
-    subs: list[Tokenized] = field(default_factory=list)  # every choice's request (itself when there is one)
-    trace: tracing.Span = tracing.NO_SPAN  # the request's span (api/tracing.py): parent of its phases and calls
-
-    def choices(self) -> list[Tokenized]:
-        return self.subs or [self]
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] | None = None  # one entry per token when asked for (see RequestOutput)
-
-
-def _tokenized(d: dict[str, Any]) -> Tokenized:
-    """A worker's /internal/tokenize answer; `subs` (one per choice) when the request fans out."""
-    tok = Tokenized(d["prompt_token_ids"], d["params"], d["model"], bool(d.get("stream", False)),
-                    bool(d.get("return_token_ids", False)), n=int(d.get("n", 1)),
-                    include_usage=bool(d.get("include_usage", False)), tools=d.get("tools"))
-    tok.subs = [Tokenized(s["prompt_token_ids"], s["params"], tok.model, tok.stream, tok.return_token_ids,
-                          index=int(s["index"]), echo=str(s.get("echo") or ""), n=tok.n)
-                for s in d.get("subs") or []]
-    return tok
 
 
 class Flow:
@@ -107,20 +68,31 @@ class Flow:
 
     # ------------------------------------------------------------------ tokenize
     async def tokenize(self, kind: str, body: dict[str, Any], trace: tracing.Span = tracing.NO_SPAN) -> Tokenized:
-        """Validation and tokenization happen on a worker (it owns the tokenizer and the model limits)."""
+        """Validation and tokenization happen on a worker (it owns the tokenizer and the model limits).
+
+        Only a worker that cannot be reached (connect error, timeout) is marked unhealthy. A 5xx *answer* is
+        this request failing there, not a dead worker: the next worker is tried (at most `max_retries` more)
+        without marking any, and the last answer goes to the client. One hostile body cannot empty the pool."""
         candidates = [w for w in self.pool.pool("decode") + self.pool.pool("prefill") if w.healthy]
         payload = {"kind": kind, "body": body, "tool_call_parser": self.tool_call_parser}
+        answered: UpstreamError | None = None
+        answers = 0
         for w in sorted(candidates, key=lambda w: w.in_flight):
             try:
                 r = await self.client.post(f"{w.url}/internal/tokenize", json=payload, headers=trace.headers)
             except httpx.TransportError as e:
-                self.pool.mark_failed(w.role, w.url, str(e))
+                self.pool.mark_failed(w.role, w.url, describe(e))
                 continue
             if r.status_code == 200:
-                return _tokenized(r.json())
+                return tokenized_answer(r.json())
             if r.status_code < 500:
                 raise await error_of(r)
-            self.pool.mark_failed(w.role, w.url, f"HTTP {r.status_code}")
+            answered, answers = await error_of(r), answers + 1
+            log.warning("tokenize on %s answered HTTP %d: %s", w.url, r.status_code, str(answered.body)[:200])
+            if answers > self.max_retries:
+                break
+        if answered is not None:
+            raise answered
         raise NoCapacity("no healthy worker to tokenize the request")
 
     # ------------------------------------------------------------------ the request
@@ -147,7 +119,9 @@ class Flow:
                                 first_output_index=int(params.get("first_output_index", 0)) + len(sent))
                     stream = self._direct(arid, prompt + sent, rest, excluded, tl)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
-                    stream = self._disaggregated(arid, prompt, params, excluded, tl)
+                    done_at_prefill = int(params["max_tokens"]) <= 1
+                    stream = (self._at_prefill(arid, prompt, params, excluded, tl) if done_at_prefill
+                              else self._disaggregated(arid, prompt, params, excluded, tl))
                 else:
                     stream = self._direct(arid, prompt, params, excluded, tl)
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
@@ -235,8 +209,8 @@ class Flow:
                 raise await error_of(r)
             if r.status_code == 503 and (await error_of(r)).body.get("error", {}).get("code") == "no_transfer":
                 no_transfer += 1
-            elif r.status_code >= 500 and r.status_code != 503:
-                self.pool.mark_failed("decode", w.url, f"reserve: HTTP {r.status_code}")
+            elif r.status_code >= 500:  # an answer: this reservation failed there, the worker is alive
+                log.warning("reserve on %s answered HTTP %d", w.url, r.status_code)
         if ranked and no_transfer == len(ranked):
             raise NoTransferPath()
         raise NoCapacity("no decode worker has free KV blocks")
@@ -268,6 +242,7 @@ class Flow:
             return
         self._routed(p, prompt, cached)
         completed = False  # the decode worker's stream reached its final chunk
+        at_prefill = False  # ... or the request ended at its first token: the reservation was never used
         transferred = False
         first: dict[str, Any] | None = None
         p.outstanding_prompt_tokens += len(prompt)
@@ -297,6 +272,7 @@ class Flow:
                             p.outstanding_prompt_tokens -= len(prompt)
                             stage.move("transfer")
                             completed = bool(ev.get("finished"))  # the request ended at its first token
+                            at_prefill = completed
                             yield Chunk([int(ev["token_id"])], str(ev.get("text") or ""), completed,
                                         ev.get("finish_reason"), ev.get("logprobs"))
                             if completed:
@@ -334,11 +310,39 @@ class Flow:
                 p.outstanding_prompt_tokens -= len(prompt)
             p.in_flight -= 1
             d.in_flight -= 1
-            if not completed:
-                # Failed, or the client left: release the reservation (or abort the decode) now. The decode
-                # worker may never have started its /internal/decode stream (a request cancelled in flight),
-                # and then nothing on its side would free the blocks before the reaper.
+            if not completed or at_prefill:
+                # Failed, the client left, or it ended at prefill (EOS or a stop as its first token): release
+                # the reservation (or abort the decode) now. The decode worker may never have started its
+                # /internal/decode stream, and then nothing on its side would free the blocks before the reaper.
                 self._detach(self._cancel(d, arid))
+
+    async def _at_prefill(self, arid: str, prompt: list[int], params: dict[str, Any], excluded: set[str],
+                          tl: Timeline) -> AsyncIterator[Chunk]:
+        """A request that ends at its first token (`max_tokens: 1`: scoring, classification, another stack's
+        prefill leg) leaves no KV worth moving: the prefill worker runs it whole on /internal/generate. No
+        reservation, no transfer racing the release of the prefill blocks, nothing for the decode side to wait
+        for."""
+        cached = self.pool.cached_tokens("prefill", prompt)
+        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
+        if pv is None:
+            async for c in self._direct(arid, prompt, params, excluded, tl):
+                yield c
+            return
+        p = self.pool.get("prefill", pv.url)
+        self._routed(p, prompt, cached)
+        p.outstanding_prompt_tokens += len(prompt)
+        p.in_flight += 1
+        body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}
+        try:
+            with self.stages.enter("prefill"):
+                tl.mark("dispatched", "router_queue", tl.arrival)
+                async for c in self._decode_stream(p, "/internal/generate", body, tl.trace.headers, role="prefill"):
+                    if c.token_ids:
+                        tl.mark("first_token")
+                    yield c
+        finally:
+            p.in_flight -= 1
+            p.outstanding_prompt_tokens -= len(prompt)
 
     # ------------------------------------------------------------------ one attempt, decode worker only
     async def _direct(self, arid: str, prompt: list[int], params: dict[str, Any],
@@ -372,7 +376,7 @@ class Flow:
         raise NoCapacity("every decode worker is full")
 
     async def _decode_stream(self, w: Worker, path: str, body: dict[str, Any],
-                             headers: Any = None) -> AsyncIterator[Chunk]:
+                             headers: Any = None, role: str = "decode") -> AsyncIterator[Chunk]:
         try:
             async with self.client.stream("POST", f"{w.url}{path}", json=body, headers=headers) as resp:
                 if resp.status_code != 200:
@@ -380,20 +384,24 @@ class Flow:
                     if resp.status_code in (429, 503):
                         raise NoCapacity(str(err))
                     if resp.status_code == 409:  # reservation expired: redo the whole pair
-                        raise WorkerFailed("decode", w.url, "reservation expired")
+                        raise WorkerFailed(role, w.url, "reservation expired")
                     if resp.status_code < 500:
                         raise err
-                    raise WorkerFailed("decode", w.url, f"HTTP {resp.status_code}")
-                async for ev in read_lines(resp, "decode", w.url):
+                    raise WorkerFailed(role, w.url, f"HTTP {resp.status_code}")
+                async for ev in read_lines(resp, role, w.url):
+                    status = ev.get("status")
+                    if isinstance(status, int) and 400 <= status < 500:  # the request's fault: not retried
+                        raise UpstreamError(status, {"error": {"message": str(ev.get("error")),
+                                                               "type": "invalid_request_error", "code": None}})
                     if ev.get("finish_reason") == "error" or (ev.get("error") and ev.get("finished")):
-                        raise WorkerFailed("decode", w.url, str(ev.get("error")))
+                        raise WorkerFailed(role, w.url, str(ev.get("error")))
                     if ev.get("finish_reason") == "abort":
-                        raise WorkerFailed("decode", w.url, "request aborted by the worker")
+                        raise WorkerFailed(role, w.url, "request aborted by the worker")
                     yield Chunk(list(ev.get("token_ids") or []), ev.get("text") or "", bool(ev.get("finished")),
                                 ev.get("finish_reason"), ev.get("logprobs"))
                     if ev.get("finished"):
                         return
         except httpx.TransportError as e:
-            self.pool.mark_failed("decode", w.url, describe(e))
-            raise WorkerFailed("decode", w.url, describe(e)) from e
-        raise WorkerFailed("decode", w.url, "stream ended without a final chunk")
+            self.pool.mark_failed(role, w.url, describe(e))
+            raise WorkerFailed(role, w.url, describe(e)) from e
+        raise WorkerFailed(role, w.url, "stream ended without a final chunk")

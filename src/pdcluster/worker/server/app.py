@@ -25,17 +25,14 @@ from fastapi.responses import JSONResponse
 from pdcluster import __version__
 from pdcluster.worker.api import errors, limits, tracing
 from pdcluster.worker.api.body import BODY_TIMEOUT_S, MAX_BODY_BYTES, parse_body
+from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.prompting import encode_text, render_chat
-from pdcluster.worker.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.api.responses import ModelCard, ModelList
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
+from pdcluster.worker.api.tokenize_request import DetokenizeRequest, TokenizeRequest
 from pdcluster.worker.engine.outputs import RequestOutput
 from pdcluster.worker.server.lifecycle import EngineLike, WorkerServer, find_attr
 from pdcluster.worker.transfer.secret import check_internal_auth
@@ -141,14 +138,6 @@ def _worker(request: Request) -> WorkerServer:
     return request.app.state.worker  # type: ignore[no-any-return]
 
 
-async def _until_disconnected(request: Request) -> None:
-    # After the body is read, the next ASGI message is http.disconnect when the client leaves.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]
                    ) -> list[tuple[int, RequestOutput]]:
     """Gather a non-streaming result, aborting the request if the client disconnects meanwhile."""
@@ -157,33 +146,25 @@ async def _collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOu
         async with contextlib.aclosing(outputs) as outs:  # type: ignore[type-var]
             return [o async for o in outs]
 
-    work = asyncio.ensure_future(gather())
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()  # closes `outputs`, whose cleanup aborts the engine request
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        raise errors.APIError(499, "client disconnected", code="client_closed")
-    return work.result()
+    return await unless_client_leaves(request, gather())  # cancelling closes `outputs`: the engine aborts
 
 
 def _check_final(out: RequestOutput | None) -> None:
     if out is None or not out.finished:
         raise errors.APIError(500, "the engine ended the request without a final output", code="engine_error")
     if out.finish_reason == "error":
-        raise errors.APIError(500, f"generation failed: {out.error or 'unknown error'}", code="engine_error")
+        raise errors.engine_failure(out.error)
     if out.finish_reason == "abort":
         raise errors.APIError(503, "the request was aborted by the worker", code="aborted")
 
 
-async def _visible(outputs: AsyncIterator[RequestOutput], want_ids: bool) -> AsyncIterator[RequestOutput]:
-    """The outputs worth a stream chunk; a failed or aborted end raises (it becomes an error event)."""
+async def _visible(outputs: AsyncIterator[RequestOutput], want_ids: bool, counted: list[int] | None = None
+                   ) -> AsyncIterator[RequestOutput]:
+    """The outputs worth a stream chunk; a failed or aborted end raises (it becomes an error event). `counted`
+    adds up every output's tokens, shown or not (usage counts tokens, not chunks)."""
     async for out in outputs:
+        if counted is not None:
+            counted[0] += len(out.new_token_ids)
         if out.finished and out.finish_reason in ("error", "abort"):
             _check_final(out)
         if out.new_text or out.finished or (want_ids and out.new_token_ids):
@@ -233,8 +214,10 @@ def _openai_routes() -> APIRouter:
         req = await parse_body(request, TokenizeRequest)
         w.check_model(req.model)
         if req.messages is not None:
+            limits.check_prompt_chars(req.prompt_chars(), w.limits, "messages")  # before the template runs
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await asyncio.to_thread(render_chat, w.tokenizer, msgs, req.add_generation_prompt)
+            ids = await asyncio.to_thread(render_chat, w.tokenizer, msgs, req.add_generation_prompt,
+                                          max_chars=limits.prompt_char_limit(w.limits))
         else:
             assert req.prompt is not None
             limits.check_prompt_chars(len(req.prompt), w.limits, "prompt")
@@ -259,8 +242,8 @@ def _openai_routes() -> APIRouter:
         w = _worker(request)
         req = await parse_body(request, model)
         tools = req.tool_plan(request.app.state.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
-        subs = await w.prepare_all(req)
-        w.admit()
+        subs = await unless_client_leaves(request, w.prepare_all(req))
+        w.admit(len(subs))  # each sequence takes its place in the queue
         n_prompt = sum(len(s.prompt_ids) for s in subs if s.index % req.num_choices() == 0)
         shape = Shaper("chat" if model is ChatCompletionRequest else "completions", w.served_model_name, n_prompt,
                        req.return_token_ids, include_usage=req.include_usage(),
@@ -270,7 +253,8 @@ def _openai_routes() -> APIRouter:
         want = req.return_token_ids or shape.logprobs
 
         if req.stream:
-            merged = merge([_visible(o, want) for o in streams])
+            counted = [0]
+            merged = merge([_visible(o, want, counted) for o in streams])
 
             async def events() -> AsyncIterator[str]:
                 for opener in shape.opening(len(subs)):
@@ -278,14 +262,12 @@ def _openai_routes() -> APIRouter:
                 for s in subs:
                     if s.echo:
                         yield shape.chunk(s.echo, [], None, s.index)
-                total = 0
                 async for i, out in merged:
-                    total += len(out.new_token_ids)
                     piece = shape.chunk(out.new_text, out.new_token_ids, out.finish_reason if out.finished else None,
                                         subs[i].index, out.logprobs)
                     if piece:  # a tool-call parser may hold text back
                         yield piece
-                for last in shape.usage_chunk(total):
+                for last in shape.usage_chunk(counted[0]):
                     yield last
 
             async def close_all() -> None:

@@ -177,7 +177,6 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda was given but no CUDA device is available")
     check_tensor_parallel(args, folder)
 
-    import uvicorn
 
     from pdcluster.worker.engine.async_engine import AsyncEngine
     from pdcluster.worker.engine.llm_engine import EngineConfig
@@ -228,10 +227,9 @@ def _run(args: argparse.Namespace) -> int:
 
     api_key.install(app, api_key.resolve(args.api_key))
     log.info("serving %s as %r (role=%s) on http://%s:%d", folder, name, args.role, args.host, args.port)
-    from pdcluster.worker.api.http_limits import uvicorn_options
+    from pdcluster.worker.api.http_limits import serve
 
     # read timeouts and a connection limit: slow or idle clients cannot hold connections forever
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30,
-                **uvicorn_options())
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
     return 0
 

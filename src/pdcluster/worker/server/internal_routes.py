@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api.body import json_object, validate
+from pdcluster.worker.api.client_gone import unless_client_leaves
 from pdcluster.worker.api.internal import (
     CancelBody,
     DecodeBody,
@@ -41,6 +42,7 @@ from pdcluster.worker.api.internal import (
 )
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.server import ucx_bind
 from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
@@ -56,6 +58,13 @@ M = TypeVar("M", bound=BaseModel)
 
 def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj) + "\n").encode()
+
+
+def _out_line(out: Any, ids: list[int], text: str, lps: Any) -> bytes:
+    """An output as a stream line; a failure carries the status the router passes on (400: the request's fault)."""
+    status = errors.engine_failure(out.error).status if out.finish_reason == "error" else None
+    return _line({"token_ids": ids, "text": text, "finished": out.finished, "logprobs": lps,
+                  "finish_reason": out.finish_reason, "error": out.error, "status": status})
 
 
 class Disaggregation:
@@ -74,6 +83,7 @@ class Disaggregation:
         self.connector: TCPConnector | None = None  # or its subclass NixlConnector (transfer/backend.py)
         self.backend = "none"
         if secret is not None:  # `auto`: nixl where it loads, else tcp, said in one log line
+            ucx_bind.bind_to_host(listen_host)  # before any NIXL agent exists: UCX listens where the worker does
             eng = getattr(engine, "engine", None)  # destination: float layers land in the blocks; pools: NIXL's
             self.connector, choice = transfer_backend.build(
                 options, secret, importer=self._import, destination=getattr(eng, "import_views", None),
@@ -178,11 +188,11 @@ class Disaggregation:
             # The same capped parser and strict validation as the public routes (api.body, api.internal).
             return validate(model, await json_object(request))
 
-        def checked(w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody) -> tuple[list[int], SamplingParams]:
-            """What the router sends is held to the public path's limits: bad data never reaches the engine."""
+        async def checked(request: Request, w: WorkerServer, run: ReserveBody | PrefillBody | GenerateBody
+                          ) -> tuple[list[int], SamplingParams]:
+            """What the router sends is held to the public path's limits (WorkerServer.check_routed)."""
             ids, params = run.prompt_token_ids, run.params.to_sampling_params()
-            w.check_prompt(ids, params.max_tokens)
-            w.check_request(ids, params)
+            await unless_client_leaves(request, w.check_routed(ids, params))
             return ids, params
 
         @r.get("/load")
@@ -196,7 +206,7 @@ class Disaggregation:
             req: CompletionRequest | ChatCompletionRequest = (
                 validate(ChatCompletionRequest, data.body) if data.kind == "chat" else validate(CompletionRequest, data.body))
             tools = req.tool_plan(data.tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
-            subs = await w.prepare_all(req)  # the public routes' checks, once
+            subs = await unless_client_leaves(request, w.prepare_all(req))  # the public routes' checks, once
             return JSONResponse({"prompt_token_ids": subs[0].prompt_ids, "params": dataclasses.asdict(subs[0].params),
                                  "model": w.served_model_name, "stream": req.stream,
                                  "return_token_ids": req.return_token_ids, "n": req.num_choices(),
@@ -208,7 +218,7 @@ class Disaggregation:
         @r.post("/reserve")
         async def reserve(request: Request) -> JSONResponse:
             w, data = worker(request), await body(request, ReserveBody)
-            ids, params = checked(w, data)
+            ids, params = await checked(request, w, data)
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer listener", code="no_transfer")
             w.admit()
@@ -240,7 +250,7 @@ class Disaggregation:
         @r.post("/prefill")
         async def prefill(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, PrefillBody)
-            ids, params = checked(w, data)  # a bad request is a 400 here, not a broken stream later
+            ids, params = await checked(request, w, data)  # a bad request is a 400 here, not a broken stream later
             if me.connector is None:
                 raise errors.unavailable("this worker has no KV transfer path", code="no_transfer")
             me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
@@ -260,7 +270,7 @@ class Disaggregation:
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
             w, data = worker(request), await body(request, GenerateBody)
-            ids, params = checked(w, data)
+            ids, params = await checked(request, w, data)
             w.admit()
             rid = data.request_id
             return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
@@ -371,8 +381,7 @@ class Disaggregation:
                         tracing.observed(w.metrics, span).request_finished(out.finish_reason, out.prompt_tokens,
                                                                            out.completion_tokens)
                     if ids or text or finished:
-                        yield _line({"token_ids": ids, "text": text, "finished": finished, "logprobs": lps,
-                                     "finish_reason": out.finish_reason, "error": out.error})
+                        yield _out_line(out, ids, text, lps)
                     if finished:
                         return
             finally:
@@ -389,8 +398,6 @@ class Disaggregation:
             async with contextlib.aclosing(w.run(rid, ids, params, span=span)) as outs:
                 async for out in outs:
                     if out.new_token_ids or out.new_text or out.finished:
-                        yield _line({"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-                                     "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-                                     "error": out.error})
+                        yield _out_line(out, out.new_token_ids, out.new_text, out.logprobs)
         except errors.APIError as e:
             yield _line({"error": e.message, "finished": True, "finish_reason": "error", "status": e.status})

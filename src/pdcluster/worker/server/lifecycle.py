@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from pdcluster.worker.api import errors, tracing
 from pdcluster.worker.api import limits as request_limits
 from pdcluster.worker.api.fanout import Sub, expand
+from pdcluster.worker.api.grammar_jobs import JOBS, GrammarJobs
 from pdcluster.worker.api.limits import ModelLimits
 from pdcluster.worker.api.metrics import WorkerMetrics, engine_gauges
 from pdcluster.worker.api.prompting import encode_prompt, render_chat
@@ -124,6 +125,7 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Future[Any]] = set()  # detached aborts, kept alive until done
+        self.grammar_jobs: GrammarJobs = JOBS  # where structured-output grammars compile (api/grammar_jobs.py)
         metrics.bind_stats(self.engine_stats)
 
     # ------------------------------------------------------------------ state
@@ -159,8 +161,9 @@ class WorkerServer:
             )
 
     # ------------------------------------------------------------------ admission
-    def admit(self) -> None:
-        """Raise the right 503/429 before any work is queued; counts the rejection."""
+    def admit(self, cost: int = 1) -> None:
+        """Raise the right 503/429 before any work is queued; counts the rejection. `cost`: the engine
+        sequences the request stands for (prompts x n), each of which takes a place in the queue."""
         if self.draining:
             self.metrics.rejected("draining")
             raise errors.unavailable("worker is draining and accepts no new requests", code="draining")
@@ -168,7 +171,10 @@ class WorkerServer:
         if not self.ready or fault:
             self.metrics.rejected("not_ready")
             raise errors.unavailable(f"worker failed: {fault}" if fault else "worker is not ready yet")
-        if self.max_queue_depth is not None and self._waiting() >= self.max_queue_depth:
+        if self.max_queue_depth is not None and cost > self.max_queue_depth:
+            raise errors.bad_request(f"the request stands for {cost} sequences (prompts x n); this worker queues "
+                                     f"at most {self.max_queue_depth}", param="n", code="too_many_sequences")
+        if self.max_queue_depth is not None and self._waiting() + cost > self.max_queue_depth:
             self.metrics.rejected("queue_full")
             raise errors.queue_full()
 
@@ -188,9 +194,12 @@ class WorkerServer:
         tokenized, and tokenized on a thread: a long prompt must not stall /health and every other stream."""
         self.check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
+            # messages, tools and template kwargs are counted before the template runs, its output before the
+            # tokenizer does
             request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "messages")
             ids = await asyncio.to_thread(render_chat, self.tokenizer, req.template_messages(),
-                                          req.add_generation_prompt, **req.template_extras())
+                                          req.add_generation_prompt, **req.template_extras(),
+                                          max_chars=request_limits.prompt_char_limit(self.limits))
             max_tokens = req.requested_max_tokens()
         else:
             request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
@@ -199,8 +208,14 @@ class WorkerServer:
                    else list(prompt))
             max_tokens = req.max_tokens
         params = request_limits.checked_params(req, ids, max_tokens, self.limits, self.validate)
-        await request_limits.check_grammar(req, params, find_attr(self.engine, "compile_grammar"))
+        await self.check_grammar(req, params)
         return ids, params
+
+    async def check_grammar(self, req: CompletionRequest | ChatCompletionRequest | None,
+                            params: SamplingParams) -> None:
+        """The request's grammar compiles, on the grammar pool within its budget (a no-op without one). `req`
+        None: params that came over /internal/* (the router's tokenize already checked them elsewhere)."""
+        await request_limits.check_grammar(req, params, find_attr(self.engine, "compile_grammar"), self.grammar_jobs)
 
     async def prepare_all(self, req: CompletionRequest | ChatCompletionRequest) -> list[Sub]:
         """Every engine request an OpenAI request stands for (each prompt of a batch, times n), each checked
@@ -211,11 +226,12 @@ class WorkerServer:
         self.check_model(req.model)
         request_limits.check_prompt_chars(req.prompt_chars(), self.limits, "prompt")
         prompts = []
-        for prompt in req.prompts():
+        for i, prompt in enumerate(req.prompts()):
             ids = (await asyncio.to_thread(encode_prompt, self.tokenizer, prompt) if isinstance(prompt, str)
                    else list(prompt))
             params = request_limits.checked_params(req, ids, req.max_tokens, self.limits, self.validate)
-            await request_limits.check_grammar(req, params, find_attr(self.engine, "compile_grammar"))
+            if i == 0:  # one grammar for every prompt of the batch
+                await self.check_grammar(req, params)
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else self._decode(ids)
             prompts.append((ids, params, echo))
         return expand(prompts, req.num_choices())
@@ -227,6 +243,13 @@ class WorkerServer:
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """Validate token ids and length; return the max_tokens to use (see api.limits)."""
         return request_limits.check_prompt(prompt_ids, max_tokens, self.limits)
+
+    async def check_routed(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Work the router sends (/internal/*) held to the public path's limits, so bad data never reaches the
+        engine; its grammar compiles here (the grammar pool, its budget; cached for the engine)."""
+        self.check_prompt(prompt_ids, params.max_tokens)
+        self.check_request(prompt_ids, params)
+        await self.check_grammar(None, params)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Stop ids in the vocabulary, then the params' and the engine's own validation, as a 400."""
