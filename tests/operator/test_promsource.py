@@ -40,11 +40,14 @@ class Workload:
         self.t0 = time.time()
 
     def collect(self):
-        t = time.time() - self.t0
+        # Every sample carries the whole second its value was computed for, so Prometheus stores exact points
+        # of the line on a one-second grid whenever the scrape ran (two scrapes in one second store one point).
+        now = float(round(time.time()))
+        t = now - self.t0
         def counter(name, doc, samples):
             c = CounterMetricFamily(name, doc, labels=["pdcluster", "role", "worker"])
             for labels, value in samples:
-                c.add_metric(labels, value)
+                c.add_metric(labels, value, timestamp=now)
             return c
         yield counter("pdcluster_requests_total", "requests", [
             (["demo", "router", "r0"], RATE * t), (["other", "router", "r0"], 100 * t),
@@ -61,28 +64,29 @@ class Workload:
                                   labels=["pdcluster", "role", "worker"])
         n = RATE * t
         h.add_metric(["demo", "router", "r0"], [(str(le), share * n) for le, share in TTFT] + [("+Inf", n)],
-                     sum_value=n)
+                     sum_value=n, timestamp=now)
         yield h
         j = HistogramMetricFamily("pdcluster_decode_join_seconds", "join", labels=["pdcluster", "role", "worker"])
         for w in ("d0", "d1"):  # each decode worker admits half the requests
-            j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2)
+            j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2,
+                         timestamp=now)
         yield j
         k = HistogramMetricFamily("pdcluster_kv_transfer_seconds", "kv", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):  # every request's KV is saved by its prefill worker; 2 % of them fail
-            k.add_metric(["demo", "prefill", w], [("+Inf", 0.98 * n / 2)], sum_value=0.01 * n)
+            k.add_metric(["demo", "prefill", w], [("+Inf", 0.98 * n / 2)], sum_value=0.01 * n, timestamp=now)
         yield k
         yield counter("pdcluster_kv_transfer_failures_total", "failed transfers", [
             (["demo", "prefill", "p0"], 0.01 * n), (["demo", "decode", "d0"], 0.01 * n)])
         g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):
-            g.add_metric(["demo", "prefill", w], 3)  # the prefill queue never empties: saturated
+            g.add_metric(["demo", "prefill", w], 3, timestamp=now)  # the prefill queue never empties: saturated
         for w in ("d0", "d1"):
-            g.add_metric(["demo", "decode", w], 0)
+            g.add_metric(["demo", "decode", w], 0, timestamp=now)
         yield g
-        yield from vllm_series(t)
+        yield from vllm_series(t, now)
 
 
-def vllm_series(t: float):
+def vllm_series(t: float, now: float):
     """PDCluster `vdemo` with `engine: vllm`: our router's series (in Workload's families), and vLLM's own from 2
     prefill + 2 decode workers (`pdcluster` and `role` as the PodMonitor relabels them from the pod labels). No router TTFT here:
     the quantile falls back to vLLM's histogram."""
@@ -94,18 +98,18 @@ def vllm_series(t: float):
             ("vllm:prefix_cache_hits", [(["vdemo", "prefill", w], HIT * n * IN / 2) for w in ("p0", "p1")])):
         c = CounterMetricFamily(name.removesuffix("_total"), name, labels=labels)
         for lv, v in samples:
-            c.add_metric(lv, v)
+            c.add_metric(lv, v, timestamp=now)
         yield c
     g = GaugeMetricFamily("vllm:num_requests_waiting", "queue", labels=labels)
     for w in ("p0", "p1"):
-        g.add_metric(["vdemo", "prefill", w], 0)
+        g.add_metric(["vdemo", "prefill", w], 0, timestamp=now)
     for w in ("d0", "d1"):
-        g.add_metric(["vdemo", "decode", w], 2)  # decode's queue never empties: saturated
+        g.add_metric(["vdemo", "decode", w], 2, timestamp=now)  # decode's queue never empties: saturated
     yield g
     h = HistogramMetricFamily("vllm:time_to_first_token_seconds", "ttft", labels=labels)
     for w in ("d0", "d1"):
         h.add_metric(["vdemo", "decode", w], [(str(le), share * n / 2) for le, share in TTFT] + [("+Inf", n / 2)],
-                     sum_value=n / 2)
+                     sum_value=n / 2, timestamp=now)
     yield h
 
 
@@ -150,25 +154,27 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 WINDOW = 6
 
 
-def _observe_when_ready(source: PrometheusSource, cluster: str = "demo") -> asc.Observation:
-    """Wait (bounded) until Prometheus holds a full window of samples: rate() divides the increase by
-    the whole window, so a window only partly covered by samples under-reports."""
-    deadline = time.monotonic() + 40
-    last: Exception | None = None
+def ready_at(source: PrometheusSource, cluster: str = "demo") -> float:
+    """A sample's time such that the window ending there also starts on a sample and holds one a second: rate()
+    then needs no extrapolation to the window's edges, which it does only partly when a scrape lies more than
+    about one interval from an edge (a loaded machine's late or missed scrape), and so under-reports. Observations
+    read at that instant."""
+    series = f'pdcluster_requests_total{{pdcluster="{cluster}",role="router"}}'
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        try:
-            # seconds of samples Prometheus holds for the exporter
-            covered = source.scalar("time() - min_over_time(timestamp(up)[1m:1s])")
-            if covered is None or covered < WINDOW + 2:
-                time.sleep(0.5)
-                continue
-            o = source.observe(cluster, window_seconds=WINDOW)
-            if o.prefill_tokens_per_instance and o.decode_tokens_per_instance and o.prefill_saturated:
-                return o
-        except MetricsUnavailable as e:
-            last = e
+        newest = source.scalar(f"max(timestamp({series}))")
+        for at in [] if newest is None else [newest - k for k in range(30)]:
+            start = source.scalar(f"max(timestamp({series}))", at - WINDOW)
+            n = source.scalar(f"max(count_over_time({series}[{WINDOW}s]))", at)
+            if start == at - WINDOW and n is not None and n >= WINDOW and \
+                    source.scalar(f"max(timestamp({series}))", at) == at:
+                return at
         time.sleep(0.5)
-    raise AssertionError(f"no usable observation from Prometheus: {last}")
+    raise AssertionError(f"Prometheus never held a {WINDOW} s window of one-second samples")
+
+
+def _observe_when_ready(source: PrometheusSource, cluster: str = "demo") -> asc.Observation:
+    return source.observe(cluster, window_seconds=WINDOW, at=ready_at(source, cluster))
 
 
 def test_observation_from_a_real_prometheus(prometheus: str) -> None:
@@ -200,8 +206,8 @@ def test_decision_learns_the_saturated_pool_from_prometheus(prometheus: str) -> 
 
 def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     source = PrometheusSource(prometheus)
-    _observe_when_ready(source)
-    o = source.observe("demo", window_seconds=WINDOW, percentile=0.95, burst_seconds=2)
+    at = ready_at(source)
+    o = source.observe("demo", window_seconds=WINDOW, percentile=0.95, burst_seconds=2, at=at)
     assert o.prefix_hit_rate == pytest.approx(HIT, rel=0.05)
     # p95 falls in the (1, 5] bucket, halfway through its 10%: Prometheus interpolates to 3 s
     assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)
@@ -209,7 +215,7 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.peak_request_rate == pytest.approx(RATE, rel=0.2)  # a steady rate: the peak is the mean
     assert o.decode_join_seconds == pytest.approx(JOIN, rel=0.02)  # rate of the sum over rate of the count
     # without the SLO guard or a burst window, those queries are not asked
-    o = source.observe("demo", window_seconds=WINDOW)
+    o = source.observe("demo", window_seconds=WINDOW, at=at)
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None
 
 
@@ -225,8 +231,8 @@ def test_missing_series_and_unreachable_server(prometheus: str) -> None:
 def test_vllm_workers_read_through_the_same_contract(prometheus: str) -> None:
     """engine vllm: the same Observation from vLLM's series (router series first, vLLM's per worker)."""
     source = PrometheusSource(prometheus)
-    _observe_when_ready(source)
-    o = source.observe("vdemo", window_seconds=WINDOW, percentile=0.95, engine="vllm")
+    at = ready_at(source, "vdemo")
+    o = source.observe("vdemo", window_seconds=WINDOW, percentile=0.95, engine="vllm", at=at)
     assert o.request_rate == pytest.approx(RATE, rel=0.1)
     assert o.mean_input_tokens == pytest.approx(IN, rel=0.05) and o.mean_output_tokens == pytest.approx(OUT, rel=0.05)
     assert o.prefill_tokens_per_instance == pytest.approx(RATE * IN / 2, rel=0.1)

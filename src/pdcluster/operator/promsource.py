@@ -118,10 +118,11 @@ class PrometheusSource:
                                                          status_forcelist=[502, 503, 504]))
         return self._client
 
-    def scalar(self, query: str) -> float | None:
-        """The value of a one-element instant vector; None when the vector is empty or NaN."""
+    def scalar(self, query: str, at: float | None = None) -> float | None:
+        """The value of a one-element instant vector (at Unix time `at`, else now); None when the vector is empty
+        or NaN."""
         try:
-            result = self._prom().custom_query(query=query)
+            result = self._prom().custom_query(query=query, params=None if at is None else {"time": at})
         except Exception as e:  # requests errors, PrometheusApiClientException, bad JSON
             detail = str(e)
             # requests nests the root cause at the end: "... (Caused by NameResolutionError(...))"
@@ -138,21 +139,29 @@ class PrometheusSource:
             return None
         return None if math.isnan(value) or math.isinf(value) else value
 
-    def _first(self, *queries: str) -> float | None:
+    def _first(self, *queries: str, at: float | None = None) -> float | None:
         for q in queries:
-            v = self.scalar(q)
+            v = self.scalar(q, at)
             if v is not None:
                 return v
         return None
 
     def observe(self, cluster: str, window_seconds: int, ready: dict[str, int] | None = None, *,
-                percentile: float | None = None, burst_seconds: int = 0, engine: str = "pdcluster") -> Observation:
+                percentile: float | None = None, burst_seconds: int = 0, engine: str = "pdcluster",
+                at: float | None = None) -> Observation:
+        # Every query of one observation reads the same instant: `at` (Unix time), else Prometheus's now.
+        def scalar(query: str) -> float | None:
+            return self.scalar(query, at)
+
+        def first(*queries: str) -> float | None:
+            return self._first(*queries, at=at)
+
         wk = SERIES[engine]  # the workers' names; the router's are ROUTER's
         w = f"{int(window_seconds)}s"
         step = f"{max(1, min(15, int(window_seconds) // 10))}s"
         router, prefill, decode = _sel(cluster, "router"), _sel(cluster, "prefill"), _sel(cluster, "decode")
         cl = _sel_cluster(cluster)  # every role: saves fail on prefill, loads on decode
-        rate = self._first(
+        rate = first(
             f"sum(rate({_series(ROUTER['requests'], router)}[{w}]))",
             f"sum(rate({_series(wk['requests'], decode)}[{w}]))",
         )
@@ -162,11 +171,11 @@ class PrometheusSource:
                 f"no {ROUTER['requests']} (router) or {wk['requests']} (decode) series for pdcluster={cluster!r} "
                 "in Prometheus",
             )
-        prompt_rate = self._first(
+        prompt_rate = first(
             f"sum(rate({_series(ROUTER['prompt_tokens'], router)}[{w}]))",
             f"sum(rate({_series(wk['prompt_tokens'], prefill)}[{w}]))",
         )
-        gen_rate = self._first(
+        gen_rate = first(
             f"sum(rate({_series(ROUTER['generation_tokens'], router)}[{w}]))",
             f"sum(rate({_series(wk['generation_tokens'], decode)}[{w}]))",
         )
@@ -179,8 +188,8 @@ class PrometheusSource:
         mean_out = gen_rate / rate if rate > 0 and gen_rate is not None else None
 
         def per_instance(counter: str, sel: str, role: str) -> float | None:
-            total = self.scalar(f"sum(rate({_series(counter, sel)}[{w}]))")
-            n = self.scalar(f"count({_series(wk['waiting'], sel)})")
+            total = scalar(f"sum(rate({_series(counter, sel)}[{w}]))")
+            n = scalar(f"count({_series(wk['waiting'], sel)})")
             if not n and ready:
                 n = ready.get(role)
             if total is None or not n:
@@ -188,17 +197,17 @@ class PrometheusSource:
             return total / n
 
         def queue_mean(sel: str) -> float | None:
-            return self.scalar(f"avg_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
+            return scalar(f"avg_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
 
         def queue_now(sel: str) -> float | None:
-            return self.scalar(f"sum(pdcluster_requests_waiting{sel})")
+            return scalar(f"sum(pdcluster_requests_waiting{sel})")
 
         def saturated(sel: str) -> bool:
-            v = self.scalar(f"min_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
+            v = scalar(f"min_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
             return bool(v is not None and v > 0)
 
-        prefix_hits = self.scalar(f"sum(rate({_series(wk['prefix_hit_tokens'], prefill)}[{w}]))")
-        prefill_prompts = self.scalar(f"sum(rate({_series(wk['prompt_tokens'], prefill)}[{w}]))")
+        prefix_hits = scalar(f"sum(rate({_series(wk['prefix_hit_tokens'], prefill)}[{w}]))")
+        prefill_prompts = scalar(f"sum(rate({_series(wk['prompt_tokens'], prefill)}[{w}]))")
         hit_rate = (min(1.0, prefix_hits / prefill_prompts)
                     if prefix_hits is not None and prefill_prompts else None)
         peak = None
@@ -207,7 +216,7 @@ class PrometheusSource:
             if peak is not None or not 0 < bs < window_seconds:
                 continue
             b, sub = f"{bs}s", f"{max(1, bs // 2)}s"
-            peak = self._first(
+            peak = first(
                 f"max_over_time(sum(rate({_series(ROUTER['requests'], router)}[{b}]))[{w}:{sub}])",
                 f"max_over_time(sum(rate({_series(wk['requests'], decode)}[{b}]))[{w}:{sub}])",
             )
@@ -215,17 +224,17 @@ class PrometheusSource:
         join = None
         if wk["join"] is not None:
             join_h, step_h = wk["join"], wk["tpot"]
-            join_sum = self.scalar(f"sum(rate({_series(f'{join_h}_sum', decode)}[{w}]))")
-            join_count = self.scalar(f"sum(rate({_series(f'{join_h}_count', decode)}[{w}]))")
-            step_sum = self.scalar(f"sum(rate({_series(f'{step_h}_sum', decode)}[{w}]))")
-            step_count = self.scalar(f"sum(rate({_series(f'{step_h}_count', decode)}[{w}]))")
+            join_sum = scalar(f"sum(rate({_series(f'{join_h}_sum', decode)}[{w}]))")
+            join_count = scalar(f"sum(rate({_series(f'{join_h}_count', decode)}[{w}]))")
+            step_sum = scalar(f"sum(rate({_series(f'{step_h}_sum', decode)}[{w}]))")
+            step_count = scalar(f"sum(rate({_series(f'{step_h}_count', decode)}[{w}]))")
             join = join_cost(join_sum / join_count if join_sum is not None and join_count else None,
                              step_sum / step_count if step_sum is not None and step_count else None)
 
         def quantile(kind: str) -> float | None:
             if percentile is None:
                 return None
-            return self._first(*(
+            return first(*(
                 f"histogram_quantile({percentile:g}, sum by (le) (rate({_series(f'{hist}_bucket', sel)}[{w}])))"
                 for hist, sel in ((ROUTER[kind], router), (wk[kind], decode)) if hist))
 
@@ -246,6 +255,6 @@ class PrometheusSource:
             decode_join_seconds=join,
             prefill_queue_now=queue_now(prefill),
             decode_queue_now=queue_now(decode),
-            kv_transfers_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_seconds_count{cl}[{w}]))"),
-            kv_transfer_failures_per_second=self.scalar(f"sum(rate(pdcluster_kv_transfer_failures_total{cl}[{w}]))"),
+            kv_transfers_per_second=scalar(f"sum(rate(pdcluster_kv_transfer_seconds_count{cl}[{w}]))"),
+            kv_transfer_failures_per_second=scalar(f"sum(rate(pdcluster_kv_transfer_failures_total{cl}[{w}]))"),
         )
