@@ -23,8 +23,7 @@ import pytest
 from ..netutil import free_block
 from .harness import AUTH, SECRET, metric
 
-MAX_NEW = 160
-# The decode-kill test: the tiny model's whole context (1,024 positions) less the prompt, so that the ~950
+# The decode-kill tests: the tiny model's whole context (1,024 positions) less the prompt, so that the ~950
 # decode steps still ahead at the client's third token dwarf the two signals that freeze the decode workers
 KILL_DECODE_NEW = 980
 
@@ -206,7 +205,7 @@ def test_only_decode_worker_killed_mid_stream_resumes_on_its_restart(tiny_model_
     up = Up(tiny_model_dir, port, decode=1)
     router = up.url(0)
     prompt = [(13 * i) % 900 + 5 for i in range(40)]
-    want = reference(tiny_model_dir, prompt, MAX_NEW)
+    want = reference(tiny_model_dir, prompt, KILL_DECODE_NEW)
     try:
         assert up.wait_line(r"^ready: ", 400), "".join(up.lines)
         pids = up.pids()
@@ -216,11 +215,15 @@ def test_only_decode_worker_killed_mid_stream_resumes_on_its_restart(tiny_model_
         async def kill_once(n: int) -> None:
             arrivals.append(time.monotonic())
             if n >= 3 and not killed:  # early: most of the tokens must still be ahead when it dies
+                # frozen first, so the router's accounting shows the stream still open on it when it dies
+                os.kill(pids["decode-0"], signal.SIGSTOP)
+                snap = httpx.get(f"{router}/cluster", timeout=30).json()
+                assert snap["decode"][0]["in_flight"] > 0, snap
                 os.kill(pids["decode-0"], signal.SIGKILL)
                 killed.append(time.monotonic())
 
         t0 = time.monotonic()
-        got, errs = asyncio.run(stream_tokens(router, prompt, MAX_NEW, kill_once))
+        got, errs = asyncio.run(stream_tokens(router, prompt, KILL_DECODE_NEW, kill_once))
         ended = time.monotonic()
         assert killed
         stall = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)) if got == want else ended - killed[0]
