@@ -12,11 +12,19 @@ Order is strictly FCFS by arrival: a request that cannot get blocks blocks those
 of big requests), swapped-out requests come back before new ones are admitted, and the victim of a
 preemption is always the latest arrival. New work is only admitted while a watermark of free blocks
 remains, so decoding sequences can grow into that reserve instead of preempting each other at once.
+
+FCFS is by client request, not by sequence: the sequences of one request (its ``n`` choices, its batched
+prompts: one ``Sequence.group``) take at most a fair share (half) of the batch's slots while another request
+is queued, so a plain request beside an ``n: 128`` one does not wait for all 128 to finish. Their queued
+siblings are passed over, FCFS holds among the rest, and when the batch is full and a request has nothing
+running, one sibling of the largest over-share group is preempted (recompute) to make it room. A group at or
+under its share is never passed over or preempted for fairness, so the big request keeps progressing.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,11 +111,12 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         copies: list[tuple[str, list[int], list[int]]] = []
+        self._make_fair_room()
         self._swap_in(copies)
-        if self.mixed and self.running and self.waiting and not self.swapped:
+        if self.mixed and self.running and self.waiting and not self._swap_pending():
             return self._schedule_mixed(copies)
         prefill_turn = not (self.last_was_prefill and self.running)
-        if prefill_turn and not self.swapped and self.waiting:
+        if prefill_turn and not self._swap_pending() and self.waiting:
             batch = self._schedule_prefill()
             if batch is not None:
                 batch.copies = copies
@@ -118,9 +127,48 @@ class Scheduler:
             return Batch([], [], False, copies) if copies else None
         return self._schedule_decode(copies)
 
+    # -- fairness between client requests (see the module docstring) ----------------------------------
+
+    @property
+    def fair_share(self) -> int:
+        return max(1, self.max_batch_size // 2)
+
+    def _queued_groups(self) -> Counter[str]:
+        return Counter(s.group for s in (*self.waiting, *self.swapped))
+
+    def _over_share(self, seq: Sequence, slots: Counter[str], queued: Counter[str]) -> bool:
+        """``seq``'s request already holds its share of slots while another request is queued."""
+        contested = len(queued) > (1 if seq.group in queued else 0)
+        return contested and slots[seq.group] >= self.fair_share
+
+    def _swap_pending(self) -> bool:
+        """A swapped sequence is owed its slot before new prefills: one its request's share still allows."""
+        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
+        return any(not self._over_share(s, slots, queued) for s in self.swapped)
+
+    def _make_fair_room(self) -> None:
+        """With every slot taken, preempt one sibling of the largest over-share request for each queued
+        request that has nothing running; without this a request with n >= max_batch_size would hold the
+        whole batch until its siblings finish (max_tokens steps). Recompute, not swap: a swapped sequence
+        is owed the next free slot, which is the slot being made."""
+        if len(self.running) < self.max_batch_size:
+            return
+        slots = Counter(s.group for s in self.running)
+        starved = {s.group for s in (*self.waiting, *self.swapped) if not slots[s.group]}
+        for _ in starved:
+            group, held = slots.most_common(1)[0]
+            if held <= self.fair_share:
+                return
+            victim = next(s for s in reversed(self.running) if s.group == group)  # its latest arrival
+            self._preempt(victim, [], mode="recompute")
+            slots[group] -= 1
+
     def _swap_in(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
-        while self.swapped and len(self.running) < self.max_batch_size:
-            seq = self.swapped[0]
+        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
+        while len(self.running) < self.max_batch_size:
+            seq = next((s for s in self.swapped if not self._over_share(s, slots, queued)), None)
+            if seq is None:
+                break
             # blocks for every computed token plus the one this step's decode will write
             need = self.bm.blocks_for(len(seq)) - len(seq.block_table)  # imported ones already hold blocks
             host_ids = seq.host_block_table
@@ -135,9 +183,12 @@ class Scheduler:
                 assert self.host is not None
                 self.host.free_blocks(host_ids)
             seq.block_table, seq.host_block_table = seq.block_table + dev_ids, []
-            self.swapped.pop(0)
+            self.swapped.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            slots[seq.group] += 1
+            queued[seq.group] -= 1
+            queued += Counter()  # drops groups with nothing left queued
 
     def _schedule_mixed(self, copies: list[tuple[str, list[int], list[int]]]) -> Batch:
         """Decode every running sequence, then fill what is left of the token budget with prefill chunks.
@@ -158,9 +209,12 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_batch_tokens if budget is None else budget
+        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(seqs) >= self.max_batch_size:
                 break
+            if not seq.block_table and self._over_share(seq, slots, queued):
+                continue  # fairness: a later request's sequence goes first (one part-way in keeps its place)
             prefix = self.bm.lookup_prefix(seq) if not seq.block_table else []
             start = len(prefix) * self.bm.block_size if prefix else seq.num_computed_tokens
             n = min(len(seq) - start, budget)
@@ -173,6 +227,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            slots[seq.group] += 1
         return Batch(seqs, counts, True) if seqs else None
 
     def _partial_prefill_blocks(self) -> int:
@@ -203,11 +258,12 @@ class Scheduler:
                 i += 1
         return Batch(scheduled, [1] * len(scheduled), False, copies)
 
-    def _preempt(self, seq: Sequence, copies: list[tuple[str, list[int], list[int]]]) -> None:
+    def _preempt(self, seq: Sequence, copies: list[tuple[str, list[int], list[int]]],
+                 mode: PreemptionMode | None = None) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        mode = self.preemption_mode
+        mode = mode or self.preemption_mode
         if mode == "auto":
             mode = self.choose_mode(seq) if self.choose_mode else "recompute"
         host_ids = None

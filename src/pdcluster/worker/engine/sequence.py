@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from enum import Enum, auto
 
 from pdcluster.worker.engine.outputs import FinishReason
@@ -20,6 +21,17 @@ class SequenceStatus(Enum):
 
 _arrival = itertools.count()
 
+# The API names a client request `<cmpl|chatcmpl>-<uuid hex>` (api/responses.new_id); its n choices and batched
+# prompts become `<that>-<index>`, and the router appends `-<attempt>`. The sequences sharing that head are one
+# client's fan-out, which the scheduler keeps to a fair share of the batch (scheduler.py).
+_API_REQUEST = re.compile(r"(?:chat)?cmpl-[0-9a-f]{32}")
+
+
+def request_group(request_id: str) -> str:
+    """The client request ``request_id`` belongs to: the API id it was derived from, else the id itself."""
+    m = _API_REQUEST.match(request_id)
+    return m.group(0) if m else request_id
+
 
 class Sequence:
     def __init__(
@@ -29,8 +41,10 @@ class Sequence:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.group = request_group(request_id) if group is None else group  # siblings share a fair share
         self.arrival = next(_arrival)  # FCFS order; survives preemption so the victim keeps its place
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -1,0 +1,157 @@
+"""Scheduler fairness between client requests (issue 38 row 7): one request's n sibling sequences keep to a fair
+share of the batch while another request is queued, so a plain request gets its first token within a step or
+two instead of after the whole fan-out; the fan-out still progresses and finishes every sequence."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from pdcluster.worker.engine.block_manager import BlockManager
+from pdcluster.worker.engine.sampling_params import SamplingParams
+from pdcluster.worker.engine.scheduler import Batch, Scheduler
+from pdcluster.worker.engine.sequence import Sequence, SequenceStatus, request_group
+
+MAX_TOKENS = 40
+
+
+def api_id(kind: str = "cmpl") -> str:
+    return f"{kind}-{uuid.uuid4().hex}"  # what the API names a client request (api/responses.new_id)
+
+
+def fan_out(rid: str, n: int) -> list[Sequence]:
+    """A request's n choices, named as the worker's API (and, with `-<attempt>`, the router) names them."""
+    return [Sequence(f"{rid}-{i}", [7, 8, 9, 10], SamplingParams(max_tokens=MAX_TOKENS)) for i in range(n)]
+
+
+def plain() -> Sequence:
+    return Sequence(api_id(), [1, 2, 3], SamplingParams(max_tokens=MAX_TOKENS))
+
+
+class Driver:
+    """Plays the engine's part after each forward: prefill chunks complete, every computed sequence gets one
+    token, a sequence with max_tokens outputs finishes. Records the step at which each got its first token."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s, self.steps = s, 0
+        self.first_token: dict[str, int] = {}
+        self.finished: list[Sequence] = []
+
+    def step(self) -> Batch | None:
+        batch = self.s.schedule()
+        self.steps += 1
+        if batch is None:
+            return None
+        decoding = batch.seqs[: batch.num_decode] if batch.is_prefill else batch.seqs
+        for seq in decoding:
+            seq.num_computed_tokens += 1
+            self._token(seq)
+        if batch.is_prefill:
+            for seq, n in zip(batch.seqs[batch.num_decode:], batch.num_new_tokens[batch.num_decode:], strict=True):
+                if self.s.finish_prefill_chunk(seq, n):
+                    self._token(seq)
+                    if not seq.is_finished:
+                        self.s.start_decoding(seq)
+        return batch
+
+    def _token(self, seq: Sequence) -> None:
+        seq.token_ids.append(5)
+        self.first_token.setdefault(seq.request_id, self.steps)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            self.s.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.finished.append(seq)
+
+
+def make(mixed: bool, **kw) -> Scheduler:
+    return Scheduler(BlockManager(2048, 8), BlockManager(256, 8), max_batch_size=16, mixed=mixed, **kw)
+
+
+def test_request_group_is_the_api_id_its_sequences_derive_from():
+    rid = api_id("chatcmpl")
+    assert request_group(f"{rid}-3") == rid  # the worker's n choices
+    assert request_group(f"{rid}-3-2") == rid  # the router's choice 3, attempt 2
+    assert request_group(rid) == rid
+    assert request_group("req-1") == "req-1"  # any other id is its own request
+    assert Sequence("x", [1], SamplingParams(), group="g").group == "g"
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_plain_request_beside_a_big_fan_out_gets_its_first_token_promptly(mixed):
+    s = make(mixed)
+    d = Driver(s)
+    big = fan_out(api_id(), 64)
+    for q in big:
+        s.add(q)
+    for _ in range(4):
+        d.step()
+    assert len(s.running) == 16 and all(q.group == big[0].group for q in s.running)  # alone, it fills the batch
+    p = plain()
+    s.add(p)
+    arrived = d.steps
+    while p.request_id not in d.first_token:
+        d.step()
+        assert d.steps - arrived <= 3, "the plain request waits behind the fan-out"
+    # Strict FCFS would have made it wait until a sibling finished: about MAX_TOKENS steps.
+    assert d.first_token[p.request_id] - arrived <= 3 < MAX_TOKENS
+    # the fan-out keeps running beside it, and every sibling still finishes with all its tokens
+    while s.has_work():
+        left = sum(not q.is_finished for q in big)
+        batch = d.step()
+        assert batch is not None  # and the plain request never costs the fan-out its share of a step
+        if batch.num_decode or not batch.is_prefill:  # a step that decodes (a prefill-only one may not)
+            assert sum(q.group == big[0].group for q in batch.seqs) >= min(left, s.fair_share)
+    assert sorted(q.request_id for q in d.finished) == sorted(q.request_id for q in [*big, p])
+    assert all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
+
+
+def test_two_fan_outs_converge_to_half_the_batch_each():
+    s = make(mixed=True)
+    d = Driver(s)
+    a, b = fan_out(api_id(), 32), fan_out(api_id(), 32)
+    for q in a:
+        s.add(q)
+    d.step()
+    for q in b:
+        s.add(q)
+    for _ in range(MAX_TOKENS + 4):  # a's first wave finishes; its later siblings no longer take b's share
+        d.step()
+    held = {g: sum(q.group == g for q in s.running) for g in (a[0].group, b[0].group)}
+    assert held == {a[0].group: 8, b[0].group: 8}
+
+
+def test_a_lone_fan_out_is_not_capped():
+    s = make(mixed=True)
+    d = Driver(s)
+    for q in fan_out(api_id(), 40):
+        s.add(q)
+    for _ in range(3):
+        d.step()
+    assert len(s.running) == 16 and s.num_preemptions == 0
+
+
+def test_imported_plain_request_overtakes_parked_siblings():
+    """Disaggregated decode: imported sequences beyond the batch wait in the swapped queue, in arrival order;
+    a plain request imported after a big fan-out still gets a slot at the next step."""
+    s = make(mixed=True)
+    d = Driver(s)
+
+    def imported(seq: Sequence) -> Sequence:
+        assert s.reserve_for_import(seq)
+        seq.num_computed_tokens = len(seq)
+        s.bm.commit(seq)
+        seq.token_ids.append(5)  # the first token came from the prefill worker
+        s.add_running(seq)
+        return seq
+
+    big = [imported(q) for q in fan_out(api_id(), 24)]
+    assert len(s.running) == 16 and len(s.swapped) == 8
+    d.step()
+    p = imported(plain())
+    assert p.status == SequenceStatus.SWAPPED
+    batch = d.step()
+    assert batch is not None and p in batch.seqs
+    while s.has_work():
+        d.step()
+    assert len(d.finished) == len(big) + 1 and all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
