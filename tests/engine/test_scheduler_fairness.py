@@ -13,6 +13,8 @@ from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.engine.scheduler import Batch, Scheduler
 from pdcluster.worker.engine.sequence import Sequence, SequenceStatus, request_group
 
+from .conftest import prompt_of
+
 MAX_TOKENS = 40
 
 
@@ -20,9 +22,9 @@ def api_id(kind: str = "cmpl") -> str:
     return f"{kind}-{uuid.uuid4().hex}"  # what the API names a client request (api/responses.new_id)
 
 
-def fan_out(rid: str, n: int) -> list[Sequence]:
+def fan_out(rid: str, n: int, prompt: list[int] | None = None) -> list[Sequence]:
     """A request's n choices, named as the worker's API (and, with `-<attempt>`, the router) names them."""
-    return [Sequence(f"{rid}-{i}", [7, 8, 9, 10], SamplingParams(max_tokens=MAX_TOKENS)) for i in range(n)]
+    return [Sequence(f"{rid}-{i}", prompt or [7, 8, 9, 10], SamplingParams(max_tokens=MAX_TOKENS)) for i in range(n)]
 
 
 def plain() -> Sequence:
@@ -155,3 +157,48 @@ def test_imported_plain_request_overtakes_parked_siblings():
     while s.has_work():
         d.step()
     assert len(d.finished) == len(big) + 1 and all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
+
+
+def test_engine_outputs_unchanged_when_fairness_preempts(make_engine):
+    """The real engine: a fan-out filling the batch gives a plain request a slot at once, by preempting a
+    sibling (recompute); every sequence still produces exactly the tokens it produces alone (greedy, seeded)."""
+    prompts = [prompt_of(n, seed=n) for n in (12, 7, 19, 9, 15, 11)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    for p in params:
+        expected = make_engine(block_size=8).generate(prompts, p)
+        engine = make_engine(block_size=8, max_batch_size=4)
+        rid = api_id()
+        ids = [f"{rid}-{i}" for i in range(len(prompts) - 1)]
+        for i, prompt in zip(ids, prompts, strict=False):
+            engine.add_request(i, prompt, p)
+        got: dict[str, list[int]] = {}
+        for _ in range(3):
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.stats()["requests_running"] == 4
+        lone = api_id()
+        engine.add_request(lone, prompts[-1], p)
+        for _ in range(2):  # the plain request's first token within two steps of its arrival
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert got.get(lone), "the plain request waits behind the fan-out"
+        assert engine.stats()["preemptions_total"] == 1
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert [got[i] for i in [*ids, lone]] == expected
+
+
+def test_long_prompts_of_a_fan_out_leave_prefill_budget_for_a_plain_request():
+    """A fan-out of long prompts takes at most half of a prefill step's tokens while another request waits
+    (beyond a prompt already part-way in), so the plain prompt is not queued behind share x prompt tokens."""
+    s = Scheduler(BlockManager(2048, 8), None, max_batch_size=16, max_batch_tokens=64, mixed=True)
+    d = Driver(s)
+    for q in fan_out(api_id(), 8, list(range(100, 140))):
+        s.add(q)
+    d.step()
+    p = plain()
+    s.add(p)
+    batch = d.step()
+    assert batch is not None and p in batch.seqs

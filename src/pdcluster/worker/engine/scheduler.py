@@ -14,8 +14,8 @@ preemption is always the latest arrival. New work is only admitted while a water
 remains, so decoding sequences can grow into that reserve instead of preempting each other at once.
 
 FCFS is by client request, not by sequence: the sequences of one request (its ``n`` choices, its batched
-prompts: one ``Sequence.group``) take at most a fair share (half) of the batch's slots while another request
-is queued, so a plain request beside an ``n: 128`` one does not wait for all 128 to finish. Their queued
+prompts: one ``Sequence.group``) take at most a fair share (half) of the batch's slots, and of a prefill
+step's tokens, while another request is queued, so a plain request beside an ``n: 128`` one does not wait for all 128 to finish. Their queued
 siblings are passed over, FCFS holds among the rest, and when the batch is full and a request has nothing
 running, one sibling of the largest over-share group is preempted (recompute) to make it room. A group at or
 under its share is never passed over or preempted for fairness, so the big request keeps progressing.
@@ -136,10 +136,13 @@ class Scheduler:
     def _queued_groups(self) -> Counter[str]:
         return Counter(s.group for s in (*self.waiting, *self.swapped))
 
+    @staticmethod
+    def _contested(group: str, queued: Counter[str]) -> bool:
+        return len(queued) > (1 if group in queued else 0)  # another request is queued
+
     def _over_share(self, seq: Sequence, slots: Counter[str], queued: Counter[str]) -> bool:
         """``seq``'s request already holds its share of slots while another request is queued."""
-        contested = len(queued) > (1 if seq.group in queued else 0)
-        return contested and slots[seq.group] >= self.fair_share
+        return self._contested(seq.group, queued) and slots[seq.group] >= self.fair_share
 
     def _swap_pending(self) -> bool:
         """A swapped sequence is owed its slot before new prefills: one its request's share still allows."""
@@ -210,11 +213,16 @@ class Scheduler:
         counts: list[int] = []
         budget = self.max_batch_tokens if budget is None else budget
         slots, queued = Counter(s.group for s in self.running), self._queued_groups()
+        tokens: Counter[str] = Counter()  # this step's prefill tokens per request
+        half = budget // 2
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(seqs) >= self.max_batch_size:
                 break
-            if not seq.block_table and self._over_share(seq, slots, queued):
-                continue  # fairness: a later request's sequence goes first (one part-way in keeps its place)
+            # Fairness: past its share of slots, or of this step's tokens (long prompts), a request's next
+            # sequence lets a later request's go first. One part-way through its prefill keeps its place.
+            if not seq.block_table and (self._over_share(seq, slots, queued)
+                                        or (tokens[seq.group] >= half and self._contested(seq.group, queued))):
+                continue
             prefix = self.bm.lookup_prefix(seq) if not seq.block_table else []
             start = len(prefix) * self.bm.block_size if prefix else seq.num_computed_tokens
             n = min(len(seq) - start, budget)
@@ -228,6 +236,7 @@ class Scheduler:
             counts.append(n)
             budget -= n
             slots[seq.group] += 1
+            tokens[seq.group] += n
         return Batch(seqs, counts, True) if seqs else None
 
     def _partial_prefill_blocks(self) -> int:
