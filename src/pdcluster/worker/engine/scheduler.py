@@ -15,10 +15,11 @@ remains, so decoding sequences can grow into that reserve instead of preempting 
 
 FCFS is by client request, not by sequence: the sequences of one request (its ``n`` choices, its batched
 prompts: one ``Sequence.group``) take at most a fair share (half) of the batch's slots, and of a prefill
-step's tokens, while another request is queued, so a plain request beside an ``n: 128`` one does not wait for all 128 to finish. Their queued
-siblings are passed over, FCFS holds among the rest, and when the batch is full and a request has nothing
-running, one sibling of the largest over-share group is preempted (recompute) to make it room. A group at or
-under its share is never passed over or preempted for fairness, so the big request keeps progressing.
+step's tokens, while another request is queued, so a plain request beside an ``n: 128`` one does not wait
+for all 128 to finish. Their queued siblings are passed over, FCFS holds among the rest, and when the batch
+is full and a request has nothing running, one sibling of the largest over-share group is preempted
+(recompute) to make it room. A group at or under its share is never passed over or preempted for fairness,
+so the big request keeps progressing; alone, it still fills the whole batch.
 """
 
 from __future__ import annotations
