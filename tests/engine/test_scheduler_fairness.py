@@ -66,7 +66,7 @@ class Driver:
             self.finished.append(seq)
 
 
-def make(mixed: bool, **kw) -> Scheduler:
+def make(mixed: bool = True, **kw) -> Scheduler:
     return Scheduler(BlockManager(2048, 8), BlockManager(256, 8), max_batch_size=16, mixed=mixed, **kw)
 
 
@@ -79,9 +79,9 @@ def test_request_group_is_the_api_id_its_sequences_derive_from():
     assert Sequence("x", [1], SamplingParams(), group="g").group == "g"
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_plain_request_beside_a_big_fan_out_gets_its_first_token_promptly(mixed):
-    s = make(mixed)
+@pytest.mark.parametrize(("mixed", "mode"), [(True, "recompute"), (False, "recompute"), (True, "swap")])
+def test_plain_request_beside_a_big_fan_out_gets_its_first_token_promptly(mixed, mode):
+    s = make(mixed, preemption_mode=mode)
     d = Driver(s)
     big = fan_out(api_id(), 64)
     for q in big:
@@ -97,13 +97,16 @@ def test_plain_request_beside_a_big_fan_out_gets_its_first_token_promptly(mixed)
         assert d.steps - arrived <= 3, "the plain request waits behind the fan-out"
     # Strict FCFS would have made it wait until a sibling finished: about MAX_TOKENS steps.
     assert d.first_token[p.request_id] - arrived <= 3 < MAX_TOKENS
+    assert s.num_preemptions == 1  # one sibling made room, the way the scheduler preempts for blocks
+    assert sum(q.status == SequenceStatus.SWAPPED for q in big) == (mode == "swap")
     # the fan-out keeps running beside it, and every sibling still finishes with all its tokens
     while s.has_work():
         left = sum(not q.is_finished for q in big)
         batch = d.step()
         assert batch is not None  # and the plain request never costs the fan-out its share of a step
         if batch.num_decode or not batch.is_prefill:  # a step that decodes (a prefill-only one may not)
-            assert sum(q.group == big[0].group for q in batch.seqs) >= min(left, s.fair_share)
+            assert sum(q.group == big[0].group for q in batch.seqs) >= min(left, 8)  # half: 2 requests
+            assert len(batch.seqs) >= min(16, left + (not p.is_finished))  # and no slot is left idle
     assert sorted(q.request_id for q in d.finished) == sorted(q.request_id for q in [*big, p])
     assert all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
 
@@ -121,6 +124,30 @@ def test_two_fan_outs_converge_to_half_the_batch_each():
         d.step()
     held = {g: sum(q.group == g for q in s.running) for g in (a[0].group, b[0].group)}
     assert held == {a[0].group: 8, b[0].group: 8}
+
+
+def test_plain_request_beside_two_fan_outs_still_gets_a_slot():
+    """The share is the batch split between the requests with work: two fan-outs holding 8 slots each are both
+    above a third of it, so a plain request does not wait for either to finish."""
+    s = make()
+    d = Driver(s)
+    a, b = fan_out(api_id(), 32), fan_out(api_id(), 32)
+    for q in a:
+        s.add(q)
+    d.step()
+    for q in b:
+        s.add(q)
+    for _ in range(MAX_TOKENS + 4):
+        d.step()
+    p = plain()
+    s.add(p)
+    arrived = d.steps
+    while p.request_id not in d.first_token:
+        d.step()
+        assert d.steps - arrived <= 2, "the plain request waits behind two fan-outs"
+    while s.has_work():
+        d.step()
+    assert len(d.finished) == 65 and all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
 
 
 def test_a_lone_fan_out_is_not_capped():
@@ -159,15 +186,16 @@ def test_imported_plain_request_overtakes_parked_siblings():
     assert len(d.finished) == len(big) + 1 and all(q.num_output_tokens == MAX_TOKENS for q in d.finished)
 
 
-def test_engine_outputs_unchanged_when_fairness_preempts(make_engine):
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_outputs_unchanged_when_fairness_preempts(make_engine, mode):
     """The real engine: a fan-out filling the batch gives a plain request a slot at once, by preempting a
-    sibling (recompute); every sequence still produces exactly the tokens it produces alone (greedy, seeded)."""
+    sibling; every sequence still produces exactly the tokens it produces alone (greedy, seeded)."""
     prompts = [prompt_of(n, seed=n) for n in (12, 7, 19, 9, 15, 11)]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
     for p in params:
         expected = make_engine(block_size=8).generate(prompts, p)
-        engine = make_engine(block_size=8, max_batch_size=4)
+        engine = make_engine(block_size=8, max_batch_size=4, preemption_mode=mode)
         rid = api_id()
         ids = [f"{rid}-{i}" for i in range(len(prompts) - 1)]
         for i, prompt in zip(ids, prompts, strict=False):
@@ -188,6 +216,8 @@ def test_engine_outputs_unchanged_when_fairness_preempts(make_engine):
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert [got[i] for i in [*ids, lone]] == expected
+    if mode == "swap":
+        assert engine.runner._host_cache is not None  # the sibling really went through host memory
 
 
 def test_long_prompts_of_a_fan_out_leave_prefill_budget_for_a_plain_request():

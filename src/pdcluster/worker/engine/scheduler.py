@@ -13,20 +13,21 @@ of big requests), swapped-out requests come back before new ones are admitted, a
 preemption is always the latest arrival. New work is only admitted while a watermark of free blocks
 remains, so decoding sequences can grow into that reserve instead of preempting each other at once.
 
-FCFS is by client request, not by sequence: the sequences of one request (its ``n`` choices, its batched
-prompts: one ``Sequence.group``) take at most a fair share (half) of the batch's slots, and of a prefill
-step's tokens, while another request is queued, so a plain request beside an ``n: 128`` one does not wait
-for all 128 to finish. Their queued siblings are passed over, FCFS holds among the rest, and when the batch
-is full and a request has nothing running, one sibling of the largest over-share group is preempted
-(recompute) to make it room. A group at or under its share is never passed over or preempted for fairness,
-so the big request keeps progressing; alone, it still fills the whole batch.
+FCFS is by client request, not by sequence. The sequences of one request (its ``n`` choices, its batched
+prompts: one ``Sequence.group``) have a fair share of the batch's slots, the batch split evenly between the
+requests with work, and half of a prefill step's tokens. While another request is queued, a request's
+sequences past its share wait until the others' have had their turn, then fill what room is left (FCFS
+within each pass); when the batch is full and a queued request has nothing running, the largest request
+above its share gives up its latest sequence (swapped or recomputed, as for blocks). So a plain request
+beside an ``n: 128`` one gets a slot within a step instead of after all 128; a request is never cut below
+its share, so the big one keeps progressing, and alone it still fills the whole batch.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,6 +73,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by arrival
         self.last_was_prefill = False
         self.num_preemptions = 0
+        self._fair_victims: list[Sequence] = []  # preempted for fairness in this step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -112,7 +114,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         copies: list[tuple[str, list[int], list[int]]] = []
-        self._make_fair_room()
+        self._make_fair_room(copies)
         self._swap_in(copies)
         if self.mixed and self.running and self.waiting and not self._swap_pending():
             return self._schedule_mixed(copies)
@@ -130,47 +132,49 @@ class Scheduler:
 
     # -- fairness between client requests (see the module docstring) ----------------------------------
 
-    @property
-    def fair_share(self) -> int:
-        return max(1, self.max_batch_size // 2)
-
-    def _queued_groups(self) -> Counter[str]:
-        return Counter(s.group for s in (*self.waiting, *self.swapped))
+    def _shares(self) -> tuple[Counter[str], Counter[str], int]:
+        """Running sequences per client request, queued ones per request, and the fair share of slots: the
+        batch split evenly between the requests that have work (at least one each)."""
+        slots = Counter(s.group for s in self.running)
+        queued = Counter(s.group for s in (*self.waiting, *self.swapped))
+        return slots, queued, max(1, self.max_batch_size // max(1, len(slots.keys() | queued.keys())))
 
     @staticmethod
     def _contested(group: str, queued: Counter[str]) -> bool:
         return len(queued) > (1 if group in queued else 0)  # another request is queued
 
-    def _over_share(self, seq: Sequence, slots: Counter[str], queued: Counter[str]) -> bool:
+    def _over_share(self, seq: Sequence, slots: Counter[str], queued: Counter[str], share: int) -> bool:
         """``seq``'s request already holds its share of slots while another request is queued."""
-        return self._contested(seq.group, queued) and slots[seq.group] >= self.fair_share
+        return slots[seq.group] >= share and self._contested(seq.group, queued)
 
     def _swap_pending(self) -> bool:
         """A swapped sequence is owed its slot before new prefills: one its request's share still allows."""
-        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
-        return any(not self._over_share(s, slots, queued) for s in self.swapped)
+        if not self.swapped:
+            return False
+        slots, queued, share = self._shares()
+        return any(not self._over_share(s, slots, queued, share) for s in self.swapped)
 
-    def _make_fair_room(self) -> None:
-        """With every slot taken, preempt one sibling of the largest over-share request for each queued
-        request that has nothing running; without this a request with n >= max_batch_size would hold the
-        whole batch until its siblings finish (max_tokens steps). Recompute, not swap: a swapped sequence
-        is owed the next free slot, which is the slot being made."""
+    def _make_fair_room(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
+        """With every slot taken, the largest request above its share gives up its latest sequence (swap or
+        recompute, as for blocks) for each queued request that has nothing running; without this, a request
+        with n >= max_batch_size would hold the whole batch until its siblings finish (max_tokens steps)."""
+        self._fair_victims = []
         if len(self.running) < self.max_batch_size:
             return
-        slots = Counter(s.group for s in self.running)
-        starved = {s.group for s in (*self.waiting, *self.swapped) if not slots[s.group]}
-        for _ in starved:
+        slots, queued, share = self._shares()
+        for _ in [g for g in queued if not slots[g]]:
             group, held = slots.most_common(1)[0]
-            if held <= self.fair_share:
+            if held <= share:
                 return
-            victim = next(s for s in reversed(self.running) if s.group == group)  # its latest arrival
-            self._preempt(victim, [], mode="recompute")
+            victim = next(s for s in reversed(self.running) if s.group == group)
+            self._preempt(victim, copies)
+            self._fair_victims.append(victim)  # not prefilled again in the step that evicted it
             slots[group] -= 1
 
     def _swap_in(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
-        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
+        slots, queued, share = self._shares()
         while len(self.running) < self.max_batch_size:
-            seq = next((s for s in self.swapped if not self._over_share(s, slots, queued)), None)
+            seq = next((s for s in self.swapped if not self._over_share(s, slots, queued, share)), None)
             if seq is None:
                 break
             # blocks for every computed token plus the one this step's decode will write
@@ -213,17 +217,26 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_batch_tokens if budget is None else budget
-        slots, queued = Counter(s.group for s in self.running), self._queued_groups()
+        slots, queued, share = self._shares()
         tokens: Counter[str] = Counter()  # this step's prefill tokens per request
         half = budget // 2
-        for seq in list(self.waiting):
+        deferred: list[Sequence] = []
+
+        def candidates() -> Iterator[Sequence]:
+            # Fairness: past its share of slots, or of this step's tokens (long prompts), a request's next
+            # sequence waits until the other requests' have had their turn, then fills what room is left.
+            # One part-way through its prefill keeps its place.
+            for seq in list(self.waiting):
+                if not seq.block_table and (self._over_share(seq, slots, queued, share) or
+                                            (tokens[seq.group] >= half and self._contested(seq.group, queued))):
+                    deferred.append(seq)
+                else:
+                    yield seq
+            yield from (s for s in deferred if s not in self._fair_victims)
+
+        for seq in candidates():
             if budget <= 0 or len(self.running) + len(seqs) >= self.max_batch_size:
                 break
-            # Fairness: past its share of slots, or of this step's tokens (long prompts), a request's next
-            # sequence lets a later request's go first. One part-way through its prefill keeps its place.
-            if not seq.block_table and (self._over_share(seq, slots, queued)
-                                        or (tokens[seq.group] >= half and self._contested(seq.group, queued))):
-                continue
             prefix = self.bm.lookup_prefix(seq) if not seq.block_table else []
             start = len(prefix) * self.bm.block_size if prefix else seq.num_computed_tokens
             n = min(len(seq) - start, budget)
