@@ -281,12 +281,11 @@ class Scheduler:
                 i += 1
         return Batch(scheduled, [1] * len(scheduled), False, copies)
 
-    def _preempt(self, seq: Sequence, copies: list[tuple[str, list[int], list[int]]],
-                 mode: PreemptionMode | None = None) -> None:
+    def _preempt(self, seq: Sequence, copies: list[tuple[str, list[int], list[int]]]) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        mode = mode or self.preemption_mode
+        mode = self.preemption_mode
         if mode == "auto":
             mode = self.choose_mode(seq) if self.choose_mode else "recompute"
         host_ids = None
