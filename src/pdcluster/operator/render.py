@@ -187,6 +187,16 @@ def _pod_security() -> dict[str, Any]:
     }
 
 
+def worker_resources(spec: models.PDClusterSpec, pool: models.PrefillPool | models.DecodePool,
+                     role: str) -> dict[str, Any]:
+    """A worker container's resources, either engine: the pool's, plus one GPU per rank (a CPU pool requests
+    none)."""
+    resources = _resources(pool.resources)
+    if gpus := spec.gpus_per_pod(role):
+        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    return resources
+
+
 def _resources(res: models.Resources) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if res.requests:
@@ -278,9 +288,7 @@ def _pdcluster_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, r
     if model_volume is not None:
         volumes.append(model_volume)
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    resources = _resources(pool.resources)
-    if gpus := spec.gpus_per_pod(role):  # one per rank; a CPU pool requests none
-        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    resources = worker_resources(spec, pool, role)
     container = {
         "name": "worker",
         "image": spec.pool_image(role),

@@ -24,7 +24,7 @@ from typing import Any
 from pdcluster.operator import render
 from pdcluster.operator.models import NIXL_SIDE_CHANNEL_PORT, WORKER_PORT, PDClusterSpec
 from pdcluster.operator.naming import Owner, selector_labels
-from pdcluster.operator.parallel import GPU_RESOURCE, shm_size_limit
+from pdcluster.operator.parallel import shm_size_limit
 from pdcluster.operator.podoptions import apply_pod_options
 
 # UCX's TCP transport listens on a random port of this range (UCX_TCP_PORT_RANGE): 100 ports, far more than
@@ -126,9 +126,7 @@ def render_worker_deployment(owner: Owner, spec: PDClusterSpec, role: str, repli
     if model_volume is not None:
         volumes.append(model_volume)
         mounts.append({"name": "model", "mountPath": render.MODEL_MOUNT, "readOnly": True})
-    resources = render._resources(pool.resources)
-    if gpus := spec.gpus_per_pod(role):
-        resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    resources = render.worker_resources(spec, pool, role)
     tp = pool.tensorParallelSize
     container = {
         "name": "worker",

@@ -215,6 +215,13 @@ class Flow:
             raise NoTransferPath()
         raise NoCapacity("no decode worker has free KV blocks")
 
+    def _pick_prefill(self, prompt: list[int], excluded: set[str]) -> tuple[Worker, dict[str, int]] | None:
+        """The prefill worker for this prompt (and what each worker is believed to cache of it), or None when no
+        prefill worker can take it: the caller then runs the request on a decode worker."""
+        cached = self.pool.cached_tokens("prefill", prompt)
+        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
+        return None if pv is None else (self.pool.get("prefill", pv.url), cached)
+
     def _detach(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -227,13 +234,12 @@ class Flow:
     async def _disaggregated(self, arid: str, prompt: list[int], params: dict[str, Any],
                              excluded: set[str], tl: Timeline | None = None) -> AsyncIterator[Chunk]:
         tl = tl or Timeline(time.monotonic())
-        cached = self.pool.cached_tokens("prefill", prompt)
-        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
-        if pv is None:
+        picked = self._pick_prefill(prompt, excluded)
+        if picked is None:
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
-        p = self.pool.get("prefill", pv.url)
+        p, cached = picked
         try:
             d, target = await self._reserve(arid, prompt, params, p.node, excluded, tl.trace.headers, p)
         except NoTransferPath:
@@ -322,13 +328,12 @@ class Flow:
         prefill leg) leaves no KV worth moving: the prefill worker runs it whole on /internal/generate. No
         reservation, no transfer racing the release of the prefill blocks, nothing for the decode side to wait
         for."""
-        cached = self.pool.cached_tokens("prefill", prompt)
-        pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
-        if pv is None:
+        picked = self._pick_prefill(prompt, excluded)
+        if picked is None:
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
-        p = self.pool.get("prefill", pv.url)
+        p, cached = picked
         self._routed(p, prompt, cached)
         p.outstanding_prompt_tokens += len(prompt)
         p.in_flight += 1
