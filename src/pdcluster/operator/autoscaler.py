@@ -296,8 +296,9 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
         target = current + rules.guard_step(current, *slo, wait=wait[0], wait_now=wait[1])
-        ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
-                     slo_breaches=ps.slo_breaches + 1)
+        cut = rules.capacity_cut(ps.capacity_scale, rules.warming_up(now, ps.last_change, view.since, current,
+                                                                      view.ready, policy.window_seconds))
+        ps = replace(ps, capacity_scale=cut, slo_breaches=ps.slo_breaches + 1)
     if target > current:
         reason = SLO_GUARD if guard_up and rec <= current else SCALE_UP
         return min(target, current + policy.max_up_step), reason, stalled, replace(ps, below_since=None,

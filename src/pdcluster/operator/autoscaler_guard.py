@@ -59,6 +59,26 @@ def wait(obs: Observation | None, role: str) -> tuple[float | None, float | None
             rules.queue_wait(queue_now(obs, role), obs.request_rate))
 
 
+def work(policy: Policy, obs: Observation | None, ps: PoolState, role: str) -> float | None:
+    """One request's instance-seconds in the pool at the capacity the formula uses (I'/C_p, O/C_d + t_join);
+    None when a length or the capacity is unknown."""
+    if obs is None:
+        return None
+    configured = policy.prefill_capacity if role == "prefill" else policy.decode_capacity
+    base = configured or ps.learned_capacity
+    if not base:
+        return None
+    if role == "prefill":
+        if obs.mean_input_tokens is None:
+            return None
+        hit = obs.prefix_hit_rate if policy.use_prefix_hits else None
+        return rules.prefill_tokens(obs.mean_input_tokens, hit) / (base * ps.capacity_scale)
+    if obs.mean_output_tokens is None:
+        return None
+    join = rules.join_seconds(obs.decode_join_seconds, "spec" if configured else "learned", policy.decode_join_seconds)
+    return obs.mean_output_tokens / (base * ps.capacity_scale) + join
+
+
 def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
           now: float) -> tuple[bool, PoolState]:
     """(does the guard grow this pool now, the pool state with its capacity correction faded or not).
@@ -79,7 +99,7 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
     latest = mean if instant is None else instant
     news = not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds) \
         or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)
-            and not rules.draining(latest, mean))
+            and not rules.backlog_clears(latest, rate, work(policy, obs, ps, role), view.ready, policy.window_seconds))
     fires = curable and rules.still_queued(instant) and news
     if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
         ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))
