@@ -14,8 +14,10 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
 - SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
   a real wait, and is still there at the window's end, grows it (by current·(target + wait)/target, at
   least one) even when the formula says enough, and cuts its capacity correction (which
-  fades while the SLO is met or the breach has no queue); once per window after the pool's last change,
-  sooner when the queue alone still waits longer than the target once the change is ready.
+  fades while the SLO is met or the breach has no queue) unless the pool changed within the window (a
+  backlog left from before the change says nothing of capacity); once per window after the pool's last
+  change, sooner when the queue alone still waits longer than the target once the change is ready and the
+  ready pool's spare instances would not work it off within a window.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
   size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
   the sliding window of that length, and not below the need of bursts that broke the SLO within

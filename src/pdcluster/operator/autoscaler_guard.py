@@ -89,7 +89,9 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
       after it).
     - The percentile covers the whole window, so a breach counts once the pool's last change has been
       observed for a window (sooner would count the same breach twice), unless the change is ready and
-      its queue alone still waits longer than the target and is not going down.
+      its queue alone still waits longer than the target and the ready pool, less what arrivals take,
+      cannot work it off within a window (`rules.backlog_clears`: pods ordered for a backlog that is gone
+      before they start only stay for a stabilization period).
     - An earlier correction fades while the SLO is met, or while the breach is not one a queue explains."""
     observed, target = targets(policy, obs)[role]
     broken = traffic and rules.breached(observed, target)

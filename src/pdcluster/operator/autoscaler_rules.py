@@ -9,6 +9,8 @@
 - `effective_headroom`: the headroom the load's observed variability calls for, the spec's as the ceiling.
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
 - `queue_wait`: the wait a pool's queue adds (Little's law).
+- `backlog_clears`: whether the ready pool works off its queue within a window (then the guard waits).
+- `capacity_cut`: the SLO correction after a guard step (none for a backlog left from before a change).
 - `guard_step`: how many replicas the SLO guard adds (in proportion to the part of the breach a queue explains).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
 - `join_cost`: t_join from the decode workers' admission time and step time (the step is O/C_d's).
@@ -143,18 +145,12 @@ def backlog_clears(queue_now: float | None, rate: float | None, work: float | No
     pool drains the queue before the guard looks again (a window), what it would order arrives after the
     breach is over and stays for a stabilization period (a shift to 6k-token prompts met by 1 prefill
     instance: 3 -> 7 -> 11 while the 7 just ready drained the queue in 25 s). Unknown: False (act)."""
-    vals = (queue_now, rate, work, horizon)
-    if any(v is None or not math.isfinite(v) for v in vals) or not rate or rate <= 0 or not work or work <= 0:
+    if queue_now is None or rate is None or work is None or horizon is None:
         return False
-    spare = ready - rate * work  # type: ignore[operator]
-    return spare > 0 and max(0.0, queue_now) * work <= spare * horizon  # type: ignore[operator]
-
-
-def draining(queue_now: float | None, queue_mean: float | None) -> bool:
-    """A queue below its window's mean is going down: the pods of the last change are working it off, and
-    more ordered now would start after it is gone (a shift to long outputs: decode 6 -> 10 for a backlog
-    the 6 drained in seconds)."""
-    return queue_now is not None and queue_mean is not None and queue_now < queue_mean
+    if not all(math.isfinite(v) for v in (queue_now, rate, work, horizon)) or rate <= 0 or work <= 0:
+        return False
+    spare = ready - rate * work
+    return spare > 0 and max(0.0, queue_now) * work <= spare * horizon
 
 
 def capacity_cut(scale: float, changed_within_window: bool) -> float:
