@@ -153,6 +153,7 @@ class PoolState:
     capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
     slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
     tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (for_layout)
+    ready_at: float | None = None  # when the last change was first seen ready (its capacity changed then)
 
     def for_layout(self, tp: int, now: float) -> PoolState:
         """This state if it was observed at TP `tp`, else a fresh one. All of it is in units of instances of
@@ -298,8 +299,7 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
         target = current + rules.guard_step(current, *slo, wait=wait[0], wait_now=wait[1])
-        cut = rules.capacity_cut(ps.capacity_scale, rules.warming_up(now, ps.last_change, view.since, current,
-                                                                      view.ready, policy.window_seconds))
+        cut = rules.capacity_cut(ps.capacity_scale, slo_guard.changed_within_window(policy, ps, view, now))
         ps = replace(ps, capacity_scale=cut, slo_breaches=ps.slo_breaches + 1)
     if target > current:
         reason = SLO_GUARD if guard_up and rec <= current else SCALE_UP
@@ -331,6 +331,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             tput = obs.prefill_tokens_per_instance if r == "prefill" else obs.decode_tokens_per_instance
             sat = obs.prefill_saturated if r == "prefill" else obs.decode_saturated
             pool_states[r] = _learn(policy, pool_states[r], views[r], tput, sat, now)
+        pool_states[r] = slo_guard.note_ready(pool_states[r], views[r], now)
         guard[r], pool_states[r] = slo_guard.guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate),
                                                    now)
         capacity[r], source[r] = _capacity(configured[r], pool_states[r])

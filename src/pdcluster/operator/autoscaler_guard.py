@@ -79,6 +79,26 @@ def work(policy: Policy, obs: Observation | None, ps: PoolState, role: str) -> f
     return obs.mean_output_tokens / (base * ps.capacity_scale) + join
 
 
+def note_ready(ps: PoolState, view: PoolView, now: float) -> PoolState:
+    """The state with `ready_at` set at the first decision that sees the pool's last change ready."""
+    if ps.last_change is None or view.ready < view.current:
+        return ps
+    if ps.ready_at is not None and ps.ready_at >= ps.last_change:
+        return ps
+    return replace(ps, ready_at=now)
+
+
+def changed_within_window(policy: Policy, ps: PoolState, view: PoolView, now: float) -> bool:
+    """Whether the pool's capacity changed within the window: its last change was ordered, or seen ready,
+    less than a window ago, or pods are still starting. A window that began before then mixes two pool
+    sizes: its percentile and queue describe the old one. With pods that start in less than a window the
+    order is what counts; with slower ones (minutes with weights to load) the pods arrive after the window
+    of the order is over, and their first window still holds the backlog they have just begun to drain."""
+    refs = [x for x in (ps.last_change, ps.ready_at) if x is not None]
+    ref = max(refs) if refs else None
+    return rules.warming_up(now, ref, view.since, view.current, view.ready, policy.window_seconds)
+
+
 def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
           now: float) -> tuple[bool, PoolState]:
     """(does the guard grow this pool now, the pool state with its capacity correction faded or not).
@@ -99,7 +119,7 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
     instant = queue_now(obs, role)
     curable = broken and rules.guard_applies(mean, rate, target)
     latest = mean if instant is None else instant
-    news = not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds) \
+    news = not changed_within_window(policy, ps, view, now) \
         or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)
             and not rules.backlog_clears(latest, rate, work(policy, obs, ps, role), view.ready, policy.window_seconds))
     fires = curable and rules.still_queued(instant) and news

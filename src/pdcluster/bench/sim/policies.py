@@ -98,7 +98,7 @@ def _shift_pool(ps, dt: float):
     def f(x: float | None) -> float | None:
         return None if x is None else x - dt
 
-    return replace(ps, below_since=f(ps.below_since), last_change=f(ps.last_change),
+    return replace(ps, below_since=f(ps.below_since), last_change=f(ps.last_change), ready_at=f(ps.ready_at),
                    recent_needs=tuple((t - dt, n) for t, n in ps.recent_needs),
                    recent_bursts=tuple((t - dt, n) for t, n in ps.recent_bursts))
 
