@@ -91,6 +91,7 @@ class RunResult:
     prefix_hit_tokens: int = 0
     flips: int = 0
     steps_by_cause: dict[str, int] = field(default_factory=dict)  # "role:cause" -> size changes (Core policies)
+    decision_log: list[dict] = field(default_factory=list)  # per-tick rows, when the policy keeps a log
 
 
 class Cluster:
@@ -355,6 +356,7 @@ class Cluster:
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
             prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips,
             steps_by_cause=dict(getattr(self.policy, "steps", {})),
+            decision_log=list(getattr(self.policy, "log", None) or []),
         )
 
 
