@@ -14,9 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
+from pdcluster.worker.router import aggregate as agg
+
 from .harness import AUTH, cluster, idle_everywhere
 
-PROMPT = 256  # tokens: one prefill step on the tiny model
+WARM = 256  # tokens of the request that has the prefill worker measure its speed
+PROMPT = 64  # the request placed by load
+BACKLOG = 352  # 5.5 x PROMPT: within the target alone, past it with PROMPT behind it
 PLACEMENTS = "pdcluster_router_placements_total"
 
 
@@ -74,24 +78,26 @@ class Freeze:
 def test_a_backlogged_prefill_worker_sends_the_next_long_prompt_to_decode(tiny_model_dir: Path) -> None:
     with cluster(tiny_model_dir, threshold=0) as c:
         prefill_engine = c.engines[0]
+        assert agg.LOCAL_BUDGET == 0.2  # the sizes below are chosen around it
         # 1. one long prompt through the pair: the prefill worker measures its prefill speed and reports it
-        warm = _completion(c.router, [3 + i % 200 for i in range(PROMPT)], 2)
+        warm = _completion(c.router, [3 + i % 200 for i in range(WARM)], 2)
         assert warm.status_code == 200, warm.text
         assert _series(c.router, "disaggregated", "prompt_length") == 1
         state = _wait_for(c.router, "the prefill worker's measured speed",
                           lambda s: s["prefill"][0]["prefill_tokens_per_s"] is not None)
         tps = state["prefill"][0]["prefill_tokens_per_s"]
-        # the target: one queued prompt meets it (PROMPT / tps = 0.67 x target), two do not (1.33 x target)
-        c.state.flow.ttft_slo = 1.5 * PROMPT / tps
+        # the target: BACKLOG alone meets it (0.92 x target), BACKLOG + PROMPT does not (1.08 x), and PROMPT on
+        # the decode worker takes 0.17 x target, within the share a decode worker lends (LOCAL_BUDGET, 0.2)
+        c.state.flow.ttft_slo = 6 * PROMPT / tps
         freeze = Freeze(prefill_engine)
         backlog: list[httpx.Response] = []
         try:
             # 2. a long prompt queued on the frozen prefill worker: the router counts its tokens there
             t = threading.Thread(target=lambda: backlog.append(
-                _completion(c.router, [7 + i % 150 for i in range(PROMPT)], 4)), daemon=True)
+                _completion(c.router, [7 + i % 150 for i in range(BACKLOG)], 4)), daemon=True)
             t.start()
             state = _wait_for(c.router, "the queued prompt at the prefill worker",
-                              lambda s: s["prefill"][0]["outstanding_prompt_tokens"] == PROMPT)
+                              lambda s: s["prefill"][0]["outstanding_prompt_tokens"] == BACKLOG)
             assert _series(c.router, "disaggregated", "prompt_length") == 2  # it was within the target
             assert not state["router"]["load_aggregation_engaged"]
             # 3. the next long prompt would wait behind it past the target: the decode worker prefills it
@@ -100,7 +106,7 @@ def test_a_backlogged_prefill_worker_sends_the_next_long_prompt_to_decode(tiny_m
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 6
             state = _cluster_state(c.router)
-            assert state["prefill"][0]["outstanding_prompt_tokens"] == PROMPT  # still frozen behind the first
+            assert state["prefill"][0]["outstanding_prompt_tokens"] == BACKLOG  # still frozen behind the first
             assert _series(c.router, "aggregated", "prefill_backlog") == 1
             assert state["router"]["load_aggregation_engaged"] is True
             assert state["router"]["prefill_wait_estimate_s"] > c.state.flow.ttft_slo

@@ -44,26 +44,36 @@ def test_a_prefill_pool_that_keeps_up_gets_the_prompt() -> None:
 
 def test_a_backlog_goes_to_the_first_decode_worker_with_slack() -> None:
     cands = [slack("full", running=16), slack("queued", waiting=1), slack("ok"), slack("also")]
-    p = decide(1000, SLOW, cands, SLO, engaged=False)
+    p = decide(100, SLOW, cands, SLO, engaged=False)
     assert (p.aggregate, p.reason, p.decode, p.engaged) == (True, agg.PREFILL_BACKLOG, "ok", True)
-    assert p.remote_s == pytest.approx(10.0) and p.local_s == pytest.approx(1.0)
+    assert p.remote_s == pytest.approx(9.1) and p.local_s == pytest.approx(0.1)
 
 
 def test_never_a_decode_worker_without_the_kv_room() -> None:
     for lacking in (slack(free_blocks=9), slack(free_blocks=None)):
-        p = decide(1000, SLOW, [lacking], SLO, engaged=False)
+        p = decide(100, SLOW, [lacking], SLO, engaged=False)
         assert (p.aggregate, p.reason, p.engaged) == (False, agg.NO_DECODE_SLACK, True)
 
 
 def test_local_prefill_must_beat_the_queue() -> None:
-    # the decode worker prefills at 50 tok/s: 20 s for the prompt, worse than the 10 s queue
-    p = decide(1000, SLOW, [slack(tokens_per_s=50.0)], SLO, engaged=False)
+    # the decode worker prefills at 5 tok/s: 20 s for the prompt, worse than the 9.1 s queue
+    p = decide(100, SLOW, [slack(tokens_per_s=5.0)], SLO, engaged=False)
     assert (p.aggregate, p.reason) == (False, agg.NO_DECODE_SLACK)
 
 
+def test_a_decode_worker_lends_at_most_its_budget_of_the_target_to_one_prompt() -> None:
+    # 0.2 s of prefill fits LOCAL_BUDGET x 1 s; 0.3 s would stall its streams longer: the prompt stays remote
+    assert decide(200, SLOW, [slack()], SLO, engaged=False).aggregate
+    p = decide(300, SLOW, [slack()], SLO, engaged=False)
+    assert (p.aggregate, p.reason, p.engaged) == (False, agg.NO_DECODE_SLACK, True)
+    # a prompt no single instance prefills within the target never stalls a decode batch
+    p = decide(5000, PrefillBacklog(0, 1000.0), [slack()], SLO, engaged=False)
+    assert p.remote_s == pytest.approx(5.0) and not p.aggregate
+
+
 def test_an_unmeasured_decode_worker_is_estimated_at_the_prefill_pools_speed() -> None:
-    p = decide(1000, SLOW, [slack(tokens_per_s=None)], SLO, engaged=False)
-    assert p.aggregate and p.local_s == pytest.approx(1.0)
+    p = decide(100, SLOW, [slack(tokens_per_s=None)], SLO, engaged=False)
+    assert p.aggregate and p.local_s == pytest.approx(0.1)
 
 
 def test_cached_prefixes_count_on_both_sides() -> None:
@@ -71,8 +81,8 @@ def test_cached_prefixes_count_on_both_sides() -> None:
     p = decide(2000, PrefillBacklog(100, 1000.0, cached_tokens=1500), [slack()], SLO, engaged=False)
     assert p.remote_s == pytest.approx(0.6) and not p.aggregate
     # a decode worker holding most of the prompt prefills only the rest
-    p = decide(2000, SLOW, [slack(cached_tokens=1800)], SLO, engaged=False)
-    assert p.local_s == pytest.approx(0.2)
+    p = decide(2000, SLOW, [slack(cached_tokens=1850)], SLO, engaged=False)
+    assert p.aggregate and p.local_s == pytest.approx(0.15)
 
 
 def test_hysteresis_engages_above_the_target_and_disengages_under_the_exit_ratio() -> None:
@@ -130,11 +140,11 @@ def test_flow_prefills_on_the_decode_worker_with_room_when_the_queue_misses_the_
     script = Script()
     _generate_answers(script)
     flow = _flow(script, slo=1.0)
-    assert asyncio.run(_run(flow, 200)) == [7, 8, 9]
+    assert asyncio.run(_run(flow, 100)) == [7, 8, 9]
     assert script.paths(DECODE2) == ["/internal/generate"] and not script.paths(PREFILL)
     assert not script.paths(DECODE)  # no room there: never asked
     assert flow.placements.counts == {("aggregated", "prefill_backlog"): 1}
-    assert flow.placements.engaged and flow.placements.last.remote_s == pytest.approx(5.2)
+    assert flow.placements.engaged and flow.placements.last.remote_s == pytest.approx(5.1)
 
 
 def test_flow_keeps_the_length_rule_without_a_target_and_counts_short_prompts() -> None:

@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 # alternate every request between the pools.
 EXIT_RATIO = 0.8
 
+# A decode worker prefills a prompt itself only when that takes at most this share of the TTFT target: its
+# running streams wait behind the prompt (a gap of that length in their output), and a prompt no worker can
+# prefill within the target (one too long for any single instance) must not stall a decode batch for nothing.
+# 0.2 from `pdcluster simulate --load-aggregation` (docs/benchmarks/autoscaler.md): without a bound, Mooncake's
+# 50k-token prompts stalled whole decode batches (96.2 % -> 91.4 % within SLO); 0.1-0.3 all help elsewhere.
+LOCAL_BUDGET = 0.2
+
 # Placement reasons (the `reason` label of pdcluster_router_placements_total).
 SHORT_PROMPT = "short_prompt"  # under the disaggregation threshold: always on the decode worker
 NO_PREFILL = "no_prefill"  # no healthy prefill worker (or none could take it)
@@ -128,7 +135,7 @@ def decide(prompt_tokens: int, backlog: PrefillBacklog, candidates: Sequence[Dec
         if not rate:
             continue
         local = max(0, prompt_tokens - d.cached_tokens) / rate
-        if local < remote:
+        if local < remote and local <= LOCAL_BUDGET * slo_s:
             return Placement(True, PREFILL_BACKLOG, True, remote_s=remote, local_s=local, decode=d.url)
     return Placement(False, NO_DECODE_SLACK, True, remote_s=remote)
 
