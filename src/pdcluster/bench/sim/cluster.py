@@ -18,13 +18,8 @@
 - Role flips (a policy's `pending_flips` after a decision, `operator/autoscaler_flip.py`): the worker
   stops admitting work for its old role, finishes what it holds, then serves the other role `flip_s`
   later (weights kept: no pod start); billed throughout as one instance.
-- Load-driven aggregation (`ServiceModel.aggregate_ttft_s` > 0, `simulate --load-aggregation`): at arrival
-  the router's own decision (`worker/router/aggregate.py`, hysteresis included) sees the prefill queue as
-  its prompt tokens not yet prefilled, shared over the serving prefill instances, at `prefill_tps`; when
-  that misses the target and a decode instance has a free batch slot (nothing queued for decode, no local
-  prefill under way), that instance prefills the prompt itself at `prefill_tps`: its batch makes no
-  progress meanwhile (the interference disaggregation avoids), then the request decodes there. KV memory
-  is not modelled (batch slots only). Counted in `aggregated_requests`.
+- Load-driven aggregation (`--load-aggregation`, `aggregation.py`): at arrival the router's own decision
+  may have a decode instance with a free slot prefill the prompt itself while its batch waits.
 - Cost: every instance is billed from creation to stop, over [0, last arrival].
 """
 
@@ -34,12 +29,13 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdcluster.bench.sim import aggregation
 from pdcluster.bench.sim.model import ServiceModel
 from pdcluster.bench.sim.observe import Counters, PolicyInput, Sampler
 from pdcluster.bench.trace import Trace
-from pdcluster.worker.router import aggregate as agg
 
-ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE, LOCAL_DONE = range(8)
+ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
+LOCAL_DONE = aggregation.LOCAL_DONE
 
 
 class Instance:
@@ -248,49 +244,6 @@ class Cluster:
             d.n += 1
             self.reschedule(d, now)
 
-    # ---- load-driven aggregation ----------------------------------------------------------------
-    def aggregate(self, rid: int, now: float) -> bool:
-        """The router's placement of a new request (see the module docstring): True when a decode instance
-        prefills it itself."""
-        if self.m.aggregate_ttft_s <= 0:
-            return False
-        n_p = self.pools["prefill"].ready_count()
-        tokens = self.reqs[rid].input_tokens
-        backlog = agg.PrefillBacklog(self.pqueued_tokens // n_p if n_p else 1 << 40, self.m.prefill_tps)
-        decode_waiting = len(self.dqueue) - self.dhead
-        ds = sorted((i for i in self.pools["decode"].instances if i.serving), key=lambda i: i.n)
-        cands = [agg.DecodeSlack(str(k), 0, 0, i.n, decode_waiting + (i.last > now), self.m.decode_batch,
-                                 self.m.prefill_tps) for k, i in enumerate(ds)]
-        placed = agg.decide(tokens, backlog, cands, self.m.aggregate_ttft_s, self.agg_engaged)
-        self.agg_engaged = placed.engaged
-        if not placed.aggregate or placed.decode is None:
-            return False
-        d = ds[int(placed.decode)]
-        self.advance(d, now)
-        d.n += 1  # its slot from now; its batch waits while it prefills
-        d.last = max(d.last, now) + tokens / self.m.prefill_tps
-        self.aggregated += 1
-        self.push(d.last, LOCAL_DONE, d, rid)
-        self.reschedule(d, now)
-        return True
-
-    def local_done(self, d: Instance, rid: int, now: float) -> None:
-        """A prompt prefilled on decode instance `d`: its first token now, then it decodes there."""
-        self.first[rid] = now
-        self.sampler.ttft.append((now, now - self.reqs[rid].t))
-        self.pending_first -= 1
-        self.c.generated += 1
-        if self.out[rid] == 1:
-            self.done[rid] = now
-            d.n -= 1
-            if d.draining and d.n == 0:
-                self.retire(d, now)
-            self.decode_dispatch(now)
-        else:
-            self.advance(d, now)
-            heapq.heappush(d.fin, (d.v + self.out[rid] - 1, rid))
-        self.reschedule(d, now)
-
     def decode_done(self, d: Instance, ver: int, now: float) -> None:
         if ver != d.ver or d.ended is not None:
             return
@@ -368,7 +321,7 @@ class Cluster:
                 self.c.admitted += 1
                 self.sampler.admit_times.append(now)
                 self.c.prompt_tokens += self.reqs[b].input_tokens
-                if self.aggregate(b, now):
+                if aggregation.place(self, b, now):
                     continue
                 self.pqueue.append(b)
                 self.pqueued_tokens += self.reqs[b].input_tokens
@@ -394,7 +347,7 @@ class Cluster:
                     self.prefill_dispatch(now)
                     self.decode_dispatch(now)
             elif kind == LOCAL_DONE:
-                self.local_done(a, b, now)  # type: ignore[arg-type]
+                aggregation.local_done(self, a, b, now)  # type: ignore[arg-type]
             elif kind == TICK:
                 self.tick(now)
             elif kind == SAMPLE:
