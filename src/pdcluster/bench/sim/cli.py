@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "looked like this one)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="no prefix caching in the prefill instances (default: an LRU of 500k tokens each)")
+    p.add_argument("--load-aggregation", action="store_true",
+                   help="the router's load-driven aggregation with --slo-ttft as its target (the operator passes "
+                   "spec.autoscaling.slo.ttftSeconds as the router's --ttft-slo): while the prefill queue would "
+                   "miss it, decode instances with a free slot prefill new prompts themselves")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--decisions", action="store_true",
                    help="also write DIR/decisions-POLICY.csv: every autoscaler tick of the measured pass of each "
@@ -92,7 +96,8 @@ def _model(args: argparse.Namespace) -> ServiceModel:
             raise UsageError(f"{flag} must be > 0 (got {v})")
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
                         pod_start_s=args.pod_start, flip_s=args.flip_time, prefix_cache_tokens=0 if args.no_prefix_cache else
-                        ServiceModel.prefix_cache_tokens)
+                        ServiceModel.prefix_cache_tokens,
+                        aggregate_ttft_s=args.slo_ttft if getattr(args, "load_aggregation", False) else 0.0)
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
                   "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
-                  "burst_window_s": pol.BURST_S, "headroom": args.headroom,
+                  "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))
