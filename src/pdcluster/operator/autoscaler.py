@@ -339,8 +339,8 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     peak = obs.peak_request_rate if obs else None
     slo = slo_guard.slo_targets(policy, obs)
     gslo = slo_guard.targets(policy, obs)
-    headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio) \
-        if policy.adaptive_headroom else policy.headroom
+    headroom = rules.effective_headroom(policy.headroom, rate, peak, policy.bursty_ratio,
+                                        policy.burst_window_seconds) if policy.adaptive_headroom else policy.headroom
     join = rules.join_seconds(obs.decode_join_seconds if obs else None, source["decode"], policy.decode_join_seconds)
     inputs = {
         "requestRate": rate, "peakRequestRate": peak, "meanInputTokens": mean_in, "prefixHitRate": hit,
