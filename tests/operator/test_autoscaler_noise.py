@@ -33,14 +33,19 @@ def test_counting_noise_is_two_sigmas_of_a_poisson_count() -> None:
 def test_a_chance_peak_adds_no_headroom_a_burst_still_does() -> None:
     # a steady 4.25 req/s whose highest 10 s rate was 6.1 (the `shift` trace's first half): by chance
     noisy = rules.effective_headroom(1.5, 4.25, 6.1, 2.0, 10.0)
-    assert noisy == pytest.approx(1 + 0.5 * ((6.1 - 2 * math.sqrt(0.425)) / 4.25 - 1), abs=1e-9)
-    assert noisy < 1.07 < rules.effective_headroom(1.5, 4.25, 6.1, 2.0)  # 1.22 without the burst window
+    floor_ = 4.25 + 2 * math.sqrt(0.425)
+    assert noisy == pytest.approx(1 + 0.5 * (6.1 - floor_) / (8.5 - floor_), abs=1e-9)
+    assert noisy < 1.1 < rules.effective_headroom(1.5, 4.25, 6.1, 2.0)  # 1.22 without the burst window
     # a peak within the noise: no headroom at all
     assert rules.effective_headroom(1.5, 4.0, 5.2, 2.0, 10.0) == 1.0
-    # a real burst (3x the mean) still gets the whole ceiling; a high rate is hardly corrected
-    assert rules.effective_headroom(1.5, 4.0, 12.0, 2.0, 10.0) == 1.5
-    assert rules.effective_headroom(1.5, 100.0, 150.0, 2.0, 10.0) == pytest.approx(1.0 + 0.5 * (143.68 / 100 - 1),
+    # a burst (a peak of bursty_ratio x the mean) still gets the whole ceiling; a high rate is hardly corrected
+    assert rules.effective_headroom(1.5, 4.0, 8.0, 2.0, 10.0) == 1.5
+    assert rules.effective_headroom(1.5, 100.0, 150.0, 2.0, 10.0) == pytest.approx(1.0 + 0.5 * 43.68 / 93.68,
                                                                                     abs=1e-3)
+    # so low a rate that chance reaches twice the mean (0.3 req/s: 3 ± 1.7 arrivals in 10 s): only a peak
+    # past chance counts, and then as a burst
+    assert rules.effective_headroom(1.5, 0.3, 0.6, 2.0, 10.0) == 1.0
+    assert rules.effective_headroom(1.5, 0.3, 1.0, 2.0, 10.0) == 1.5
 
 
 def test_a_steady_load_is_not_given_an_instance_for_its_noise() -> None:
@@ -49,6 +54,6 @@ def test_a_steady_load_is_not_given_an_instance_for_its_noise() -> None:
     o = asc.Observation(4.25, 5967.0, 22.0, peak_request_rate=6.1)
     views = (asc.PoolView(3, 3), asc.PoolView(1, 1))
     dec = asc.decide(policy(), asc.State(), o, *views, now=0.0)
-    assert dec.prefill.desired == 3 and dec.inputs["headroom"] < 1.07
+    assert dec.prefill.desired == 3 and dec.inputs["headroom"] < 1.1
     without = asc.decide(policy(burst_window_seconds=None), asc.State(), o, *views, now=0.0)
     assert without.prefill.desired == 4

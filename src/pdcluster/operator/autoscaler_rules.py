@@ -110,15 +110,18 @@ def effective_headroom(ceiling: float, rate: float | None, peak: float | None, b
     spec's headroom). The window's peak burst rate measures how far the rate strays from its mean: at
     a peak of `bursty_ratio` times the mean or more the whole ceiling applies; a peak close to the mean
     (smooth load: slow trends) needs little, since the burst rule and the SLO guard catch what the mean
-    misses. Only the part of the peak above the counting noise of a steady rate counts (`counting_noise`,
-    with the burst window known): a steady 4 req/s shows 10 s peaks of 5-6 req/s by chance, which read as
+    misses. The share of the ceiling runs from 0 at the counting noise of a steady rate above the mean
+    (`counting_noise`, with the burst window known) to 1 at `bursty_ratio` times the mean: a steady 4 req/s shows 10 s peaks of 5-6 req/s by chance, which read as
     a 1.2-1.4× headroom kept a fourth prefill instance for 3 instances' load (a 3:2 pool served it at
     100 %). Unknown peak: the ceiling (the old, fixed behaviour)."""
     if peak is None or not rate or rate <= 0 or not math.isfinite(peak) or ceiling <= 1.0:
         return ceiling
-    spread = max(bursty_ratio - 1.0, 1e-9)
-    excess = max(0.0, peak - counting_noise(rate, burst_window)) / rate
-    share = min(1.0, max(0.0, (excess - 1.0) / spread))
+    floor_ = rate + counting_noise(rate, burst_window)  # a peak up to here is chance
+    top = bursty_ratio * rate  # a peak from here on is a burst (as `decide` classifies a window)
+    if top <= floor_:  # a rate so low that chance alone reaches a burst's peak: past chance is a burst
+        share = 1.0 if peak > floor_ else 0.0
+    else:
+        share = min(1.0, max(0.0, (peak - floor_) / (top - floor_)))
     return 1.0 + (ceiling - 1.0) * share
 
 
