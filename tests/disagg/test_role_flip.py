@@ -35,7 +35,8 @@ def test_role_flip_auth_bad_input_holding_and_idempotence(tiny_model_dir: Path) 
             r = h.post(f"{decode}/internal/role", json={"role": "prefill"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
         for bad in ({}, {"role": "both"}, {"role": "PREFILL"}, {"role": 1}, {"role": "prefill", "x": 1},
-                    {"role": "prefill", "timeout_s": 0}, {"role": "prefill", "timeout_s": "5"}, [], "prefill"):
+                    {"role": "prefill", "timeout_s": 0}, {"role": "prefill", "timeout_s": "5"},
+                    {"role": "prefill", "max_batch_size": 0}, {"role": "prefill", "max_batch_tokens": -1}, [], "prefill"):
             r = h.post(f"{decode}/internal/role", json=bad, headers=AUTH)
             assert r.status_code == 400, (bad, r.text)
         r = h.post(f"{decode}/internal/role", content=b"{not json", headers=AUTH)
@@ -59,7 +60,8 @@ def test_role_flip_auth_bad_input_holding_and_idempotence(tiny_model_dir: Path) 
         # the reservation is released, then serves as prefill.
         answers: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: answers.append(
-            h.post(f"{decode}/internal/role", json={"role": "prefill"}, headers=AUTH)))
+            h.post(f"{decode}/internal/role", json={"role": "prefill", "max_batch_size": 7, "max_batch_tokens": 96},
+                   headers=AUTH)))
         waiter.start()
         assert wait_for(lambda: h.get(f"{decode}/health").json()["status"] == "draining")  # stays until cancel
         body = {"prompt": [5, 6, 7], "max_tokens": 2}
@@ -73,6 +75,8 @@ def test_role_flip_auth_bad_input_holding_and_idempotence(tiny_model_dir: Path) 
         done = answers[0].json()
         assert done["role"] == "prefill" and done["previous"] == "decode" and done["changed"] is True
         assert h.get(f"{decode}/health").json()["role"] == "prefill"
+        sched = c.engines[1].engine.scheduler  # the new pool's batch limits, on the same engine (no reload)
+        assert (sched.max_batch_size, sched.max_batch_tokens) == (7, 96)
         load = h.get(f"{decode}/internal/load", headers=AUTH).json()
         assert load["role"] == "prefill" and load["ready"] is True
         metrics = h.get(f"{decode}/metrics").text

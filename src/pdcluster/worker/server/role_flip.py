@@ -8,7 +8,8 @@ a flip keeps the weights and the KV cache (and its prefix cache) and changes wha
    and the Services stop sending it any);
 2. it finishes what it holds: its streams (`in_flight`), the prefill requests whose KV is still on its way to
    a decode worker (no KV is stranded), and the reservations waiting for their KV (a decode worker's imports);
-3. it takes the new role: /health, /internal/load and every metric series say it (the old role's series
+3. it takes the new role and the new pool's batch limits (`max_batch_size`, `max_batch_tokens`, optional;
+   the scheduler reads them at every step, and the KV cache, sized at start, is shared by both roles): /health, /internal/load and every metric series say it (the old role's series
    end; the new one's start from zero), then it admits work again.
 
 Idempotent: asking for the role the worker has answers at once (`changed: false`); a second call for the same
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdcluster.worker.api import errors
 from pdcluster.worker.api.body import json_object, validate
-from pdcluster.worker.server.lifecycle import WorkerServer
+from pdcluster.worker.server.lifecycle import WorkerServer, find_attr
 
 if TYPE_CHECKING:
     from pdcluster.worker.server.internal_routes import Disaggregation
@@ -44,6 +45,9 @@ class RoleBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     role: Literal["prefill", "decode"]
     timeout_s: float = Field(default=120.0, gt=0, le=3600)  # how long it may take to finish what it holds
+    # the new pool's batch limits (its --max-batch-size / --max-batch-tokens), set while the worker is idle
+    max_batch_size: int | None = Field(default=None, ge=1, le=1024)
+    max_batch_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
 
 
 def holding(d: Disaggregation, w: WorkerServer) -> dict[str, int]:
@@ -60,7 +64,8 @@ class RoleFlip:
         self.target: str | None = None
         self.task: asyncio.Task[dict[str, Any]] | None = None
 
-    async def request(self, w: WorkerServer, role: str, timeout_s: float) -> dict[str, Any]:
+    async def request(self, w: WorkerServer, role: str, timeout_s: float,
+                      limits: dict[str, int] | None = None) -> dict[str, Any]:
         if self.task is not None and not self.task.done():
             if role != self.target:
                 raise errors.APIError(409, f"a flip to {self.target} is in progress", code="flip_in_progress")
@@ -72,10 +77,10 @@ class RoleFlip:
         if not w.ready:
             raise errors.unavailable("worker is not ready yet")
         self.target = role
-        self.task = asyncio.ensure_future(self._flip(w, role, timeout_s))
+        self.task = asyncio.ensure_future(self._flip(w, role, timeout_s, limits or {}))
         return await asyncio.shield(self.task)  # a caller that leaves does not abandon a half-done flip
 
-    async def _flip(self, w: WorkerServer, role: str, timeout_s: float) -> dict[str, Any]:
+    async def _flip(self, w: WorkerServer, role: str, timeout_s: float, limits: dict[str, int]) -> dict[str, Any]:
         old, t0 = w.role, time.monotonic()
         log.info("role flip %s -> %s: draining (%s)", old, role, holding(self.d, w))
         w.draining = True
@@ -89,6 +94,7 @@ class RoleFlip:
                     raise errors.APIError(503, f"still holding {held} after {timeout_s:g} s: the worker stays "
                                           f"{old}", code="flip_timeout", headers={"Retry-After": "5"})
                 await asyncio.sleep(QUIET_CHECK_S)
+            set_batch_limits(w.engine, limits)  # idle: no step is using them
             w.role = self.d.role = role
             w.metrics = w.metrics.with_role(role)
         finally:
@@ -96,6 +102,18 @@ class RoleFlip:
         seconds = time.monotonic() - t0
         log.info("role flip %s -> %s done in %.2f s", old, role, seconds)
         return {"role": role, "previous": old, "changed": True, "seconds": seconds}
+
+
+def set_batch_limits(engine: Any, limits: dict[str, int]) -> None:
+    """The new pool's batch limits on the engine's scheduler (read at every step; the KV cache, sized at
+    start, stays as it is)."""
+    sched = find_attr(engine, "scheduler")
+    config = find_attr(engine, "config")
+    for name, value in limits.items():
+        if sched is not None and hasattr(sched, name):
+            setattr(sched, name, value)
+        if config is not None and hasattr(config, name):
+            setattr(config, name, value)
 
 
 def add_role_route(r: APIRouter, disagg: Disaggregation) -> None:
@@ -106,4 +124,5 @@ def add_role_route(r: APIRouter, disagg: Disaggregation) -> None:
     async def set_role(request: Request) -> JSONResponse:
         w: WorkerServer = request.app.state.worker
         data = validate(RoleBody, await json_object(request))
-        return JSONResponse(await flip.request(w, data.role, data.timeout_s))
+        limits = {k: v for k in ("max_batch_size", "max_batch_tokens") if (v := getattr(data, k)) is not None}
+        return JSONResponse(await flip.request(w, data.role, data.timeout_s, limits))
