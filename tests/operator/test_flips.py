@@ -140,6 +140,8 @@ class PodKube:
     async def merge_patch(self, api_version: str, kind: str, namespace: str | None, name: str,
                           patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         self.calls.append(("merge_patch", (kind, name, subresource)))
+        if kind == "Deployment":
+            self.deps[name]["spec"]["replicas"] = patch["spec"]["replicas"]
         if kind == "Pod":
             meta = self.pods[name]["metadata"]
             meta["labels"].update(patch["metadata"].get("labels") or {})
@@ -190,6 +192,10 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
             assert meta["labels"][naming.ROLE_LABEL] == "decode" and meta["labels"][flips.FLIPPED] == "prefill"
             assert meta["ownerReferences"][0]["kind"] == "PDCluster"
             assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1}  # no ReplicaSet starts or stops a pod
+            patches = [c[1][:2] for c in kube.calls if c[0] == "merge_patch"]
+            # the prefill Deployment drops by one right after the relabel (its ReplicaSet must not replace it)
+            assert patches[patches.index(("Pod", "demo-prefill-a")) + 1] == ("Deployment", "demo-prefill")
+            assert kube.deps["demo-prefill"]["spec"]["replicas"] == 1
             assert [e[1] for e in events if e[1].startswith("RoleFlip")] == ["RoleFlip"]
             assert "demo-prefill-a" in events[[e[1] for e in events].index("RoleFlip")][2]
             assert not [c for c in kube.calls if c[0] == "merge_patch" and c[1][1] != "demo-prefill-a"
@@ -197,7 +203,6 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
 
             # The next pass, nothing changes: the flipped pod counts in decode, the Deployments stay.
             kube.calls.clear()
-            kube.deps["demo-prefill"]["spec"]["replicas"] = 1
             await rec.reconcile(ctx, body, "resync")
             assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1}
             assert not [c for c in kube.calls if c[0] == "delete"]

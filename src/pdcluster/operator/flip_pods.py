@@ -64,12 +64,24 @@ async def carry_out(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, spe
             emit("Warning", "RoleFlipFailed", f"pod {name}: {o.source} -> {o.target} not done ({said[:200]}); "
                  f"the {o.target} pool starts a pod instead")
             continue
+        owned = not flips.is_flipped(pod)  # its ReplicaSet's: that one would replace it
         await kube.merge_patch("v1", "Pod", owner.namespace, name, flips.relabel_patch(owner, o.source, o.target,
                                                                                       now_s))
         done += 1
+        if owned:  # at once, not at the end of the pass: the ReplicaSet starts no replacement meanwhile
+            await shrink_deployment(kube, owner, o.source)
         log.info("role flip %s/%s: %s", owner.namespace, name, said)
         emit("Normal", "RoleFlip", f"pod {name}: {said} (flip, no restart)")
     return done
+
+
+async def shrink_deployment(kube: Any, owner: naming.Owner, role: str) -> None:
+    """The pool's Deployment one replica down: a pod of it left by a flip (the pass's apply agrees)."""
+    dep = await kube.get("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, role))
+    n = int(((dep or {}).get("spec") or {}).get("replicas") or 0)
+    if n > 0:
+        await kube.merge_patch("apps/v1", "Deployment", owner.namespace, naming.child_name(owner, role),
+                               {"spec": {"replicas": n - 1}})
 
 
 async def ensure_roles(http: httpx.AsyncClient, spec: PDClusterSpec, pods: dict[str, list[dict[str, Any]]],
