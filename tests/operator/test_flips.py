@@ -129,6 +129,9 @@ class PodKube:
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("apply", (obj["kind"], obj["metadata"]["name"], (obj.get("spec") or {}).get("replicas"))))
+        if obj["kind"] == "Deployment":  # as if its ReplicaSet had settled: every replica ready
+            n = obj["spec"]["replicas"]
+            return {**obj, "status": {"replicas": n, "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n}}
         return obj
 
     async def list(self, api_version: str, kind: str, namespace: str | None,
@@ -200,6 +203,11 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
             assert "demo-prefill-a" in events[[e[1] for e in events].index("RoleFlip")][2]
             assert not [c for c in kube.calls if c[0] == "merge_patch" and c[1][1] != "demo-prefill-a"
                         and c[1][0] == "Pod"]  # nobody drained: nothing stopped
+
+            # the status counts the flipped pod in decode: 2 of 2 ready, the PDCluster Ready
+            status = out.status or {}
+            assert (status["decode"]["replicas"], status["decode"]["readyReplicas"]) == (2, 2), status["decode"]
+            assert [c["status"] for c in status["conditions"] if c["type"] == "Ready"] == ["True"]
 
             # The next pass, nothing changes: the flipped pod counts in decode, the Deployments stay.
             kube.calls.clear()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -96,16 +97,16 @@ async def ensure_roles(http: httpx.AsyncClient, spec: PDClusterSpec, pods: dict[
 
 
 async def retire(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, pods: list[dict[str, Any]], count: int,
-                 secret: bytes | None) -> int:
+                 secret: bytes | None) -> list[str]:
     """Remove up to `count` flipped pods of a shrinking pool (drained first, as a Deployment's victims are);
-    how many went."""
+    the names of those that went."""
     victims = flips.retire_first(pods, count)
     await asyncio.gather(*(drain.drain_pod(p, http, port=worker_port(p), secret=secret) for p in victims))
     for p in victims:
         name = p["metadata"]["name"]
         log.info("removing flipped pod %s/%s (its pool shrinks)", owner.namespace, name)
         await kube.delete("v1", "Pod", owner.namespace, name)
-    return len(victims)
+    return [p["metadata"]["name"] for p in victims]
 
 
 class FlipPass:
@@ -152,7 +153,23 @@ class FlipPass:
 
     async def retire(self, http: httpx.AsyncClient, role: str, count: int, secret: bytes | None) -> int:
         """The shrinking pool loses its flipped pods first; how many of `count` that was."""
-        n = await retire(self.kube, http, self.owner, self.pods[role], count, secret)
-        if n:
-            self.flipped[role] -= n
-        return n
+        gone = await retire(self.kube, http, self.owner, self.pods[role], count, secret)
+        self.pods[role] = [p for p in self.pods[role] if p["metadata"]["name"] not in gone]
+        self.flipped[role] -= len(gone)
+        return len(gone)
+
+    def count_in(self, deps: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any] | None]:
+        """The Deployments as the status shows the pools: each with the flipped pods its pool holds (so a pool
+        whose workers all came by flips is not `0/0`, not ready)."""
+        out = dict(deps)
+        for r in flips.ROLES:
+            dep, ps = deps.get(r), [p for p in self.pods.get(r, []) if flips.is_flipped(p)]
+            if dep is None or not ps:
+                continue
+            dep = copy.deepcopy(dep)
+            spec, status = dep.setdefault("spec", {}), dep.setdefault("status", {})
+            spec["replicas"] = int(spec.get("replicas") or 0) + len(ps)
+            status["replicas"] = int(status.get("replicas") or 0) + len(ps)
+            status["readyReplicas"] = int(status.get("readyReplicas") or 0) + sum(1 for p in ps if drain._ready(p))
+            out[r] = dep
+        return out

@@ -241,6 +241,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 7. Status.
     after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
+    if fp is not None:
+        after = fp.count_in(after)  # the pools with their flipped pods
     conditions = st.workload_conditions(after) + scale.conditions
     for c in conditions:
         if c["type"] == "Degraded":
