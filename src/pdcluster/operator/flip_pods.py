@@ -38,7 +38,7 @@ async def ask_worker(pod: dict[str, Any], role: str, spec: PDClusterSpec, http: 
             "max_batch_tokens": pool.maxBatchTokens}
     try:
         r = await http.post(f"http://{ip}:{port}/internal/role", json=body, headers=internal_headers(secret),
-                            timeout=WORKER_FLIP_TIMEOUT_S + 10)
+                            timeout=httpx.Timeout(WORKER_FLIP_TIMEOUT_S + 10, connect=3.0))  # gone: fail fast
     except httpx.HTTPError as e:
         return False, f"{type(e).__name__}: {e}"
     if r.status_code != 200:
