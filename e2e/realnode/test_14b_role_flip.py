@@ -26,8 +26,10 @@ def _sizes(kube: Kube, ns: str, name: str) -> tuple[int, int]:
 
 
 def _all_ready(kube: Kube, ns: str, name: str, want: tuple[int, int]) -> list[dict[str, Any]] | None:
-    ps = _workers(kube, ns, name, "prefill") + _workers(kube, ns, name, "decode")
-    return ps if _sizes(kube, ns, name) == want and all(ready(p) for p in ps) else None
+    """The pools' pods once they are `want` (prefill, decode) pods, all Ready (sizes and readiness from one
+    listing each: a pod created between two listings must not pass unseen)."""
+    p, d = _workers(kube, ns, name, "prefill"), _workers(kube, ns, name, "decode")
+    return p + d if (len(p), len(d)) == want and all(ready(x) for x in p + d) else None
 
 
 def _names(ps: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
