@@ -69,7 +69,7 @@ async def carry_out(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, spe
         await kube.merge_patch("v1", "Pod", owner.namespace, name, flips.relabel_patch(owner, o.source, o.target,
                                                                                       now_s))
         done += 1
-        if owned:  # at once, not at the end of the pass: the ReplicaSet starts no replacement meanwhile
+        if owned:  # at once, not at the end of the pass: a replacement its ReplicaSet made meanwhile goes again
             await shrink_deployment(kube, owner, o.source)
         log.info("role flip %s/%s: %s", owner.namespace, name, said)
         emit("Normal", "RoleFlip", f"pod {name}: {said} (flip, no restart)")

@@ -8,8 +8,8 @@ The relabelled pod leaves its Deployment's selector, so the ReplicaSet releases 
 garbage collected with it). Each pool's size is then its Deployment's pods plus the flipped pods it holds:
 
 - the pool sizes the operator decides (`desired`) count flipped pods; a Deployment's `spec.replicas` is
-  `desired - flipped pods of that role` (the old pool's drops by one in the pass of the flip, so its
-  ReplicaSet does not start a replacement, and the new pool starts no pod for what the flip brought);
+  `desired - flipped pods of that role` (the old pool's drops by one right after the relabel, so its
+  ReplicaSet keeps no replacement, and the new pool starts no pod for what the flip brought);
 - flipped pods are the first removed when their pool shrinks (drained, then deleted: no ReplicaSet owns them).
 
 How many flips a pass makes: the growing pool's growth, at most what the other pool gives up (the autoscaler's
