@@ -297,8 +297,9 @@ class Autoscaling(SpecModel):
     adaptiveHeadroom: bool = Field(
         default=True,
         description="Headroom follows the window's variability: the full headroom when the peak burst rate is "
-        "at least twice the mean, down to none when it equals the mean (smooth load); false = always the "
-        "full headroom.")
+        "at least twice the mean, down to none when it is within the chance peak of a steady rate (smooth "
+        "load: two standard deviations of a Poisson count over burstWindowSeconds); false = always the full "
+        "headroom.")
     scaleDownStabilizationSeconds: int = Field(
         default=300, ge=0, le=86400,
         description="A pool shrinks only after lower recommendations for this many seconds, to the "
