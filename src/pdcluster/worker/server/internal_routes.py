@@ -157,8 +157,12 @@ class Disaggregation:
         s = self.engine.stats()
         total = int(s.get("kv_cache_total_blocks", 0))
         used = int(s.get("kv_cache_used_blocks", 0))
+        # "ready" is what the router's probe admits on: a failed engine (a dead tensor-parallel rank) answers
+        # every request 503, and a router that still saw it ready kept retrying it as busy, never falling back
+        status, health = worker.health()
         return {
-            "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining,
+            "role": self.role, "node": self.node, "ready": status == 200,
+            **({"error": health["error"]} if "error" in health else {}),
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
             "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
