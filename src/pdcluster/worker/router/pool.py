@@ -229,7 +229,7 @@ class Pool:
                 w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
                 w.used_blocks = d.get("used_blocks")
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
-                err = None if ok else str(d.get("error") or "not ready")  # a failed engine says why
+                err = None if ok else "not ready"
             else:
                 err = f"HTTP {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:
