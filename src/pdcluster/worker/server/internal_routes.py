@@ -260,8 +260,8 @@ class Disaggregation:
             me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
             w.admit()
             rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
-            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),
-                                                        data.target.rank_ports), media_type=NDJSON)
+            return StreamingResponse(w.tracked(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),
+                                                                  data.target.rank_ports)), media_type=NDJSON)
 
         @r.post("/decode")
         async def decode(request: Request) -> StreamingResponse:
@@ -269,7 +269,8 @@ class Disaggregation:
             rid, first = data.request_id, data.first_token_id
             if me.connector is None or rid not in dict(me.connector.pending_loads()):
                 raise errors.APIError(409, f"no reservation for {rid} (expired or cancelled)", code="no_reservation")
-            return StreamingResponse(me._decode_stream(w, rid, first, tracing.span_of(request)), media_type=NDJSON)
+            return StreamingResponse(w.tracked(me._decode_stream(w, rid, first, tracing.span_of(request))),
+                                     media_type=NDJSON)
 
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
@@ -342,7 +343,6 @@ class Disaggregation:
                              span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
         assert self.connector is not None
         committed, finished = False, False
-        w.in_flight += 1
         span.set({"pdcluster.request_id": rid})
         t0 = time.monotonic()
         try:
@@ -391,7 +391,6 @@ class Disaggregation:
             finally:
                 stream.close()  # aborts the engine request if we leave early (router gone)
         finally:
-            w.in_flight -= 1
             if not committed:
                 self._detach(self._cancel(rid))
 
