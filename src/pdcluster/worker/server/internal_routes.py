@@ -43,7 +43,7 @@ from pdcluster.worker.api.internal import (
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server import ucx_bind
-from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
+from pdcluster.worker.server.lifecycle import WorkerServer, engine_fault, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer.channel import TransferError
@@ -159,10 +159,10 @@ class Disaggregation:
         used = int(s.get("kv_cache_used_blocks", 0))
         # "ready" is what the router's probe admits on: a failed engine (a dead tensor-parallel rank) answers
         # every request 503, and a router that still saw it ready kept retrying it as busy, never falling back
-        status, health = worker.health()
+        fault = engine_fault(self.engine)
         return {
-            "role": self.role, "node": self.node, "ready": status == 200,
-            **({"error": health["error"]} if "error" in health else {}),
+            "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining and fault is None,
+            **({"error": fault} if fault else {}),
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
             "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
