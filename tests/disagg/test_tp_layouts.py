@@ -67,10 +67,27 @@ def _until(check: Callable[[], object], what: str, seconds: float = SETTLE_S) ->
         time.sleep(0.2)
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the loopback listening socket on ``port``. A port picked free can be bound by
+    another process before ours binds it (a concurrent test's worker, under xdist): its /health would answer for
+    ours, and the router would then be given one worker as both prefill and decode."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port and f[9] in inodes:  # 0A: LISTEN
+            return True
+    return False
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     def ready() -> bool:
         assert proc.poll() is None, log.read_text()[-3000:]
-        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200 and _listens(proc.pid, int(url.rsplit(":", 1)[1]))
 
     _until(ready, f"{url} healthy ({log})")
 
