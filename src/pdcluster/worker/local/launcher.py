@@ -36,7 +36,8 @@ log = logging.getLogger("pdcluster.up")
 START_TIMEOUT = 180.0  # seconds; `--start-timeout`
 # The knobs `up` takes and hands on: generated from their declarations, forwarded when set to another value
 UP_TRANSFER = ("compression", "backend", "integrity")
-UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "decode_wait", "routing")
+UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "decode_wait", "routing",
+             "ttft_slo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,9 @@ class Worker:
     block_size: int | None = None
     running: int = 0
     waiting: int = 0
+    # its engine's measured prefill tokens/s (None: not measured yet) and decode batch bound (router/aggregate.py)
+    prefill_tokens_per_s: float | None = None
+    max_batch_size: int | None = None
     outstanding_prompt_tokens: int = 0
     in_flight: int = 0
     last_error: str | None = None
@@ -63,7 +66,8 @@ class Worker:
         return {"url": self.url, "healthy": self.healthy, "node": self.node, "in_flight": self.in_flight,
                 "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "used_blocks": self.used_blocks, "running": self.running,
-                "waiting": self.waiting, "consecutive_failures": self.failures, "last_error": self.last_error,
+                "waiting": self.waiting, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "max_batch_size": self.max_batch_size, "consecutive_failures": self.failures, "last_error": self.last_error,
                 "source": self.source}
 
 
@@ -77,6 +81,12 @@ def direct_pair(prefill: Worker, decode: Worker) -> bool:
 def _positive_int(v: Any) -> int | None:
     """A reported size, or None when it is missing or nonsense (it feeds hashing and LRU bounds)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _positive_float(v: Any) -> float | None:
+    """A reported rate, or None when it is missing, zero (not measured yet) or nonsense."""
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+    return float(v) if ok else None
 
 
 def parse_service(spec: str, default_port: int = 8000) -> tuple[str, str, int]:
@@ -229,6 +239,8 @@ class Pool:
                 w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
                 w.used_blocks = d.get("used_blocks")
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
+                w.prefill_tokens_per_s = _positive_float(d.get("prefill_tokens_per_s"))
+                w.max_batch_size = _positive_int(d.get("max_batch_size"))
                 err = None if ok else "not ready"
             else:
                 err = f"HTTP {r.status_code}"

@@ -166,6 +166,9 @@ class Disaggregation:
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
             "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
+            # the router's load-driven aggregation (router/aggregate.py): prefill speed and batch bound
+            "prefill_tokens_per_s": float(s.get("prefill_tokens_per_s", 0.0)),
+            "max_batch_size": int(s.get("max_batch_size", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
             "transfer_backend": self.backend, "transfer_integrity": self.options.integrity, **self.direct.describe(),
