@@ -153,7 +153,27 @@ class Pool:
         return [w.view() for w in self.pool(role)]
 
     def get(self, role: str, url: str) -> Worker:
-        return self.workers[(role, url)]
+        w = self.workers.get((role, url))
+        if w is None:  # it changed pools (a role flip) since the caller looked: the same worker, in its new pool
+            w = next((x for (_, u), x in self.workers.items() if u == url), None)
+        if w is None:
+            raise KeyError((role, url))
+        return w
+
+    def _moved(self, w: Worker, role: Any) -> str | None:
+        """The worker reports another role than its pool's (a role flip): a statically listed one changes
+        pools here; one resolved from a role's Service stays out of rotation in the old pool (an error) until
+        that Service drops it and the new role's Service lists it (the pod's role label follows the flip)."""
+        if role not in ("prefill", "decode") or role == w.role:
+            return None
+        if w.source != "static":
+            return f"now a {role} worker"
+        log.info("%s worker %s now serves as %s: moved to the %s pool", w.role, w.url, role, role)
+        self.workers.pop((w.role, w.url), None)
+        w.role = role
+        self.workers.setdefault((role, w.url), w)  # its prefix-index entry stays: a flip keeps the KV cache
+        self._changed.set()
+        return None
 
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self.workers.values())
@@ -233,6 +253,8 @@ class Pool:
             if r.status_code == 200:
                 d = r.json()
                 ok = bool(d.get("ready", True))
+                moved = self._moved(w, d.get("role"))
+                ok = ok and moved is None
                 w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
                 w.tensor_parallel_size = _positive_int(d.get("tensor_parallel_size")) or 1
                 w.kv_direct = d.get("kv_direct") is True
@@ -241,7 +263,7 @@ class Pool:
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
                 w.prefill_tokens_per_s = _positive_float(d.get("prefill_tokens_per_s"))
                 w.max_batch_size = _positive_int(d.get("max_batch_size"))
-                err = None if ok else "not ready"
+                err = None if ok else moved or "not ready"
             else:
                 err = f"HTTP {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:

@@ -91,6 +91,7 @@ class Disaggregation:
             self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self.saving: set[str] = set()  # prefill requests whose KV is not yet delivered (a role flip waits on them)
         self.router = self._routes()
         self.layout = engine.kv_layout
         self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
@@ -284,6 +285,9 @@ class Disaggregation:
             return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
                                      media_type=NDJSON)
 
+        from pdcluster.worker.server.role_flip import add_role_route
+
+        add_role_route(r, me)  # POST /internal/role: a role flip (server/role_flip.py)
         return r
 
     # ------------------------------------------------------------------ streams
@@ -298,6 +302,7 @@ class Disaggregation:
         routes = self.direct.start_save(rid, target, rank_ports)  # None: whole layers to one endpoint
         w.metrics.request_accepted(len(ids))
         held, done = False, False
+        self.saving.add(rid)
         try:
             first = None
             try:
@@ -337,6 +342,7 @@ class Disaggregation:
             yield _line({"event": "transferred", "seconds": res.seconds, "bytes": res.bytes,
                          "tail_seconds": time.monotonic() - t_first})
         finally:
+            self.saving.discard(rid)
             if not done:
                 self._detach(conn.abort_save(rid))
             self.direct.forget_save(rid, abort=not done)
