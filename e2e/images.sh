@@ -139,12 +139,10 @@ rm_stage_containers() {
 
 image_size() { bh images --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
 
-# write NAME as an OCI archive (uncompressed layers: the node imports it right away, gzip would only cost CPU).
-# With HAVE (a directory of blobs named by sha256, e.g. containerd's content store), the archive leaves out the
-# layers found there: they are hard-linked into a scratch OCI layout before `buildah push`, which then reuses
-# them instead of writing them, and only what it wrote goes into the archive (`ctr images import` takes an
-# archive whose layers the content store already holds). A 6 GB torch layer shared by two images, or unchanged
-# under a source edit, is thus neither written nor read again.
+# write NAME as an OCI archive for `ctr images import`. With HAVE (containerd's blobs/sha256 directory), the image
+# goes out uncompressed (`docker-archive:`, IO only) and e2e/oci_subset.py repacks it as an OCI archive leaving
+# out the layers whose blobs HAVE holds: a layer shared by two images (worker and worker-vllm: torch) or unchanged
+# under a source edit crosses once. Without HAVE, buildah's own oci-archive (which gzips every layer).
 archive() {  # name file [have]
   have_image "$1" || die "no image $1 (run e2e/images.sh first)"
   rm -f "$2"
@@ -152,19 +150,12 @@ archive() {  # name file [have]
     bh push --quiet --disable-compression "$1" "oci-archive:$2:$(normalize "$1")" >/dev/null
     return
   fi
-  local layout d reused=0
-  layout="$(mktemp -d "$(dirname "$2")/oci-layout.XXXXXX")"
-  mkdir -p "$layout/blobs/sha256"
-  for d in $(bh inspect --format '{{range .OCIv1.RootFS.DiffIDs}}{{.}} {{end}}' "$1"); do
-    [[ -f "$3/${d#sha256:}" ]] && ln "$3/${d#sha256:}" "$layout/blobs/sha256/${d#sha256:}" 2>/dev/null \
-      && reused=$((reused + 1))
-  done
-  bh push --quiet --disable-compression "$1" "oci:$layout:$(normalize "$1")" >/dev/null \
-    || { rm -rf "$layout"; die "buildah push $1 failed"; }
-  # what buildah wrote has one link; the reused layers have two (ours and the content store's)
-  (cd "$layout" && tar -cf "$2" oci-layout index.json $(find blobs -type f -links 1)) || { rm -rf "$layout"; die "tar $2"; }
-  rm -rf "$layout"
-  log "$1: archive $(du -h "$2" | cut -f1) ($reused layers already in the content store left out)"
+  local full="$2.docker.tar" out
+  rm -f "$full"
+  bh push --quiet "$1" "docker-archive:$full:$(normalize "$1")" >/dev/null || { rm -f "$full"; die "buildah push $1"; }
+  out="$(python3 "$HERE/oci_subset.py" "$full" "$2" "$(normalize "$1")" "$3")" || { rm -f "$full" "$2"; die "oci_subset $1"; }
+  rm -f "$full"
+  log "$1: archive $(du -h "$2" | cut -f1): $out"
 }
 
 # the name a kubelet/containerd resolves an unqualified image to
