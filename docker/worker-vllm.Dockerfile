@@ -9,8 +9,7 @@
 # (greedy token ids and logprobs equal to vLLM on 2.13.0, docs/vllm.md), so torch is overridden to the version the
 # deps layer holds rather than installed a second time.
 #   docker build -f docker/worker.Dockerfile --target deps -t pdcluster/worker-deps:0.1.0 .
-#   docker build -f docker/worker-vllm.Dockerfile --build-arg DEPS_IMAGE=pdcluster/worker-deps:0.1.0 \
-#     -t pdcluster/worker-vllm:0.1.0 .
+#   docker build -f docker/worker-vllm.Dockerfile -t pdcluster/worker-vllm:0.1.0 .
 # Without Docker: `e2e/images.sh worker-vllm` (both steps, buildah, on the e2e Debian base).
 #
 # Build args: DEPS_IMAGE (the deps stage), UV_IMAGE, UV_CACHE_DIR as in worker.Dockerfile (e2e/images.sh
