@@ -298,31 +298,38 @@ def test_c_prefill_pod_deleted_with_kv_in_flight(kube: Kube, vllm_cluster: str,
         (prefill,) = _live(kube, ns, "prefill")
         (decode,) = _live(kube, ns, "decode")
         pname = prefill["metadata"]["name"]
+        # the prefill leg, as the router sends it: the prefill pod computes the prompt's KV and keeps it for a
+        # decode pod to read (kv_transfer_params say where). No other traffic yet: the decode pod's NIXL counters
+        # below are this request's.
+        prompt = LONG[0]
+        leg = _complete(_pod_url(prefill), prompt, 1, stream=False, kv_transfer_params=dict(REMOTE_DECODE))
+        params = leg["kv_transfer_params"]
+        assert params and params.get("remote_host") == prefill["status"]["podIP"], leg
+        wait_until("the prefill pod to report the KV it holds for the decode pod",
+                   lambda: _metric(prefill, "vllm:kv_cache_usage_perc") > 0, timeout=20, interval=0.5)
         xfers0 = _metric(decode, "vllm:nixl_xfer_time_seconds_count")
+        t0 = time.monotonic()
+        kube.run("delete", "pod", pname, "-n", ns, "--wait=false")
+        # the pod is terminating, and its preStop drain keeps the server up while that KV is unread
+        gone = kube.get("pod", pname, ns)
+        assert gone is not None and gone["metadata"].get("deletionTimestamp"), gone
+        # the kubelet has begun stopping it (not Ready: out of the Service), yet the server still answers and still
+        # holds the KV: the preStop hook is waiting on it
+        wait_until(f"{pname} not Ready", lambda: not ready(kube.get("pod", pname, ns) or {}), timeout=20,
+                   interval=0.5)
+        assert _metric(prefill, "vllm:kv_cache_usage_perc") > 0
+        got = _complete(_pod_url(decode), prompt, kv_transfer_params=params)
+        assert _answer(got) == reference[(prompt, MAX_TOKENS)], (got, reference[(prompt, MAX_TOKENS)])
+        # read over NIXL from the terminating pod, not recomputed
+        assert _metric(decode, "vllm:nixl_xfer_time_seconds_count") > xfers0
+        assert _metric(decode, "vllm:nixl_num_failed_transfers_total") == 0
+        # router traffic while the drained pod finishes leaving (the router may still pick it until it sees it go)
         with port_forward(kube, ns, f"svc/{NAME}-router", 8000) as port, CheckedTraffic(port, reference) as traffic:
-            wait_until("traffic through the router", lambda: traffic.ok >= 3, timeout=180)
-            # the prefill leg, as the router sends it: the prefill pod computes the prompt's KV and keeps it for a
-            # decode pod to read (kv_transfer_params say where)
-            prompt = LONG[0]
-            leg = _complete(_pod_url(prefill), prompt, 1, stream=False,
-                            kv_transfer_params=dict(REMOTE_DECODE))
-            params = leg["kv_transfer_params"]
-            assert params and params.get("remote_host") == prefill["status"]["podIP"], leg
-            assert _metric(prefill, "vllm:kv_cache_usage_perc") > 0  # the KV held for the decode pod
-            t0 = time.monotonic()
-            kube.run("delete", "pod", pname, "-n", ns, "--wait=false")
-            # the pod is terminating, and its preStop drain keeps the server up while that KV is unread
-            gone = kube.get("pod", pname, ns)
-            assert gone is not None and gone["metadata"].get("deletionTimestamp"), gone
-            got = _complete(_pod_url(decode), prompt, kv_transfer_params=params)
-            assert _answer(got) == reference[(prompt, MAX_TOKENS)], (got, reference[(prompt, MAX_TOKENS)])
-            assert _metric(decode, "vllm:nixl_xfer_time_seconds_count") > xfers0  # read over NIXL, not recomputed
-            assert _metric(decode, "vllm:nixl_num_failed_transfers_total") == 0
-            ok_at_decode = traffic.ok
             wait_until(f"the drained prefill pod {pname} gone", lambda: kube.get("pod", pname, ns) is None,
                        timeout=300, interval=1)
             print(f"\nprefill pod deleted with KV held: drained and gone after {time.monotonic() - t0:.0f}s")
-            wait_until("traffic after the prefill pod left", lambda: traffic.ok > ok_at_decode + 2, timeout=180)
+            ok_at_gone = traffic.ok
+            wait_until("traffic after the prefill pod left", lambda: traffic.ok > ok_at_gone + 2, timeout=180)
         hooks = [e for e in kube.json("get", "events", "-n", ns, "--field-selector",
                                       f"involvedObject.name={pname}")["items"]
                  if e.get("reason") == "FailedPreStopHook"]
