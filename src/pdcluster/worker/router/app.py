@@ -294,7 +294,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
                           "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
         if st.vllm is not None:  # --engine vllm: the handshake's own counts
             snap["router"].update(engine="vllm", vllm_disaggregated=st.vllm.disaggregated,
-                                  retries=st.flow.retries + st.vllm.retries)
+                                  retries=st.flow.retries + st.vllm.retries,
+                                  resumes=st.flow.resumes + st.vllm.resumes)
         return JSONResponse(snap)
 
     @app.get("/health")
