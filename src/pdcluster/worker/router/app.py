@@ -80,7 +80,8 @@ class RouterState:
         if pool.engine == "vllm":
             from pdcluster.worker.router.vllm_pd import VLLMFlow
 
-            self.vllm = VLLMFlow(pool, threshold=options.disaggregation_threshold, max_retries=options.max_retries)
+            self.vllm = VLLMFlow(pool, threshold=options.disaggregation_threshold, max_retries=options.max_retries,
+                                 decode_wait=options.decode_wait)
         self.metrics.registry.register(_StageCollector(self))
         self.waiting = 0  # admitted, no first token yet: the router's queue
         self.in_flight = 0

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -127,8 +128,10 @@ async def probe(client: httpx.AsyncClient, w: Worker) -> tuple[bool, str | None]
 class VLLMFlow:
     """Tokenize (for picking), then prefill leg + decode leg, or the decode worker alone below the threshold."""
 
-    def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0) -> None:
+    def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0,
+                 decode_wait: float = 30.0) -> None:
         self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+        self.decode_wait = decode_wait  # a resume waits this long for a healthy decode worker (as Flow's)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
         self.retries = 0
         self.resumes = 0  # streams continued on another decode worker after theirs broke
@@ -326,10 +329,23 @@ class VLLMFlow:
                                                f"{why}", code="workers_failed")
                 self.resumes += 1
                 state.start_leg()
-                d, resp = await self._pair("completions", state.resume_body(), state.prompt + state.sent, excluded)
+                d, resp = await self._resume(state, excluded)
             except errors.APIError as err:
                 yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
                 return
+
+
+    async def _resume(self, state: StreamState, excluded: set[str]) -> tuple[Worker, httpx.Response]:
+        """The next leg of a broken stream. With no healthy decode worker (the only one died and restarts) it
+        waits for one at most `decode_wait` seconds, as our engine's resume does, then gives up."""
+        since = time.monotonic()
+        while True:
+            try:
+                return await self._pair("completions", state.resume_body(), state.prompt + state.sent, excluded)
+            except errors.APIError as e:
+                if e.code != "no_decode_worker" or time.monotonic() - since >= self.decode_wait:
+                    raise
+                await self.pool.wait_changed(min(0.05, self.decode_wait))
 
 
 def _api_error(r: httpx.Response) -> errors.APIError:
