@@ -127,6 +127,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: floa
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
+        freeze(proc.pid, False)  # a stopped process would hold SIGTERM until continued
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(120)
@@ -135,8 +136,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of `pid` and every descendant (from /proc)."""
+def _tree(pid: int) -> dict[int, int]:
+    """`pid` and every descendant -> CPU clock ticks spent (from /proc)."""
     parent: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for d in Path("/proc").iterdir():
@@ -147,12 +148,27 @@ def tree_cpu(pid: int) -> float:
         except OSError:
             continue
         parent[int(d.name)], ticks[int(d.name)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    total, todo = 0, [pid]
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += ticks.get(p, 0)
+        out[p] = ticks.get(p, 0)
         todo += [c for c, pp in parent.items() if pp == p]
-    return total / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of `pid` and every descendant."""
+    return sum(_tree(pid).values()) / os.sysconf("SC_CLK_TCK")
+
+
+def freeze(pid: int, frozen: bool) -> None:
+    """SIGSTOP (SIGCONT) a server and all its processes: the server not being measured takes no CPU at all
+    (an idle vLLM P/D pair polls UCX at ~0.5 core otherwise)."""
+    for p in _tree(pid):
+        try:
+            os.kill(p, signal.SIGSTOP if frozen else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -186,7 +202,7 @@ def single_round(engine: str, port: int, rng: random.Random, vocab: int, ids: di
         ps = prompts(rng, batch, DECODE_PROMPT, vocab)
         _, decode, got, _ = asyncio.run(served_run(port, ps, DECODE_NEW, True))
         out[f"decode_b{batch}_tok_s"] = decode
-        ids.setdefault(f"b{batch}", {})[engine] = got
+        ids.setdefault(f"b{batch}", {}).setdefault(engine, []).extend(got)  # rounds in order: aligned
     for n in TTFT_LENS:
         out[f"ttft_{n}_s"] = stream_times(f"http://127.0.0.1:{port}", prompts(rng, 1, n, vocab)[0], 2)[0]
     return out
@@ -202,12 +218,16 @@ def disagg_round(url: str, rng: random.Random, vocab: int) -> dict[str, float]:
 
 def interleaved(servers: dict[str, tuple[subprocess.Popen[bytes], Any]], rounds: int, seed: int,
                 samples: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
-    """`rounds` rounds, each engine loaded in turn (the other idle: its CPU meanwhile is returned). Round r
-    gives both engines the same prompts (seeded by r), fresh in every round."""
+    """`rounds` rounds, each engine loaded in turn while the other is frozen (its CPU meanwhile is returned: 0).
+    Round r gives both engines the same prompts (seeded by r), fresh in every round. `servers[e][1](rng)` runs
+    one round (`None`: a warm-up request only)."""
     idle: dict[str, list[float]] = {e: [] for e in servers}
     for r in range(rounds):
         order = list(servers) if r % 2 == 0 else list(reversed(servers))
         for engine in order:
+            for e, (p, _) in servers.items():
+                freeze(p.pid, e != engine)
+            servers[engine][1](None)  # a warm-up request after the thaw (timers, pools, probes catch up)
             others = {e: tree_cpu(p.pid) for e, (p, _) in servers.items() if e != engine}
             t0 = time.perf_counter()
             got = servers[engine][1](random.Random(seed * 1000 + r))
@@ -217,7 +237,17 @@ def interleaved(servers: dict[str, tuple[subprocess.Popen[bytes], Any]], rounds:
             for k, v in got.items():
                 samples[engine].setdefault(k, []).append(v)
             print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.4g}" for k, v in got.items()), flush=True)
+    for p, _ in servers.values():
+        freeze(p.pid, False)
     return idle
+
+
+def warm(url: str, vocab: int) -> dict[str, float]:
+    """Each prompt length once and a short decode, unmeasured (first-use costs: compiles, connections)."""
+    rng = random.Random(-1)
+    for n in (16, *TTFT_LENS):
+        stream_times(url, prompts(rng, 1, n, vocab)[0], 4)
+    return {}
 
 
 def summary(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
@@ -276,7 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for e in ENGINES:  # one at a time: vLLM's start (compile, KV profiling) is not timed against ours
             procs[e] = start(e, model, ports[e], a.threads, a.device, tmp / f"{e}.log")
             wait_ready(f"http://127.0.0.1:{ports[e]}", procs[e], "/health")
-        single = {e: (procs[e], lambda rng, e=e: single_round(e, ports[e], rng, vocab, ids)) for e in ENGINES}
+        for e in ENGINES:
+            warm(f"http://127.0.0.1:{ports[e]}", vocab)
+        single = {e: (procs[e], lambda rng, e=e: warm(f"http://127.0.0.1:{ports[e]}", vocab) if rng is None
+                      else single_round(e, ports[e], rng, vocab, ids)) for e in ENGINES}
         idle = interleaved(single, a.rounds, a.seed, samples)
         for e in ENGINES:
             stop(procs.pop(e))
@@ -287,8 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for e in ENGINES:
                 procs[e] = up(e, model, ports[e], max(1, a.threads // 2), tmp / f"up-{e}.log")
                 wait_ready(f"http://127.0.0.1:{ports[e]}", procs[e], "/cluster")
-            pd = {e: (procs[e], lambda rng, e=e: disagg_round(f"http://127.0.0.1:{ports[e]}", rng, vocab))
-                  for e in ENGINES}
+                warm(f"http://127.0.0.1:{ports[e]}", vocab)  # also the NIXL / KV-transfer connections
+            pd = {e: (procs[e], lambda rng, e=e: warm(f"http://127.0.0.1:{ports[e]}", vocab) if rng is None
+                      else disagg_round(f"http://127.0.0.1:{ports[e]}", rng, vocab)) for e in ENGINES}
             idle_pd = interleaved(pd, a.rounds, a.seed + 1, samples)
     finally:
         for p in procs.values():
