@@ -100,6 +100,7 @@ def _sample(url: str, name: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 900)  # vLLM starts in minutes under load: `up --start-timeout` bounds it, not pytest's 300 s
 @needs_vllm
 def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> None:
     assert up.wait_line(r"^ready: "), "".join(up.lines)

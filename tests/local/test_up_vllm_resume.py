@@ -50,6 +50,7 @@ def _ports_to_pids(up: Up) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 900)  # vLLM starts in minutes under load: `up --start-timeout` bounds it, not pytest's 300 s
 @needs_vllm
 def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
     assert up3.wait_line(r"^ready: "), "".join(up3.lines)

@@ -334,7 +334,6 @@ class VLLMFlow:
                 yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
                 return
 
-
     async def _resume(self, state: StreamState, excluded: set[str]) -> tuple[Worker, httpx.Response]:
         """The next leg of a broken stream. With no healthy decode worker (the only one died and restarts) it
         waits for one at most `decode_wait` seconds, as our engine's resume does, then gives up."""
