@@ -19,8 +19,8 @@ def _ev(text: str, ids: list[int] | None, finish: str | None = None, rid: str = 
                                   "choices": [ch], **kw}, separators=(",", ":"))
 
 
-def _data(line: str) -> dict[str, Any]:
-    assert line.startswith("data: ")
+def _data(line: str | None) -> dict[str, Any]:
+    assert line is not None and line.startswith("data: ")
     return json.loads(line[6:])  # type: ignore[no-any-return]
 
 
@@ -50,10 +50,10 @@ def test_a_completions_stream_resumes_after_the_tokens_sent() -> None:
     st.line(_ev(" b", [11]))
     assert st.line("") == ("", 0)
     assert (st.sent, st.finished, st.all_sent()) == ([10, 11], False, False)
+    st.start_leg()
     nxt = st.resume_body()
     assert nxt["prompt"] == [1, 2, 10, 11] and nxt["max_tokens"] == 3 and nxt["min_tokens"] == 1
     assert "echo" not in nxt and nxt["stream"] is True and nxt["temperature"] == 0
-    st.start_leg()
     out, n = st.line(_ev(" c", [12], rid="cmpl-b"))
     ev = _data(out)
     assert n == 1 and (ev["id"], ev["choices"][0]["text"], ev["choices"][0]["token_ids"]) == ("cmpl-a", " c", None)
@@ -74,10 +74,10 @@ def test_a_chat_stream_resumes_as_chat_chunks() -> None:
                                    "model": "tiny", "choices": [{"index": 0, "delta": {"content": "x"},
                                                                  "finish_reason": None, "token_ids": [40]}]})
     assert st.line(first) == (first, 1)
+    st.start_leg()
     nxt = st.resume_body()
     assert nxt == {"model": "tiny", "temperature": 0, "prompt": [5, 6, 7, 40], "stream": True,
                    "return_token_ids": True, "max_tokens": 3}
-    st.start_leg()
     ev = _data(st.line(_ev("y", [41, 42], finish="length", rid="cmpl-b"))[0])
     assert ev["id"] == "chatcmpl-a" and ev["object"] == "chat.completion.chunk" and ev["created"] == 3
     assert ev["choices"] == [{"index": 0, "delta": {"content": "y"}, "logprobs": None, "finish_reason": "length",
@@ -100,3 +100,22 @@ def test_a_blocked_stream_is_relayed_untouched() -> None:
     assert "return_token_ids" not in st.leg_body()
     line = _ev("a", None)
     assert st.line(line) == (line, 1) and st.sent == []
+
+
+def test_a_leg_from_a_character_boundary_does_not_send_tokens_twice() -> None:
+    # the last two tokens sent are bytes of one unfinished character: the next leg starts before them, and the
+    # two come again (greedy) before anything new
+    st = StreamState("completions", {"prompt": "hi", "max_tokens": 6, "stream": True}, [1])
+    for i, t in enumerate((20, 21, 22)):
+        st.line(_ev("ab"[i % 2], [t]))
+    st.start_leg(clean=1)
+    nxt = st.resume_body()
+    assert nxt["prompt"] == [1, 20] and nxt["max_tokens"] == 5
+    assert st.line(_ev("\ufffd", [21], rid="cmpl-b")) == (None, 0)
+    assert st.line(_ev("\ufffd", [22], rid="cmpl-b")) == (None, 0)
+    out, n = st.line(_ev("c", [23], rid="cmpl-b"))
+    assert n == 1 and _data(out)["choices"][0]["text"] == "c" and st.sent == [20, 21, 22, 23]
+    usage = {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    out, _ = st.line("data: " + json.dumps({"id": "cmpl-b", "object": "text_completion", "created": 9,
+                                            "model": "tiny", "choices": [], "usage": usage}))
+    assert _data(out)["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}

@@ -307,7 +307,8 @@ class VLLMFlow:
                     out, n = state.line(line)
                     if n:
                         on_tokens(n)
-                    yield (out + "\n").encode()
+                    if out is not None:
+                        yield (out + "\n").encode()
                 if state.done:
                     return
                 failure = "the stream ended without [DONE]"
@@ -328,11 +329,32 @@ class VLLMFlow:
                     raise errors.APIError(502, f"decode worker {d.url} failed mid-stream ({failure}); not resumed: "
                                                f"{why}", code="workers_failed")
                 self.resumes += 1
-                state.start_leg()
+                state.start_leg(await self._boundary(state))
                 d, resp = await self._resume(state, excluded)
             except errors.APIError as err:
                 yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
                 return
+
+    async def _boundary(self, state: StreamState, lookback: int = 8) -> int | None:
+        """How many of the tokens sent end on a character boundary (their text, from a worker's /detokenize, does
+        not end in U+FFFD), looking back at most `lookback` tokens; None when no worker can say."""
+        workers = [w for w in self.pool.workers.values() if w.healthy]
+        for m in range(len(state.sent), max(0, len(state.sent) - lookback) - 1, -1):
+            for w in workers:
+                try:
+                    r = await self.client.post(f"{w.url}/detokenize", timeout=10.0,
+                                               json={"model": state.body.get("model"), "tokens": state.sent[:m]})
+                except httpx.HTTPError:
+                    continue
+                if r.status_code != 200:
+                    continue
+                text = r.json().get("prompt")
+                if not isinstance(text, str) or not text.endswith("\ufffd"):
+                    return m
+                break
+            else:
+                return None
+        return None
 
     async def _resume(self, state: StreamState, excluded: set[str]) -> tuple[Worker, httpx.Response]:
         """The next leg of a broken stream. With no healthy decode worker (the only one died and restarts) it

@@ -70,7 +70,8 @@ class StreamState:
         self.done = False  # `data: [DONE]` went out
         self.head: dict[str, Any] | None = None  # the first event's id, created, model: the stream's identity
         self.resumed = 0  # legs after the first
-        self._leg_start = 0  # tokens sent before the current leg (its prompt holds them)
+        self._leg_start = 0  # output tokens in the current leg's prompt
+        self._skip = 0  # tokens the current leg generates again before it reaches new ones (not sent twice)
 
     def leg_body(self) -> dict[str, Any]:
         """The body of the first decode leg: the client's, asking for token ids when a resume may need them."""
@@ -82,20 +83,21 @@ class StreamState:
             out = {k: self.body[k] for k in _SHARED if k in self.body}
         else:
             out = {k: v for k, v in self.body.items() if k not in ("prompt", "echo", "suffix")}
-        left = max_tokens(self.kind, self.body)
-        out.update(prompt=self.prompt + self.sent, stream=True, return_token_ids=True,
-                   max_tokens=None if left is None else left - len(self.sent))
+        left, start = max_tokens(self.kind, self.body), self._leg_start
+        out.update(prompt=self.prompt + self.sent[:start], stream=True, return_token_ids=True,
+                   max_tokens=None if left is None else left - start)
         out.pop("max_completion_tokens", None)
         if "min_tokens" in self.body:
-            out["min_tokens"] = max(0, int(self.body["min_tokens"] or 0) - len(self.sent))
+            out["min_tokens"] = max(0, int(self.body["min_tokens"] or 0) - start)
         return out
 
     def all_sent(self) -> bool:
         left = max_tokens(self.kind, self.body)
         return left is not None and len(self.sent) >= left
 
-    def line(self, line: str) -> tuple[str, int]:
-        """One SSE line of the current leg: (what goes to the client; the output tokens in it)."""
+    def line(self, line: str) -> tuple[str | None, int]:
+        """One SSE line of the current leg: (what goes to the client, None for nothing; the new output tokens
+        in it)."""
         if not line.startswith("data: "):
             return line, 0
         data = line[6:]
@@ -114,8 +116,14 @@ class StreamState:
             self.head = {k: ev.get(k) for k in ("id", "created", "model")}
         n = 0
         for ch in ev.get("choices") or []:
-            ids = ch.get("token_ids") or []
-            self.sent.extend(int(t) for t in ids)
+            ids = [int(t) for t in ch.get("token_ids") or []]
+            if self._skip and ids:  # generated again from a clean boundary: the client has these already
+                dup = min(self._skip, len(ids))
+                self._skip -= dup
+                if dup == len(ids) and ch.get("finish_reason") is None:
+                    return None, 0
+                ids = ids[dup:]
+            self.sent.extend(ids)
             n += len(ids)
             self.finished = self.finished or ch.get("finish_reason") is not None
         if self.resumed:
@@ -152,10 +160,14 @@ class StreamState:
             _hide_ids(ev)
         return ev
 
-    def start_leg(self) -> None:
-        """A resumed leg begins: its prompt holds the tokens sent so far."""
+    def start_leg(self, clean: int | None = None) -> None:
+        """A resumed leg begins. Its prompt holds the first `clean` tokens sent (default: all): a prompt that
+        ends inside a character (a byte-level token of a multi-byte character) makes vLLM's detokenizer emit
+        the whole prompt's text with the first new token, so the leg starts at the last character boundary and
+        the tokens after it, generated again (greedy: the same), are not sent twice."""
         self.resumed += 1
-        self._leg_start = len(self.sent)
+        self._leg_start = len(self.sent) if clean is None else clean
+        self._skip = len(self.sent) - self._leg_start
 
     def closing(self) -> list[str]:
         """The stream's end when the break came after its last token: `data: [DONE]` (a length finish first when
