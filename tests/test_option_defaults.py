@@ -139,3 +139,19 @@ def test_no_default_below_the_command_line(fn: Any) -> None:
     defaulted = [p.name for p in inspect.signature(fn).parameters.values()
                  if p.name in KNOBS and p.default is not inspect.Parameter.empty]
     assert not defaulted, defaulted
+
+
+def test_the_declared_ttft_target_reaches_the_router() -> None:
+    """--ttft-slo has no spec.router field of its own: the router reuses spec.autoscaling.slo.ttftSeconds (its
+    load-driven aggregation aims at the target the autoscaler guards); unset, the flag is left out (0: off)."""
+    def router_opts(spec_extra: dict[str, Any]) -> RouterOptions:
+        spec = models.parse_spec({"model": {"name": "m", "uri": "pvc://models/m"}, **spec_extra})
+        children = render.render_children(naming.Owner("c", "ns", "uid"), spec, {"prefill": 1, "decode": 1}, "fp")
+        cmd = next(d for d in children if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router"))
+        return RouterOptions.from_args(_parse(router_cli, _after(cmd["spec"]["template"]["spec"]["containers"][0]
+                                                                  ["command"], "router")))
+
+    assert router_opts({}).ttft_slo == 0.0 == RouterOptions().ttft_slo
+    assert router_opts({"autoscaling": {"slo": {"ttftSeconds": 2.5}}}).ttft_slo == 2.5
+    up = launcher.router_cmd(_parse(launcher, ["--ttft-slo", "1.5"]), ["http://p:1"], ["http://d:2"])
+    assert RouterOptions.from_args(_parse(router_cli, _after(up, "router"))).ttft_slo == 1.5

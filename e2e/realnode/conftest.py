@@ -4,7 +4,8 @@ operator running as a real pod on that node, and one namespace holding examples/
 Run as their own session (`pytest e2e/realnode`, `make e2e` does): the kwok suite runs the operator as a
 local process watching every namespace, which would reconcile these PDClusters a second time.
 Scenario files share one PDCluster and run in file order (10 operator, 11 apply, 12 completion, 13 scale
-and container kill, 14 autoscaler fed by Prometheus, 15 delete); 16 serves a hostpath:// model of its own."""
+and container kill, 14 autoscaler fed by Prometheus, 14b role flip,
+and 15 delete); 16 serves a hostpath:// model of its own."""
 
 from __future__ import annotations
 

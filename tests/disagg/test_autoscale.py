@@ -216,3 +216,29 @@ def test_scale_down_waits_for_the_stabilization_window(monkeypatch: pytest.Monke
     assert [d.reason for _, d in calls[1:]] == ["Stabilizing"] * 3 and sup.log[2:] == []
     _run(cluster, scaler, 30)
     assert calls[-1][1].reason == "ScaleDown" and sup.log[2:] == ["-decode-2"]  # one step at a time
+
+
+def test_up_autoscale_flips_a_worker_of_the_pool_with_slack(monkeypatch: pytest.MonkeyPatch,
+                                                           tiny_model_dir: Any) -> None:
+    """Decode must grow by 2 while prefill runs 2 and needs 1: one prefill worker (a real one, tiny model) is
+    flipped to decode (no process started or stopped for it), one decode worker is started for the rest."""
+    from .harness import SECRET, make_worker, serve
+
+    app, _ = make_worker(tiny_model_dir, "prefill")
+    with serve(app) as url:
+        workers = {**WORKERS, "prefill-1": ("prefill", url)}
+        policy = Policy(bounds=Bounds(1, 3, 1, 3), decode_capacity=1000.0, prefill_capacity=10_000.0)
+        sup = FakeSup({n: FakeProc(True, object() if n in ("prefill-0", "prefill-1", "decode-0") else None)
+                       for n in workers})
+        cluster = FakeCluster(sup, workers)
+        monkeypatch.setattr(autoscale.httpx, "get", cluster.get)  # the metrics are simulated; /internal/role is not
+        monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
+        scaler = Autoscaler(ROUTER, sup, workers, policy, interval=15, secret=SECRET)
+        cluster.rate = 40.0  # decode: ceil(1.5 x 40 x 50 / 1000) = 3; prefill: ceil(1.5 x 40 x 100 / 10 000) = 1
+        events = _run(cluster, scaler, 16.5)
+        assert any("flipped prefill-1: prefill -> decode" in e for e in events), events
+        assert sup.log == ["+decode-1"]  # 1 -> 3: one by the flip, one started
+        assert scaler.workers["prefill-1"] == ("decode", url)
+        with httpx.Client() as h:
+            assert h.get(f"{url}/health").json()["role"] == "decode"  # the same process, now decode
+        assert any("RoleFlip" in e for e in events)

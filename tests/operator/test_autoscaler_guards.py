@@ -122,8 +122,11 @@ def test_the_guard_acts_once_per_window_and_not_during_a_rollout() -> None:
     # ready, but the window still holds latencies from before the change: no news
     dec = asc.decide(pol, dec.state, o, asc.PoolView(4, 4), asc.PoolView(3, 3), 1090.0)
     assert dec.prefill.desired == 4 and dec.state.prefill.slo_breaches == 1
-    # a whole window after the change and still broken: one more
+    # a window after the order but not after the pod was seen ready (1090 s): its window still mixes sizes
     dec = asc.decide(pol, dec.state, o, asc.PoolView(4, 4), asc.PoolView(3, 3), 1130.0)
+    assert dec.prefill.desired == 4 and dec.state.prefill.slo_breaches == 1
+    # a whole window after the change was ready and still broken: one more
+    dec = asc.decide(pol, dec.state, o, asc.PoolView(4, 4), asc.PoolView(3, 3), 1210.0)
     assert dec.prefill.desired == 5 and dec.state.prefill.slo_breaches == 2
 
 

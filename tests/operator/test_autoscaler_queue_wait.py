@@ -54,8 +54,11 @@ def test_a_backlog_longer_than_the_target_after_the_change_is_ready_is_news() ->
     pol = policy(slo_ttft_seconds=5.0, window_seconds=120)
     state = asc.State(prefill=asc.PoolState(last_change=1000.0))
     # 60 s after the change, its pods ready: the window still holds the old breach, but the queue alone
-    # waits 20 s (> the 5 s target): the change did not cure it, so the guard acts now, not a window later
-    dec = asc.decide(pol, state, obs(5.0, ttft_seconds=77.0, prefill_queue_mean=100.0), asc.PoolView(3, 3),
+    # waits 50 s (> the 5 s target) and the 3 ready instances, 2.4 of them busy with arrivals (4/s x 6k
+    # tokens at 10k tok/s), need 200 s for its 120 instance-seconds: the change did not cure it, so the
+    # guard acts now, not a window later
+    dec = asc.decide(pol, state, obs(4.0, i=6000, peak_request_rate=4.4, ttft_seconds=77.0, prefill_queue_mean=200.0),
+                     asc.PoolView(3, 3),
                      asc.PoolView(1, 1), 1060.0)
     assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired > 3
     # a queue that adds less than the target inside the window after a change: wait for the window
@@ -104,12 +107,13 @@ def test_a_backlog_the_ready_change_is_working_off_waits_for_the_window() -> Non
     state = asc.State(decode=asc.PoolState(last_change=1000.0))
 
     def step(now_queue: float):
-        o = obs(4.0, ttft_seconds=40.0, decode_queue_mean=100.0, decode_queue_now=now_queue)
+        # 10 req/s of 1100-token outputs at 2k tok/s: 5.5 of the 6 decode instances busy with arrivals
+        o = obs(10.0, o=1100, peak_request_rate=10.5, ttft_seconds=40.0, decode_queue_mean=100.0,
+                decode_queue_now=now_queue)
         return asc.decide(pol, state, o, asc.PoolView(1, 1), asc.PoolView(6, 6), 1060.0)
 
-    # 60 s after decode grew to 6, its pods ready: 60 waiting now against 100 on average, so it is going
-    # down; pods ordered now would start after it is gone
+    # 60 s after decode grew to 6, its pods ready: the 60 waiting now (33 instance-seconds) go in 66 s on
+    # the half instance to spare, within the window; pods ordered now would start after they are gone
     assert step(60.0).decode.desired == 6
-    # still growing: the change was not enough
+    # 120 waiting take 132 s: the change was not enough
     assert step(120.0).decode.reason == asc.SLO_GUARD and step(120.0).decode.desired > 6
-    assert rules.draining(60.0, 100.0) and not rules.draining(120.0, 100.0) and not rules.draining(None, 100.0)

@@ -63,6 +63,28 @@ def test_policy_subset_and_speedup(tmp_path, small_trace):
     assert not (out / "replicas.png").exists()
 
 
+def test_decisions_log_one_row_per_tick_of_the_measured_pass(tmp_path, small_trace):
+    import csv
+
+    from pdcluster.bench.sim.decisions import COLUMNS
+
+    out = tmp_path / "o"
+    assert main(["simulate", "--trace", str(small_trace), "--out", str(out), "--no-plots", "--decisions",
+                 "--policy", "pdcluster", "reactive-oracle", "static-1:1"]) == 0
+    doc = json.loads((out / "summary.json").read_text())
+    with (out / "decisions-pdcluster.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == COLUMNS
+    # every 30 s tick of the trace (the primed first pass is not logged), in time order
+    assert len(rows) == int(doc["trace"]["duration_s"] // 30)
+    assert [float(r["t"]) for r in rows] == [30.0 * (k + 1) for k in range(len(rows))]
+    sizes = [(int(r["prefill_desired"]), int(r["decode_desired"])) for r in rows]
+    assert max(p for p, _ in sizes) == doc["policies"]["pdcluster"]["max_prefill"]
+    with (out / "decisions-reactive-oracle.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == int(doc["trace"]["duration_s"] // 10)  # the oracle's 10 s ticks
+    assert not (out / "decisions-static-1:1.csv").exists()  # a fixed size decides nothing
+
+
 def test_cold_start_and_headroom_are_recorded(tmp_path, small_trace):
     out = tmp_path / "c"
     assert main(["simulate", "--trace", str(small_trace), "--out", str(out), "--policy", "pdcluster",

@@ -14,8 +14,10 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
 - SLO guard: a latency percentile over `spec.autoscaling.slo` with a queue in front of the pool that adds
   a real wait, and is still there at the window's end, grows it (by current·(target + wait)/target, at
   least one) even when the formula says enough, and cuts its capacity correction (which
-  fades while the SLO is met or the breach has no queue); once per window after the pool's last change,
-  sooner when the queue alone still waits longer than the target once the change is ready.
+  fades while the SLO is met or the breach has no queue) unless the pool changed within the window (a
+  backlog left from before the change says nothing of capacity); once per window after the pool's last
+  change, sooner when the queue alone still waits longer than the target once the change is ready and the
+  ready pool's spare instances would not work it off within a window.
 - Scale up at once (at most `maxScaleUpStep`). Scale down only after the need stayed below the current
   size (with a 10% margin, DOWN_TOLERANCE) for `scaleDownStabilizationSeconds`, to the highest need of
   the sliding window of that length, and not below the need of bursts that broke the SLO within
@@ -151,6 +153,7 @@ class PoolState:
     capacity_scale: float = 1.0  # SLO correction of the capacity (1 = as configured/learned)
     slo_breaches: int = 0  # SLO-guard scale-ups so far (status and the operator metric)
     tensor_parallel: int | None = None  # the pool's TP size all of the above was observed at (for_layout)
+    ready_at: float | None = None  # when the last change was first seen ready (its capacity changed then)
 
     def for_layout(self, tp: int, now: float) -> PoolState:
         """This state if it was observed at TP `tp`, else a fresh one. All of it is in units of instances of
@@ -296,8 +299,8 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         # breach, maxScaleUpStep at most), and the capacity the formula believes in is corrected for the
         # next decisions. (When the formula already asks for more, the load explains the breach.)
         target = current + rules.guard_step(current, *slo, wait=wait[0], wait_now=wait[1])
-        ps = replace(ps, capacity_scale=max(rules.MIN_CAPACITY_SCALE, ps.capacity_scale * rules.SLO_CAPACITY_CUT),
-                     slo_breaches=ps.slo_breaches + 1)
+        cut = rules.capacity_cut(ps.capacity_scale, slo_guard.changed_within_window(policy, ps, view, now))
+        ps = replace(ps, capacity_scale=cut, slo_breaches=ps.slo_breaches + 1)
     if target > current:
         reason = SLO_GUARD if guard_up and rec <= current else SCALE_UP
         return min(target, current + policy.max_up_step), reason, stalled, replace(ps, below_since=None,
@@ -328,6 +331,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             tput = obs.prefill_tokens_per_instance if r == "prefill" else obs.decode_tokens_per_instance
             sat = obs.prefill_saturated if r == "prefill" else obs.decode_saturated
             pool_states[r] = _learn(policy, pool_states[r], views[r], tput, sat, now)
+        pool_states[r] = slo_guard.note_ready(pool_states[r], views[r], now)
         guard[r], pool_states[r] = slo_guard.guard(policy, obs, pool_states[r], views[r], r, bool(metrics_ok and rate),
                                                    now)
         capacity[r], source[r] = _capacity(configured[r], pool_states[r])

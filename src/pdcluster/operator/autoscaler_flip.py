@@ -13,13 +13,13 @@ first and starts pods only for what is left.
   (metrics or capacity unknown) has no slack; the other pool ends at min(its desired, current - flips);
 - flips = min(short, slack), fewer if `spec.autoscaling.ratio` would not hold after them.
 
-The operator side (a worker endpoint or pod annotation to switch roles, relabelling) is not built: this is
-the decision `pdcluster simulate`'s `pdcluster-flip` policy acts on.
+`pdcluster simulate`'s `pdcluster-flip` policy acts on this decision; the operator carries it out on pods
+with `spec.roleFlips` (`applied` here, then operator/flips.py and flip_pods.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdcluster.operator import autoscaler as asc
 
@@ -67,3 +67,13 @@ def plan(decision: asc.Decision, policy: asc.Policy) -> FlipPlan:
                 return FlipPlan(want_p, other_after, to_prefill=n)
             return FlipPlan(other_after, want_d, to_decode=n)
     return FlipPlan(want_p, want_d)
+
+
+def applied(decision: asc.Decision, policy: asc.Policy) -> asc.Decision:
+    """The decision with its flips planned in: each pool's desired size from `plan`, reason `RoleFlip` when
+    there is a flip (its pools' cause is then `flip`: autoscaler_explain). Unchanged without flips."""
+    fp = plan(decision, policy)
+    if not fp.flips:
+        return decision
+    return replace(decision, prefill=replace(decision.prefill, desired=fp.prefill),
+                   decode=replace(decision.decode, desired=fp.decode), reason=FLIP)

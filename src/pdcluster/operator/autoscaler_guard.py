@@ -59,6 +59,46 @@ def wait(obs: Observation | None, role: str) -> tuple[float | None, float | None
             rules.queue_wait(queue_now(obs, role), obs.request_rate))
 
 
+def work(policy: Policy, obs: Observation | None, ps: PoolState, role: str) -> float | None:
+    """One request's instance-seconds in the pool at the capacity the formula uses (I'/C_p, O/C_d + t_join);
+    None when a length or the capacity is unknown."""
+    if obs is None:
+        return None
+    configured = policy.prefill_capacity if role == "prefill" else policy.decode_capacity
+    base = configured or ps.learned_capacity
+    if not base:
+        return None
+    if role == "prefill":
+        if obs.mean_input_tokens is None:
+            return None
+        hit = obs.prefix_hit_rate if policy.use_prefix_hits else None
+        return rules.prefill_tokens(obs.mean_input_tokens, hit) / (base * ps.capacity_scale)
+    if obs.mean_output_tokens is None:
+        return None
+    join = rules.join_seconds(obs.decode_join_seconds, "spec" if configured else "learned", policy.decode_join_seconds)
+    return obs.mean_output_tokens / (base * ps.capacity_scale) + join
+
+
+def note_ready(ps: PoolState, view: PoolView, now: float) -> PoolState:
+    """The state with `ready_at` set at the first decision that sees the pool's last change ready."""
+    if ps.last_change is None or view.ready < view.current:
+        return ps
+    if ps.ready_at is not None and ps.ready_at >= ps.last_change:
+        return ps
+    return replace(ps, ready_at=now)
+
+
+def changed_within_window(policy: Policy, ps: PoolState, view: PoolView, now: float) -> bool:
+    """Whether the pool's capacity changed within the window: its last change was ordered, or seen ready,
+    less than a window ago, or pods are still starting. A window that began before then mixes two pool
+    sizes: its percentile and queue describe the old one. With pods that start in less than a window the
+    order is what counts; with slower ones (minutes with weights to load) the pods arrive after the window
+    of the order is over, and their first window still holds the backlog they have just begun to drain."""
+    refs = [x for x in (ps.last_change, ps.ready_at) if x is not None]
+    ref = max(refs) if refs else None
+    return rules.warming_up(now, ref, view.since, view.current, view.ready, policy.window_seconds)
+
+
 def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView, role: str, traffic: bool,
           now: float) -> tuple[bool, PoolState]:
     """(does the guard grow this pool now, the pool state with its capacity correction faded or not).
@@ -69,7 +109,9 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
       after it).
     - The percentile covers the whole window, so a breach counts once the pool's last change has been
       observed for a window (sooner would count the same breach twice), unless the change is ready and
-      its queue alone still waits longer than the target and is not going down.
+      its queue alone still waits longer than the target and the ready pool, less what arrivals take,
+      cannot work it off within a window (`rules.backlog_clears`: pods ordered for a backlog that is gone
+      before they start only stay for a stabilization period).
     - An earlier correction fades while the SLO is met, or while the breach is not one a queue explains."""
     observed, target = targets(policy, obs)[role]
     broken = traffic and rules.breached(observed, target)
@@ -77,9 +119,9 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
     instant = queue_now(obs, role)
     curable = broken and rules.guard_applies(mean, rate, target)
     latest = mean if instant is None else instant
-    news = not rules.warming_up(now, ps.last_change, view.since, view.current, view.ready, policy.window_seconds) \
+    news = not changed_within_window(policy, ps, view, now) \
         or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)
-            and not rules.draining(latest, mean))
+            and not rules.backlog_clears(latest, rate, work(policy, obs, ps, role), view.ready, policy.window_seconds))
     fires = curable and rules.still_queued(instant) and news
     if ps.capacity_scale < 1.0 and (not broken and rules.comfortable(observed, target) or broken and not curable):
         ps = replace(ps, capacity_scale=min(1.0, ps.capacity_scale + rules.CAPACITY_RECOVERY))

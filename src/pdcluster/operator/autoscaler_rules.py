@@ -9,6 +9,8 @@
 - `effective_headroom`: the headroom the load's observed variability calls for, the spec's as the ceiling.
 - `guard_applies`: whether a broken percentile is one that more replicas would cure (a queue that waits).
 - `queue_wait`: the wait a pool's queue adds (Little's law).
+- `backlog_clears`: whether the ready pool works off its queue within a window (then the guard waits).
+- `capacity_cut`: the SLO correction after a guard step (none for a backlog left from before a change).
 - `guard_step`: how many replicas the SLO guard adds (in proportion to the part of the breach a queue explains).
 - `pool_need`: a pool's unrounded need, and the part of it a remembered burst holds up.
 - `join_cost`: t_join from the decode workers' admission time and step time (the step is O/C_d's).
@@ -135,11 +137,32 @@ def backlog_outgrew(current: int, ready: int, wait: float | None, target: float 
     return ready >= current and wait is not None and target is not None and wait > target
 
 
-def draining(queue_now: float | None, queue_mean: float | None) -> bool:
-    """A queue below its window's mean is going down: the pods of the last change are working it off, and
-    more ordered now would start after it is gone (a shift to long outputs: decode 6 -> 10 for a backlog
-    the 6 drained in seconds)."""
-    return queue_now is not None and queue_mean is not None and queue_now < queue_mean
+def backlog_clears(queue_now: float | None, rate: float | None, work: float | None, ready: int,
+                   horizon: float | None) -> bool:
+    """Whether the pool as it stands now works off its queue within `horizon` seconds while keeping up with
+    arrivals: `ready - λ·work` instances are left over for a backlog of `queue·work` instance-seconds
+    (`work`: one request's instance-seconds, len/C). A pod ordered now is ready a pod start later; if the
+    pool drains the queue before the guard looks again (a window), what it would order arrives after the
+    breach is over and stays for a stabilization period (a shift to 6k-token prompts met by 1 prefill
+    instance: 3 -> 7 -> 11 while the 7 just ready drained the queue in 25 s). Unknown: False (act)."""
+    if queue_now is None or rate is None or work is None or horizon is None:
+        return False
+    if not all(math.isfinite(v) for v in (queue_now, rate, work, horizon)) or rate <= 0 or work <= 0:
+        return False
+    spare = ready - rate * work
+    return spare > 0 and max(0.0, queue_now) * work <= spare * horizon
+
+
+def capacity_cut(scale: float, changed_within_window: bool) -> float:
+    """The capacity correction after an SLO-guard step. A breach under a pool that stood at its size for the
+    whole window says the capacity the formula believes in is too high: cut it (SLO_CAPACITY_CUT). A breach
+    in a window during which the pool changed is a backlog left from before the change (the pool was
+    short, or its pods were starting): the guard still drains it, but it says nothing about what one
+    instance serves, and a cut there inflated every later need until it faded (a cold start met by one
+    prefill instance: 4 prefill instead of 3 for ten minutes after the backlog was gone)."""
+    if changed_within_window:
+        return scale
+    return max(MIN_CAPACITY_SCALE, scale * SLO_CAPACITY_CUT)
 
 
 def guard_step(current: int, observed: float | None, target: float | None, wait: float | None = None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ import httpx
 from pydantic import ValidationError
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import drain, naming, opmetrics, render, scaling
+from pdcluster.operator import drain, flip_pods, flips, naming, opmetrics, render, scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.kube import PDC_API_VERSION, ApiError, Kube
 from pdcluster.operator.models import KIND, PDClusterSpec, parse_spec, short_error
@@ -211,18 +212,28 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 3. What runs now; 4. desired replicas (the operator is their single writer).
     deps, pools = await _read_pools(ctx, owner)
+    fp = await flip_pods.FlipPass.read(ctx.kube, owner, spec)  # spec.roleFlips: pools count flipped pods
+    if fp is not None:
+        sizes, ready = fp.pools(pools.current, pools.ready)
+        pools = dataclasses.replace(pools, current=sizes, ready=ready)
     scale = await _scaling_step(ctx, body, owner, spec, old_status, pools, now)
     desired = scale.desired
+    current = pools.current
+    if fp is not None:  # 4b. role flips: workers move pools before any pod starts or stops
+        desired, current = await _flip(ctx, body, fp, current, desired, scale.before_flips, key, now_s)
 
-    # 5. Graceful scale-down: drain the victims before lowering the count.
+    # 5. Graceful scale-down: drain the victims before lowering the count (flipped pods go first).
     for r in render.WORKER_ROLES:
-        cur = pools.current[r]
+        cur = current[r]
         if cur is not None and desired[r] < cur:
-            await _drain_victims(ctx, owner, r, cur - desired[r], now_s, key)
+            gone = await _retire_flipped(ctx, fp, r, cur - desired[r], key)
+            if cur - gone > desired[r]:
+                await _drain_victims(ctx, owner, r, cur - gone - desired[r], now_s, key)
 
-    # 6. Apply every child.
+    # 6. Apply every child (a Deployment runs its pool less the flipped pods it holds).
     try:
-        applied = await _apply_children(ctx, owner, spec, desired, fingerprint)
+        replicas = desired if fp is None else flips.deployment_replicas(desired, fp.flipped)
+        applied = await _apply_children(ctx, owner, spec, replicas, fingerprint)
     except ApiError as e:
         if e.retryable or e.namespace_terminating:
             raise
@@ -230,6 +241,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 7. Status.
     after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
+    if fp is not None:
+        after = fp.count_in(after)  # the pools with their flipped pods
     conditions = st.workload_conditions(after) + scale.conditions
     for c in conditions:
         if c["type"] == "Degraded":
@@ -284,6 +297,30 @@ async def _apply_children(ctx: Context, owner: naming.Owner, spec: PDClusterSpec
         await ctx.kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace,
                               naming.network_policy_name(owner))
     return applied
+
+
+async def _flip(ctx: Context, body: dict[str, Any], fp: flip_pods.FlipPass, current: dict[str, int | None],
+                desired: dict[str, int], before_flips: dict[str, int] | None, key: bytes | None, now_s: str
+                ) -> tuple[dict[str, int], dict[str, int | None]]:
+    http = ctx.http or httpx.AsyncClient(trust_env=False)
+    try:
+        return await fp.run(http, current, desired, before_flips, key, now_s,
+                            lambda type_, reason, message: ctx.emit(body, type_, reason, message))
+    finally:
+        if ctx.http is None:
+            await http.aclose()
+
+
+async def _retire_flipped(ctx: Context, fp: flip_pods.FlipPass | None, role: str, count: int,
+                          key: bytes | None) -> int:
+    if fp is None or not fp.flipped.get(role):
+        return 0
+    http = ctx.http or httpx.AsyncClient(trust_env=False)
+    try:
+        return await fp.retire(http, role, count, key)
+    finally:
+        if ctx.http is None:
+            await http.aclose()
 
 
 async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: int, now_s: str,

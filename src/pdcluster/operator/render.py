@@ -131,6 +131,9 @@ def router_command(owner: Owner, spec: PDClusterSpec) -> list[str]:
         "--max-queue-depth", str(r.maxQueueDepth),
         "--request-timeout", _num(r.requestTimeoutSeconds),
         "--disaggregation-threshold", str(r.disaggregationThreshold),
+        # the declared TTFT target also drives the router's load-driven aggregation (router/aggregate.py); unset,
+        # the flag is left out and the router command (so the pod) is what it was
+        *(["--ttft-slo", _num(spec.autoscaling.slo.ttftSeconds)] if spec.autoscaling.slo.ttftSeconds else []),
         # the workers' KV secret also authenticates the router's /internal/* calls (derived bearer token)
         "--internal-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}",
         # vLLM pools: the router speaks vLLM's kv_transfer_params handshake (pdcluster pools: unchanged flags)

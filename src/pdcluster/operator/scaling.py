@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_explain, naming, opmetrics, transfer_health
+from pdcluster.operator import autoscaler_explain, autoscaler_flip, flips, naming, opmetrics, transfer_health
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -61,6 +61,7 @@ class Step:
     autoscaler_status: dict[str, Any] = field(default_factory=dict)  # {} = no status.autoscaler
     decision: asc.Decision | None = None  # set when the autoscaler was evaluated in this pass
     scaled_message: str | None = None  # a Normal/Scaled Event to emit: the decision changed replicas
+    before_flips: dict[str, int] | None = None  # the decision's sizes before role flips were planned in (flips.py)
 
 
 def clamp_all(spec: PDClusterSpec, replicas: Mapping[str, int]) -> dict[str, int]:
@@ -178,7 +179,12 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
     # A pool with no recorded change waits for its Deployment's first rollout, counted from the
     # Deployment's creation (now, if it is being created in this pass).
     views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}
-    decision = asc.decide(asc.Policy.from_spec(spec), state, observed.obs, views["prefill"], views["decode"], now)
+    policy = asc.Policy.from_spec(spec)
+    decision = asc.decide(policy, state, observed.obs, views["prefill"], views["decode"], now)
+    before_flips = None
+    if flips.incompatible(spec) is None:  # spec.roleFlips: the short pool's growth from the other's slack
+        before_flips = {r: decision.pool(r).desired for r in ROLES}
+        decision = autoscaler_flip.applied(decision, policy)
     desired = {r: decision.pool(r).desired for r in ROLES}  # within the bounds: decide clamps last
     return Step(
         desired=desired,
@@ -188,6 +194,7 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
         autoscaler_status=st.autoscaler_status(decision, st.fmt_time(now)),
         decision=decision,
         scaled_message=scaled_message(decision, base, desired) if decision.changed else None,
+        before_flips=before_flips,
     )
 
 
@@ -229,7 +236,7 @@ async def step(spec: PDClusterSpec, old_status: Mapping[str, Any], pools: Pools,
     observed = await observe(source_for, cluster, spec, pools.ready)
     out = evaluate(spec, base, pools, autoscaler_status, observed, now)
     return Step(out.desired, min(resync_seconds, out.next_delay), out.conditions, out.autoscaler_status,
-                out.decision, out.scaled_message)
+                out.decision, out.scaled_message, out.before_flips)
 
 
 def record_metrics(owner: naming.Owner, spec: PDClusterSpec, s: Step) -> None:

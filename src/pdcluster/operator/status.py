@@ -172,6 +172,7 @@ def autoscaler_state(autoscaler_status: Mapping[str, Any] | None) -> State:
     learned = sts.get("learnedCapacity") or {}
     stab = sts.get("stabilization") or {}
     last = sts.get("lastScaleTime") or {}
+    ready = sts.get("readyTime") or {}  # when each pool's last change was first seen ready
     slo = sts.get("slo") or {}
 
     def t(v: Any) -> float | None:
@@ -191,6 +192,7 @@ def autoscaler_state(autoscaler_status: Mapping[str, Any] | None) -> State:
             below_since=t(s.get("belowSince")),
             max_need=float(s["maxNeed"]) if isinstance(s.get("maxNeed"), int | float) else None,
             last_change=t(last.get(role)),
+            ready_at=t(ready.get(role)) if isinstance(ready, dict) else None,
             learned_capacity=float(cap) if isinstance(cap, int | float) and cap > 0 else None,
             recent_needs=_needs(s.get("recentNeeds")),
             recent_bursts=_needs(s.get("recentBursts")),
@@ -242,6 +244,10 @@ def autoscaler_state_status(state: State) -> dict[str, Any]:
         "lastScaleTime": {
             "prefill": fmt_time(state.prefill.last_change) if state.prefill.last_change else None,
             "decode": fmt_time(state.decode.last_change) if state.decode.last_change else None,
+        },
+        "readyTime": {
+            "prefill": fmt_time(state.prefill.ready_at) if state.prefill.ready_at else None,
+            "decode": fmt_time(state.decode.ready_at) if state.decode.ready_at else None,
         },
     }
 

@@ -3,7 +3,8 @@
 
 Writes DIR/summary.json ({"trace": {...}, "policies": {name: {...}}, plus the goal check and the setup})
 and DIR/replicas.png (P and D over time against the load), DIR/tradeoff.png (SLO attainment vs
-instance-hours). Bad input: one error line on stderr and exit 2.
+instance-hours); with `--decisions`, DIR/decisions-POLICY.csv for each policy built on the operator's
+`decide` (`decisions.py`: one row per autoscaler tick). Bad input: one error line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import NoReturn
 from pdcluster.bench import trace as tr
 from pdcluster.bench.sim import policies as pol
 from pdcluster.bench.sim.cluster import RunResult, simulate
+from pdcluster.bench.sim.decisions import write_csv as write_decisions
 from pdcluster.bench.sim.feasibility import feasibility
 from pdcluster.bench.sim.model import SLO, ServiceModel, capacities_from_profile
 from pdcluster.bench.sim.report import (
@@ -72,7 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "looked like this one)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="no prefix caching in the prefill instances (default: an LRU of 500k tokens each)")
+    p.add_argument("--load-aggregation", action="store_true",
+                   help="the router's load-driven aggregation with --slo-ttft as its target (the operator passes "
+                   "spec.autoscaling.slo.ttftSeconds as the router's --ttft-slo): while the prefill queue would "
+                   "miss it, decode instances with a free slot prefill new prompts themselves")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--decisions", action="store_true",
+                   help="also write DIR/decisions-POLICY.csv: every autoscaler tick of the measured pass of each "
+                   "policy built on the operator's decide (what it saw, the pools, what it decided)")
 
 
 def _model(args: argparse.Namespace) -> ServiceModel:
@@ -87,22 +96,25 @@ def _model(args: argparse.Namespace) -> ServiceModel:
             raise UsageError(f"{flag} must be > 0 (got {v})")
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
                         pod_start_s=args.pod_start, flip_s=args.flip_time, prefix_cache_tokens=0 if args.no_prefix_cache else
-                        ServiceModel.prefix_cache_tokens)
+                        ServiceModel.prefix_cache_tokens,
+                        aggregate_ttft_s=args.slo_ttft if getattr(args, "load_aggregation", False) else 0.0)
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
-               headroom: float = 1.5) -> RunResult:
+               headroom: float = 1.5, log: bool = False) -> RunResult:
     """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
     starts from (the hour before looked like this one; see policies.carry_over)."""
     policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom)
     if primed:
         first = simulate(trace, model, policy)
         policy = pol.carry_over(policy, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
+    if log and hasattr(policy, "log"):
+        policy.log = []
     return simulate(trace, model, policy)
 
 
 def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
-            headroom: float = 1.5) -> tuple[dict, dict[str, RunResult]]:
+            headroom: float = 1.5, log: bool = False) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 
@@ -120,7 +132,7 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             s = pol.make(name, model.prefill_tps, model.decode_tps)
             runs[name] = static(s.prefill, s.decode)
         else:
-            runs[name] = run_policy(trace, model, slo, name, primed, headroom)
+            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log)
     feasible = feasibility(trace, model, slo).feasible
     summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:
@@ -152,7 +164,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom)
+    summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom,
+                              log=args.decisions)
+    for name, r in runs.items():
+        if r.decision_log:
+            write_decisions(args.out / f"decisions-{name}.csv", r.decision_log)
     elapsed = time.perf_counter() - t0
     doc = {
         "trace": {**trace_summary(trace),
@@ -164,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
                   "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
-                  "burst_window_s": pol.BURST_S, "headroom": args.headroom,
+                  "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))

@@ -18,6 +18,8 @@
 - Role flips (a policy's `pending_flips` after a decision, `operator/autoscaler_flip.py`): the worker
   stops admitting work for its old role, finishes what it holds, then serves the other role `flip_s`
   later (weights kept: no pod start); billed throughout as one instance.
+- Load-driven aggregation (`--load-aggregation`, `aggregation.py`): at arrival the router's own decision
+  may have a decode instance with a free slot prefill the prompt itself while its batch waits.
 - Cost: every instance is billed from creation to stop, over [0, last arrival].
 """
 
@@ -27,11 +29,13 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdcluster.bench.sim import aggregation
 from pdcluster.bench.sim.model import ServiceModel
 from pdcluster.bench.sim.observe import Counters, PolicyInput, Sampler
 from pdcluster.bench.trace import Trace
 
 ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
+LOCAL_DONE = aggregation.LOCAL_DONE
 
 
 class Instance:
@@ -90,7 +94,9 @@ class RunResult:
     prefilled_tokens: int
     prefix_hit_tokens: int = 0
     flips: int = 0
+    aggregated: int = 0  # requests prefilled on a decode instance (load-driven aggregation)
     steps_by_cause: dict[str, int] = field(default_factory=dict)  # "role:cause" -> size changes (Core policies)
+    decision_log: list[dict] = field(default_factory=list)  # per-tick rows, when the policy keeps a log
 
 
 class Cluster:
@@ -123,6 +129,9 @@ class Cluster:
         self.scale_events = 0
         self.flips = 0
         self.timeline: list[tuple[float, int, int, int, int, float]] = []
+        self.pqueued_tokens = 0  # prompt tokens admitted to the prefill pool and not yet prefilled
+        self.agg_engaged = False
+        self.aggregated = 0
 
     # ---- plumbing --------------------------------------------------------------------------------
     def push(self, t: float, kind: int, a: object = None, b: int = 0) -> None:
@@ -203,6 +212,8 @@ class Cluster:
 
     # ---- decode -----------------------------------------------------------------------------------
     def advance(self, d: Instance, now: float) -> None:
+        if now < d.last:  # paused: prefilling a prompt itself (load-driven aggregation) until d.last
+            return
         if d.n and now > d.last:
             dv = (now - d.last) / self.m.step_s(d.n)
             d.v += dv
@@ -212,7 +223,7 @@ class Cluster:
     def reschedule(self, d: Instance, now: float) -> None:
         d.ver += 1
         if d.fin:
-            self.push(now + max(0.0, d.fin[0][0] - d.v) * self.m.step_s(d.n), DECODE_DONE, d, d.ver)
+            self.push(max(now, d.last) + max(0.0, d.fin[0][0] - d.v) * self.m.step_s(d.n), DECODE_DONE, d, d.ver)
 
     def decode_dispatch(self, now: float) -> None:
         while self.dhead < len(self.dqueue):
@@ -311,11 +322,15 @@ class Cluster:
                 self.c.admitted += 1
                 self.sampler.admit_times.append(now)
                 self.c.prompt_tokens += self.reqs[b].input_tokens
+                if aggregation.place(self, b, now):
+                    continue
                 self.pqueue.append(b)
+                self.pqueued_tokens += self.reqs[b].input_tokens
                 self.prefill_dispatch(now)
             elif kind == PREFILL_DONE:
                 inst = a
                 inst.busy = None  # type: ignore[attr-defined]
+                self.pqueued_tokens -= self.reqs[b].input_tokens
                 self.push(now + self.m.transfer_s(self.reqs[b].input_tokens), TRANSFER_DONE, None, b)
                 if inst.draining:  # type: ignore[attr-defined]
                     self.retire(inst, now)  # type: ignore[arg-type]
@@ -332,6 +347,8 @@ class Cluster:
                     inst.last = now  # type: ignore[attr-defined]
                     self.prefill_dispatch(now)
                     self.decode_dispatch(now)
+            elif kind == LOCAL_DONE:
+                aggregation.local_done(self, a, b, now)  # type: ignore[arg-type]
             elif kind == TICK:
                 self.tick(now)
             elif kind == SAMPLE:
@@ -353,8 +370,9 @@ class Cluster:
             scale_events=self.scale_events,
             max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
-            prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips,
+            prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips, aggregated=self.aggregated,
             steps_by_cause=dict(getattr(self.policy, "steps", {})),
+            decision_log=list(getattr(self.policy, "log", None) or []),
         )
 
 

@@ -29,6 +29,8 @@ class ServiceModel:
     # Prefix cache per prefill instance (tokens of KV kept for reuse; 0 = no prefix caching). 500k tokens is
     # ~60 GB of bf16 KV for an 8B GQA model (128 KiB/token): what one 80-141 GB GPU keeps beside weights.
     prefix_cache_tokens: int = 500_000
+    # The router's --ttft-slo (load-driven aggregation, worker/router/aggregate.py); 0: off, as the router's
+    aggregate_ttft_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "kv_transfer_tps"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pdcluster.bench.sim import decisions
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
@@ -67,15 +68,18 @@ class Core:
     flip: bool = False  # take a short pool's growth from the other's slack by role flips (autoscaler_flip)
     pending_flips: tuple[int, int] = (0, 0)  # (decode -> prefill, prefill -> decode) of the last decision
     steps: dict[str, int] = field(default_factory=dict)  # "role:cause" -> pool size changes (autoscaler_explain)
+    log: list[dict] | None = None  # per-tick decision rows (`decisions.py`), when asked for
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
 
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
         core = replace(self.core, burst_window_seconds=self.burst_s or None)
-        d = decide(core, self.state, inp.observation,
-                   PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
-                   PoolView(inp.decode_current, inp.decode_ready, since=0.0), inp.now)
+        views = (PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
+                 PoolView(inp.decode_current, inp.decode_ready, since=0.0))
+        d = decide(core, self.state, inp.observation, *views, inp.now)
+        if self.log is not None:
+            self.log.append(decisions.row(inp.now, inp.observation, *views, d))
         self.state = d.state
         self.decisions.append(d.reason)
         causes = autoscaler_explain.causes(d)
@@ -98,7 +102,7 @@ def _shift_pool(ps, dt: float):
     def f(x: float | None) -> float | None:
         return None if x is None else x - dt
 
-    return replace(ps, below_since=f(ps.below_since), last_change=f(ps.last_change),
+    return replace(ps, below_since=f(ps.below_since), last_change=f(ps.last_change), ready_at=f(ps.ready_at),
                    recent_needs=tuple((t - dt, n) for t, n in ps.recent_needs),
                    recent_bursts=tuple((t - dt, n) for t, n in ps.recent_bursts))
 

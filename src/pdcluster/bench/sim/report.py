@@ -50,6 +50,7 @@ def policy_summary(r: RunResult, slo: SLO, feasible: tuple[bool, ...] | None = N
         "max_decode": r.max_decode,
         "rejected": sum(r.rejected),
         "role_flips": r.flips,
+        "aggregated_requests": r.aggregated,
         "scaling_steps_by_cause": dict(sorted(r.steps_by_cause.items())),
         "prefix_hit_rate": r.prefix_hit_tokens / r.prefilled_tokens if r.prefilled_tokens else 0.0,
     }

@@ -211,6 +211,8 @@ class WorkerMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.role = role
+        self._process = process
+        self._build: tuple[str, Mapping[str, Any]] | None = None  # build_info's arguments, for with_role
         labels = {"role": role}
         if cluster:
             labels["pdcluster"] = cluster
@@ -324,9 +326,23 @@ class WorkerMetrics:
     def build_info(self, version: str, config: Mapping[str, Any]) -> None:
         """pdcluster_build_info{version, key, value} = 1, one series per configuration setting (a label per
         setting would make the series' label set differ between roles and versions)."""
+        self._build = (version, dict(config))
         self._info.labels(**self.labels, version=version, key="", value="").set(1)
         for k, v in sorted(config.items()):
             self._info.labels(**self.labels, version=version, key=str(k), value=str(v)[:200]).set(1)
+
+    def with_role(self, role: str) -> WorkerMetrics:
+        """A fresh set of series for the same process under another `role` (a role flip): every series
+        carries the role, and one label set per process keeps the pool's sums right, so the old role's series
+        end here and the new role's start from zero (Prometheus sees new series, not counter resets)."""
+        m = WorkerMetrics(role, cluster=self.labels.get("pdcluster"), model_name=self.labels.get("model_name"),
+                          process=self._process)
+        if self._engine_state.stats_fn is not None:
+            m.bind_stats(self._engine_state.stats_fn)
+        if self._build is not None:
+            version, config = self._build
+            m.build_info(version, {**config, "role": role} if "role" in config else config)
+        return m
 
     # ------------------------------------------------------------------ export
     def render(self) -> bytes:

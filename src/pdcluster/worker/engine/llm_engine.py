@@ -73,6 +73,10 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced between steps (imports)
         self._detok: dict[str, StopText] = {}
         self._prefill_tps = 2000.0  # running estimate of prefill tokens/s, for "auto" preemption
+        # Measured prefill throughput for the router (/internal/load): decayed sums of prefill tokens and step
+        # seconds, so long steps weigh more than short ones and nothing is reported before the first step.
+        self._prefill_tokens_decayed = 0.0
+        self._prefill_seconds_decayed = 0.0
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "steps": 0}
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -197,7 +201,10 @@ class LLMEngine:
             self.block_manager.commit(s)
         if batch.is_prefill:
             n_tokens = sum(batch.num_new_tokens[nd:])
-            self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / max(time.perf_counter() - t0, 1e-6)
+            took = max(time.perf_counter() - t0, 1e-6)
+            self._prefill_tps = 0.8 * self._prefill_tps + 0.2 * n_tokens / took
+            self._prefill_tokens_decayed = 0.9 * self._prefill_tokens_decayed + n_tokens
+            self._prefill_seconds_decayed = 0.9 * self._prefill_seconds_decayed + took
             done = done + [
                 s
                 for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:], strict=True)
@@ -519,4 +526,8 @@ class LLMEngine:
             "prompt_tokens_total": self.counters["prompt_tokens"],
             "generation_tokens_total": self.counters["generation_tokens"],
             "requests_total": self.counters["requests"],
+            # 0.0 until a prefill step ran: the router then has no estimate of this worker's prefill speed
+            "prefill_tokens_per_s": (self._prefill_tokens_decayed / self._prefill_seconds_decayed
+                                     if self._prefill_seconds_decayed > 0 else 0.0),
+            "max_batch_size": self.config.max_batch_size,
         }

@@ -15,6 +15,11 @@ quantities are computed from counter deltas between the first and the last scrap
 The autoscaler state (learned capacities, stabilization windows) lives in this process, as the operator
 keeps it in the PDCluster's status. Disabled workers are the "replicas" that can be added; the ones started
 last are stopped first.
+
+Role flips (`flips=True`, where both pools run the same tensor-parallel size): a decision that grows one pool
+while the other has slack (`autoscaler_flip.applied`) first moves running workers of the other pool by
+`POST /internal/role` (the router follows the role they report), then starts workers for the rest. A flipped
+worker that is stopped is its own pool's again: its process restarts with its `--role`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from pdcluster.operator import autoscaler_flip
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
 from pdcluster.operator.autoscaler_rules import join_cost
+from pdcluster.worker.transfer.secret import internal_headers
 
 POOLS = ("prefill", "decode")
 # Which counter measures a pool's work (as in promsource): prompt tokens for prefill, output tokens for decode.
@@ -131,8 +138,10 @@ class Autoscaler:
     starts or stops workers to match. `workers`: process name -> (role, base URL)."""
 
     def __init__(self, router: str, sup: Procs, workers: dict[str, tuple[str, str]], policy: Policy,
-                 interval: float = 15.0) -> None:
-        self.router, self.sup, self.workers, self.policy, self.interval = router, sup, workers, policy, interval
+                 interval: float = 15.0, *, secret: bytes | None = None, flips: bool = True) -> None:
+        self.router, self.sup, self.workers, self.policy, self.interval = router, sup, dict(workers), policy, interval
+        self.origin = dict(workers)  # each worker's --role: what it is again once stopped
+        self.secret, self.flips = secret, flips
         self.state = State()
         self.started = time.monotonic()
         self.next_scrape = self.started
@@ -185,6 +194,8 @@ class Autoscaler:
         views = {r: PoolView(current[r], ready[r], since=self.started) for r in POOLS}
         d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now)
         self.state = d.state
+        if self.flips:
+            d = autoscaler_flip.applied(d, self.policy)  # the short pool's growth from the other's slack
         return self.apply(d, current)
 
     def apply(self, d: Decision, current: dict[str, int]) -> list[str]:
@@ -192,6 +203,7 @@ class Autoscaler:
         if d.changed or d.reason != self.last_reason:
             events.append(f"autoscale: {describe(d, current)}")
         self.last_reason = d.reason
+        events += self._flip({r: d.pool(r).desired for r in POOLS})
         for role in POOLS:
             target, running = d.pool(role).desired, self._running(role)
             names = sorted(n for n, (r, _) in self.workers.items() if r == role)
@@ -202,5 +214,30 @@ class Autoscaler:
             elif target < len(running):
                 for name in list(reversed(running))[: len(running) - target]:
                     self.sup.disable(name)
+                    self.workers[name] = self.origin[name]  # restarted later with its own --role
                     events.append(f"autoscale: stopped {name}")
+        return events
+
+    def _flip(self, target: dict[str, int]) -> list[str]:
+        """Move running workers from a pool above its target to one below it; the events."""
+        events: list[str] = []
+        for to in POOLS:
+            source = "decode" if to == "prefill" else "prefill"
+            running = self._running(source)
+            n = min(target[to] - len(self._running(to)), len(running) - target[source])
+            for name in list(reversed(running))[: max(0, n)]:
+                url = self.workers[name][1]
+                try:
+                    r = httpx.post(f"{url}/internal/role", json={"role": to}, headers=internal_headers(self.secret),
+                                   timeout=130.0)
+                    ok = r.status_code == 200 and r.json().get("role") == to
+                    said = r.json() if ok else f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    ok, said = False, f"{type(e).__name__}: {e}"
+                if not ok:
+                    events.append(f"autoscale: RoleFlipFailed {name}: {said}; starting a worker instead")
+                    continue
+                self.workers[name] = (to, url)
+                seconds = said.get("seconds", 0.0) if isinstance(said, dict) else 0.0
+                events.append(f"autoscale: RoleFlip: flipped {name}: {source} -> {to} in {seconds:.2f} s (no restart)")
         return events

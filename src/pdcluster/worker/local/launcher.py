@@ -36,7 +36,8 @@ log = logging.getLogger("pdcluster.up")
 START_TIMEOUT = 180.0  # seconds; `--start-timeout`
 # The knobs `up` takes and hands on: generated from their declarations, forwarded when set to another value
 UP_TRANSFER = ("compression", "backend", "integrity")
-UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "decode_wait", "routing")
+UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "decode_wait", "routing",
+             "ttft_slo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
             workers = {f"{role}-{i}": (role, url) for role, urls in (("prefill", prefill_urls),
                                                                       ("decode", decode_urls))
                        for i, url in enumerate(urls)}
-            scaler = Autoscaler(router, sup, workers, autoscale_policy(args), interval=args.autoscale_interval)
+            # flips where a worker of one pool can serve the other as it is (same TP; vLLM's switch is not wired)
+            same_layout = int(args.prefill_tp or 1) == int(args.decode_tp or 1) and not vllm
+            scaler = Autoscaler(router, sup, workers, autoscale_policy(args), interval=args.autoscale_interval,
+                                secret=env["PDCLUSTER_KV_SECRET"].encode(), flips=same_layout)
         while True:
             for e in sup.poll():
                 print(f"  {e}", flush=True)

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdcluster import __version__
@@ -29,6 +29,7 @@ from pdcluster.worker.api.metrics import CONTENT_TYPE, WorkerMetrics
 from pdcluster.worker.api.responses import new_id
 from pdcluster.worker.api.shaping import ChoiceResult, Shaper, merge, sse_response
 from pdcluster.worker.api.tool_calls import ToolPlan
+from pdcluster.worker.router.aggregate import Placements
 from pdcluster.worker.router.flow import Chunk, Flow, Tokenized
 from pdcluster.worker.router.front_door import credentials, sequences, use_api_key
 from pdcluster.worker.router.options import RouterOptions
@@ -59,6 +60,23 @@ class _StageCollector(Collector):
             h.add_metric(["router", pool, "healthy"], sum(w.healthy for w in ws))
             h.add_metric(["router", pool, "unhealthy"], sum(not w.healthy for w in ws))
         yield h
+        yield from placement_families(self.state.flow.placements)
+
+
+def placement_families(placements: Placements) -> list[Any]:
+    """pdcluster_router_placements_total{placement,reason}: where each attempt prefilled and why (router/
+    aggregate.py); pdcluster_router_load_aggregation_engaged: 1 while the prefill queue misses --ttft-slo."""
+    c = CounterMetricFamily("pdcluster_router_placements",
+                            "Requests by where their prompt was prefilled (aggregated: on the decode worker; "
+                            "disaggregated: on a prefill worker; prefill_only: whole on a prefill worker) and why.",
+                            labels=["role", "placement", "reason"])
+    for (placement, reason), n in sorted(placements.counts.items()):
+        c.add_metric(["router", placement, reason], n)
+    g = GaugeMetricFamily("pdcluster_router_load_aggregation_engaged",
+                          "1 while the prefill queue's estimated wait misses the TTFT target and decode workers "
+                          "with slack prefill long prompts themselves.", labels=["role"])
+    g.add_metric(["router"], int(placements.engaged))
+    return [c, g]
 
 
 class RouterState:
@@ -292,7 +310,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
                           "prefix_routing": st.pool.prefix_routing,
                           "prefix_routed_tokens": st.flow.prefix_routed_tokens,
                           "prefix_expected_tokens": st.flow.prefix_expected_tokens,
-                          "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth}
+                          "disaggregation_threshold": st.flow.threshold, "max_queue_depth": st.max_queue_depth,
+                          "ttft_slo": st.flow.ttft_slo, **st.flow.placements.describe()}
         if st.vllm is not None:  # --engine vllm: the handshake's own counts
             snap["router"].update(engine="vllm", vllm_disaggregated=st.vllm.disaggregated,
                                   retries=st.flow.retries + st.vllm.retries,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from pdcluster.worker.api import tracing
+from pdcluster.worker.router import aggregate as agg
 from pdcluster.worker.router.options import RouterOptions
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker, direct_pair
@@ -56,6 +57,9 @@ class Flow:
         self.prefix_routed_tokens = 0
         self.prefix_expected_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
+        # where each request was placed and why (pdcluster_router_placements_total), and the load rule's state
+        self.ttft_slo = options.ttft_slo
+        self.placements = agg.Placements()
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -117,12 +121,15 @@ class Flow:
                     # the worker draws output token k from (seed, k) (first_output_index tells it k).
                     rest = dict(params, max_tokens=int(params["max_tokens"]) - len(sent),
                                 first_output_index=int(params.get("first_output_index", 0)) + len(sent))
+                    self.placements.count(agg.AGGREGATED, agg.RESUME)
                     stream = self._direct(arid, prompt + sent, rest, excluded, tl)
                 elif should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
                     done_at_prefill = int(params["max_tokens"]) <= 1
                     stream = (self._at_prefill(arid, prompt, params, excluded, tl) if done_at_prefill
-                              else self._disaggregated(arid, prompt, params, excluded, tl))
+                              else self._placed(arid, prompt, params, excluded, tl))
                 else:
+                    self.placements.count(agg.AGGREGATED, agg.SHORT_PROMPT if len(prompt) < self.threshold
+                                          else agg.NO_PREFILL)
                     stream = self._direct(arid, prompt, params, excluded, tl)
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for c in chunks:
@@ -222,6 +229,35 @@ class Flow:
         pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
         return None if pv is None else (self.pool.get("prefill", pv.url), cached)
 
+    def _placed(self, arid: str, prompt: list[int], params: dict[str, Any], excluded: set[str],
+                tl: Timeline) -> AsyncIterator[Chunk]:
+        """A prompt the length rule disaggregates, unless the prefill queue would miss the TTFT target and a
+        decode worker has the slack to prefill it now (router/aggregate.py)."""
+        placed = self._by_load(prompt, params, excluded)
+        if placed is None or not placed.aggregate:
+            return self._disaggregated(arid, prompt, params, excluded, tl,
+                                       reason=agg.PROMPT_LENGTH if placed is None else placed.reason)
+        self.placements.count(agg.AGGREGATED, agg.PREFILL_BACKLOG)
+        # only the worker that has the slack (and the KV room); if it refuses, the next attempt decides again
+        others = {w.url for w in self.pool.pool("decode")} - {placed.decode}
+        return self._direct(arid, prompt, params, excluded | others, tl)
+
+    def _by_load(self, prompt: list[int], params: dict[str, Any], excluded: set[str]) -> agg.Placement | None:
+        if self.ttft_slo <= 0:
+            return None
+        picked = self._pick_prefill(prompt, excluded)
+        if picked is None:
+            return None
+        p, cached = picked
+        on_decode = self.pool.cached_tokens("decode", prompt)
+        ranked = rank_decode(self.pool.views("decode"), exclude=excluded, cached=on_decode)
+        slack = [agg.slack_of(self.pool.get("decode", v.url), len(prompt), int(params["max_tokens"]),
+                              on_decode.get(v.url, 0)) for v in ranked]
+        placed = agg.decide(len(prompt), agg.backlog_of(p, cached.get(p.url, 0)), slack, self.ttft_slo,
+                            self.placements.engaged)
+        self.placements.engaged, self.placements.last = placed.engaged, placed
+        return placed
+
     def _detach(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -232,10 +268,12 @@ class Flow:
             await self.client.post(f"{w.url}/internal/cancel", json={"request_id": arid}, timeout=2.0)
 
     async def _disaggregated(self, arid: str, prompt: list[int], params: dict[str, Any],
-                             excluded: set[str], tl: Timeline | None = None) -> AsyncIterator[Chunk]:
+                             excluded: set[str], tl: Timeline | None = None,
+                             reason: str = agg.PROMPT_LENGTH) -> AsyncIterator[Chunk]:
         tl = tl or Timeline(time.monotonic())
         picked = self._pick_prefill(prompt, excluded)
         if picked is None:
+            self.placements.count(agg.AGGREGATED, agg.NO_PREFILL)
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
@@ -243,10 +281,12 @@ class Flow:
         try:
             d, target = await self._reserve(arid, prompt, params, p.node, excluded, tl.trace.headers, p)
         except NoTransferPath:
+            self.placements.count(agg.AGGREGATED, agg.NO_TRANSFER_PATH)
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
         self._routed(p, prompt, cached)
+        self.placements.count(agg.DISAGGREGATED, reason)
         completed = False  # the decode worker's stream reached its final chunk
         at_prefill = False  # ... or the request ended at its first token: the reservation was never used
         transferred = False
@@ -330,11 +370,13 @@ class Flow:
         for."""
         picked = self._pick_prefill(prompt, excluded)
         if picked is None:
+            self.placements.count(agg.AGGREGATED, agg.NO_PREFILL)
             async for c in self._direct(arid, prompt, params, excluded, tl):
                 yield c
             return
         p, cached = picked
         self._routed(p, prompt, cached)
+        self.placements.count(agg.AT_PREFILL, agg.SINGLE_TOKEN)
         p.outstanding_prompt_tokens += len(prompt)
         p.in_flight += 1
         body = {"request_id": arid, "prompt_token_ids": prompt, "params": params}

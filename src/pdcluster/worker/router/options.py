@@ -31,6 +31,13 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
     Option("disaggregation_threshold", "--disaggregation-threshold", int, 64,
            "prompts shorter than this prefill on the decode worker itself (0: always disaggregate)", minimum=0,
            metavar="TOKENS"),
+    # 0 (off) unless a target is declared: the operator passes spec.autoscaling.slo.ttftSeconds. With one, a
+    # prompt the threshold would disaggregate prefills on a decode worker with slack while the prefill queue
+    # alone would miss it (router/aggregate.py)
+    Option("ttft_slo", "--ttft-slo", float, 0.0,
+           "TTFT target in seconds: while the prefill pool's queue would miss it, decode workers with free "
+           "batch slots and KV room prefill long prompts themselves (0: only --disaggregation-threshold "
+           "decides)", minimum=0.0, metavar="S"),
     # 300 s: long generations (thousands of tokens at tens of ms each) finish; the operator gives pods this
     # plus 30 s to drain after SIGTERM
     Option("request_timeout", "--request-timeout", float, 300.0, "504 after S seconds (0: none)", minimum=0.0,
@@ -61,6 +68,7 @@ class RouterOptions:
 
     max_queue_depth: int = default("max_queue_depth")
     disaggregation_threshold: int = default("disaggregation_threshold")
+    ttft_slo: float = default("ttft_slo")
     request_timeout: float = default("request_timeout")
     max_retries: int = default("max_retries")
     decode_wait: float = default("decode_wait")

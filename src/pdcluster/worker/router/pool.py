@@ -39,6 +39,9 @@ class Worker:
     block_size: int | None = None
     running: int = 0
     waiting: int = 0
+    # its engine's measured prefill tokens/s (None: not measured yet) and decode batch bound (router/aggregate.py)
+    prefill_tokens_per_s: float | None = None
+    max_batch_size: int | None = None
     outstanding_prompt_tokens: int = 0
     in_flight: int = 0
     last_error: str | None = None
@@ -63,7 +66,8 @@ class Worker:
         return {"url": self.url, "healthy": self.healthy, "node": self.node, "in_flight": self.in_flight,
                 "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "used_blocks": self.used_blocks, "running": self.running,
-                "waiting": self.waiting, "consecutive_failures": self.failures, "last_error": self.last_error,
+                "waiting": self.waiting, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "max_batch_size": self.max_batch_size, "consecutive_failures": self.failures, "last_error": self.last_error,
                 "source": self.source}
 
 
@@ -77,6 +81,12 @@ def direct_pair(prefill: Worker, decode: Worker) -> bool:
 def _positive_int(v: Any) -> int | None:
     """A reported size, or None when it is missing or nonsense (it feeds hashing and LRU bounds)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _positive_float(v: Any) -> float | None:
+    """A reported rate, or None when it is missing, zero (not measured yet) or nonsense."""
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf")
+    return float(v) if ok else None
 
 
 def parse_service(spec: str, default_port: int = 8000) -> tuple[str, str, int]:
@@ -143,7 +153,27 @@ class Pool:
         return [w.view() for w in self.pool(role)]
 
     def get(self, role: str, url: str) -> Worker:
-        return self.workers[(role, url)]
+        w = self.workers.get((role, url))
+        if w is None:  # it changed pools (a role flip) since the caller looked: the same worker, in its new pool
+            w = next((x for (_, u), x in self.workers.items() if u == url), None)
+        if w is None:
+            raise KeyError((role, url))
+        return w
+
+    def _moved(self, w: Worker, role: Any) -> str | None:
+        """The worker reports another role than its pool's (a role flip): a statically listed one changes
+        pools here; one resolved from a role's Service stays out of rotation in the old pool (an error) until
+        that Service drops it and the new role's Service lists it (the pod's role label follows the flip)."""
+        if role not in ("prefill", "decode") or role == w.role:
+            return None
+        if w.source != "static":
+            return f"now a {role} worker"
+        log.info("%s worker %s now serves as %s: moved to the %s pool", w.role, w.url, role, role)
+        self.workers.pop((w.role, w.url), None)
+        w.role = role
+        self.workers.setdefault((role, w.url), w)  # its prefix-index entry stays: a flip keeps the KV cache
+        self._changed.set()
+        return None
 
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self.workers.values())
@@ -223,13 +253,17 @@ class Pool:
             if r.status_code == 200:
                 d = r.json()
                 ok = bool(d.get("ready", True))
+                moved = self._moved(w, d.get("role"))
+                ok = ok and moved is None
                 w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
                 w.tensor_parallel_size = _positive_int(d.get("tensor_parallel_size")) or 1
                 w.kv_direct = d.get("kv_direct") is True
                 w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
                 w.used_blocks = d.get("used_blocks")
                 w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
-                err = None if ok else "not ready"
+                w.prefill_tokens_per_s = _positive_float(d.get("prefill_tokens_per_s"))
+                w.max_batch_size = _positive_int(d.get("max_batch_size"))
+                err = None if ok else moved or "not ready"
             else:
                 err = f"HTTP {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:

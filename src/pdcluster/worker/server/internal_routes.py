@@ -91,6 +91,7 @@ class Disaggregation:
             self.backend = choice.backend
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self.saving: set[str] = set()  # prefill requests whose KV is not yet delivered (a role flip waits on them)
         self.router = self._routes()
         self.layout = engine.kv_layout
         self.num_layers, self.kv_heads, self.head_dim = self.layout.num_layers, self.layout.kv_heads, self.layout.head_dim
@@ -162,6 +163,9 @@ class Disaggregation:
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
             "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
+            # the router's load-driven aggregation (router/aggregate.py): prefill speed and batch bound
+            "prefill_tokens_per_s": float(s.get("prefill_tokens_per_s", 0.0)),
+            "max_batch_size": int(s.get("max_batch_size", 0)),
             "in_flight": worker.in_flight, "transfer_port": self.transfer_port if self.connector else None,
             "pending_loads": len(self.connector.pending_loads()) if self.connector else 0,
             "transfer_backend": self.backend, "transfer_integrity": self.options.integrity, **self.direct.describe(),
@@ -276,6 +280,9 @@ class Disaggregation:
             return StreamingResponse(me._generate_stream(w, rid, ids, params, tracing.span_of(request)),
                                      media_type=NDJSON)
 
+        from pdcluster.worker.server.role_flip import add_role_route
+
+        add_role_route(r, me)  # POST /internal/role: a role flip (server/role_flip.py)
         return r
 
     # ------------------------------------------------------------------ streams
@@ -290,6 +297,7 @@ class Disaggregation:
         routes = self.direct.start_save(rid, target, rank_ports)  # None: whole layers to one endpoint
         w.metrics.request_accepted(len(ids))
         held, done = False, False
+        self.saving.add(rid)
         try:
             first = None
             try:
@@ -329,6 +337,7 @@ class Disaggregation:
             yield _line({"event": "transferred", "seconds": res.seconds, "bytes": res.bytes,
                          "tail_seconds": time.monotonic() - t_first})
         finally:
+            self.saving.discard(rid)
             if not done:
                 self._detach(conn.abort_save(rid))
             self.direct.forget_save(rid, abort=not done)

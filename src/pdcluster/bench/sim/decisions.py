@@ -1,0 +1,37 @@
+"""The decision log of a `Core` policy (`pdcluster simulate --decisions`): one row per autoscaler tick with
+what the operator's `decide` saw (rate, lengths, queues, latency percentiles), the pools as they stood and
+what it decided, so that a domination can be traced to the window where it began."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from pdcluster.operator.autoscaler import Decision, Observation, PoolView
+
+OBSERVED = ("request_rate", "peak_request_rate", "mean_input_tokens", "mean_output_tokens", "prefill_queue_mean",
+            "prefill_queue_now", "decode_queue_mean", "decode_queue_now", "ttft_seconds", "tpot_seconds")
+COLUMNS = ("t", *OBSERVED, *(f"{r}_{k}" for r in ("prefill", "decode")
+                            for k in ("current", "ready", "recommended", "desired", "reason")), "reason")
+
+
+def row(now: float, obs: Observation | None, prefill: PoolView, decode: PoolView, d: Decision) -> dict[str, Any]:
+    out: dict[str, Any] = {"t": round(now, 3)}
+    for k in OBSERVED:
+        v = getattr(obs, k) if obs is not None else None
+        out[k] = None if v is None else round(float(v), 4)
+    for role, view in (("prefill", prefill), ("decode", decode)):
+        p = d.pool(role)
+        out.update({f"{role}_current": view.current, f"{role}_ready": view.ready,
+                    f"{role}_recommended": p.recommended, f"{role}_desired": p.desired, f"{role}_reason": p.reason})
+    out["reason"] = d.reason
+    return out
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return path

@@ -1,0 +1,133 @@
+"""Pure: role flips carried out by the operator (`spec.roleFlips`; docs/operator.md, "Role flips").
+
+A flip moves a running worker pod from one pool to the other: the worker is told its new role
+(`POST /internal/role`, worker/server/role_flip.py), then the pod is relabelled (`pdcluster.dev/role`,
+`app.kubernetes.io/component`, `llm-d.ai/role`: the Services', the router's and the endpoint pickers' view).
+The relabelled pod leaves its Deployment's selector, so the ReplicaSet releases it; no ReplicaSet adopts it
+(its `pod-template-hash` is the old pool's, and it carries the PDCluster as its controller owner, so it is
+garbage collected with it). Each pool's size is then its Deployment's pods plus the flipped pods it holds:
+
+- the pool sizes the operator decides (`desired`) count flipped pods; a Deployment's `spec.replicas` is
+  `desired - flipped pods of that role` (the old pool's drops by one right after the relabel, so its
+  ReplicaSet keeps no replacement, and the new pool starts no pod for what the flip brought);
+- flipped pods are the first removed when their pool shrinks (drained, then deleted: no ReplicaSet owns them).
+
+How many flips a pass makes: the growing pool's growth, at most what the other pool gives up (the autoscaler's
+`autoscaler_flip.plan` already shrank it by its slack; with autoscaling off, the spec's sizes); fewer if the
+worker cannot finish what it holds in time (the growing pool then starts pods for the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import naming
+from pdcluster.operator.models import PDClusterSpec
+
+ROLES = naming.WORKER_ROLES
+FLIPPED = "pdcluster.dev/flipped-from"  # label on a flipped pod: the pool it came from
+FLIPPED_AT = "pdcluster.dev/flipped-at"  # annotation: when
+COMPONENT_LABEL = "app.kubernetes.io/component"
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+FLIP_CAUSE = "flip"
+
+
+@dataclass(frozen=True)
+class Order:
+    """`count` running workers of `source` to become `target` workers in this pass."""
+
+    source: str
+    target: str
+    count: int
+
+
+def other(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
+
+
+def incompatible(spec: PDClusterSpec) -> str | None:
+    """Why the pools' pods cannot swap roles (None: they can). A flipped pod keeps its pod spec: same engine
+    flags except the role and batch limits (which the flip sets), same resources, image and layout."""
+    if not spec.roleFlips:
+        return "spec.roleFlips is false"
+    if spec.engine != "pdcluster":
+        return f"engine {spec.engine} has no role flip"
+    p, d = spec.prefill, spec.decode
+    if p.tensorParallelSize != d.tensorParallelSize or spec.gpus_per_pod("prefill") != spec.gpus_per_pod("decode"):
+        return "the pools' tensor-parallel layouts differ"
+    if p.resources.model_dump() != d.resources.model_dump():
+        return "the pools' resources differ"
+    if spec.pool_image("prefill") != spec.pool_image("decode"):
+        return "the pools' images differ"
+    return None
+
+
+def order(spec: PDClusterSpec, current: Mapping[str, int | None], desired: Mapping[str, int]) -> Order | None:
+    """The flips of this pass: one pool grows while the other shrinks; None when there are none."""
+    if incompatible(spec) is not None:
+        return None
+    for target in ROLES:
+        source = other(target)
+        cur_t, cur_s = current.get(target), current.get(source)
+        if cur_t is None or cur_s is None:
+            continue  # a pool being created: nothing runs to flip
+        n = min(desired[target] - cur_t, cur_s - desired[source])
+        if n > 0:
+            return Order(source, target, n)
+    return None
+
+
+def settle(desired: Mapping[str, int], current: Mapping[str, int | None], o: Order, done: int,
+           source_without_flips: int | None = None) -> dict[str, int]:
+    """The sizes once `done` of `o.count` flips succeeded: the target pool keeps its size (pods start for the
+    flips that failed); the source pool gives up only what flipped, unless it was meant to shrink anyway
+    (`source_without_flips`: the autoscaler's size for it before the flips were planned; None: the spec's)."""
+    out = dict(desired)
+    if done < o.count and source_without_flips is not None:
+        cur = current.get(o.source) or 0
+        out[o.source] = max(desired[o.source], min(source_without_flips, cur - done))
+    return out
+
+
+def deployment_replicas(desired: Mapping[str, int], flipped: Mapping[str, int]) -> dict[str, int]:
+    """Each pool's Deployment replicas: its size less the flipped pods it holds (no ReplicaSet owns those)."""
+    return {r: max(0, desired[r] - flipped.get(r, 0)) for r in desired}
+
+
+def is_flipped(pod: Mapping[str, Any]) -> bool:
+    meta = pod.get("metadata") or {}
+    return FLIPPED in (meta.get("labels") or {}) and not meta.get("deletionTimestamp")
+
+
+def flipped_counts(pods_by_role: Mapping[str, list[dict[str, Any]]]) -> dict[str, int]:
+    return {r: sum(1 for p in pods_by_role.get(r, []) if is_flipped(p)) for r in ROLES}
+
+
+def relabel_patch(owner: naming.Owner, source: str, target: str, now: str) -> dict[str, Any]:
+    """The merge patch of a pod that now serves `target`: its role labels, where it came from, and the
+    PDCluster as its controller (the old ReplicaSet's reference goes: nothing adopts it or replaces it)."""
+    labels = {naming.ROLE_LABEL: target, COMPONENT_LABEL: target, LLMD_ROLE_LABEL: target, FLIPPED: source}
+    return {"metadata": {"labels": labels, "annotations": {FLIPPED_AT: now},
+                         "ownerReferences": [naming.owner_reference(owner)]}}
+
+
+def pick_flippers(pods: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Pods of the source pool to flip, best first: ready, serving (not being drained or deleted), with an
+    address; pods that were flipped into it before go back first (they are the ones no ReplicaSet owns)."""
+    from pdcluster.operator import drain
+
+    def usable(p: dict[str, Any]) -> bool:
+        meta = p.get("metadata") or {}
+        return (drain._ready(p) and not meta.get("deletionTimestamp")
+                and drain.DRAINING not in (meta.get("annotations") or {})
+                and bool((p.get("status") or {}).get("podIP")))
+
+    ok = [p for p in pods if usable(p)]
+    return sorted(ok, key=lambda p: (0 if is_flipped(p) else 1, (p.get("metadata") or {}).get("name", "")))[:count]
+
+
+def retire_first(pods: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Flipped pods to remove when their pool shrinks by `count` (before any pod of its Deployment)."""
+    return sorted((p for p in pods if is_flipped(p)), key=lambda p: (p.get("metadata") or {}).get("name", ""))[:count]
