@@ -44,6 +44,7 @@ bench: setup
 	$(PY) -m benchmarks.engine_vs_hf --threads 2 --repeats 3
 	$(PY) -m benchmarks.served_vs_hf --threads 2 --repeats 3 --native-off-too
 	$(PY) -m benchmarks.disagg_transfer
+	$(PY) -m benchmarks.vs_vllm --threads 2 --rounds 3 --json docs/benchmarks/vs_vllm.json
 
 # Trace-driven simulation of the autoscaler (seconds; real traces from ../shared/traces, docs/benchmarks.md).
 TRACES ?= ../shared/traces
