@@ -24,7 +24,9 @@ COPY pyproject.toml uv.lock /src/
 RUN --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     cd /src && uv export --frozen --no-dev --extra worker --no-emit-project --format requirements-txt -o /requirements.txt
 
-FROM ${PYTHON_IMAGE} AS worker
+# `deps`: the base with the locked dependencies only (torch and the CUDA wheels, ~6 GB). worker-vllm.Dockerfile
+# builds FROM this stage (e2e/images.sh tags it pdcluster/worker-deps), so the two images share that layer.
+FROM ${PYTHON_IMAGE} AS deps
 LABEL org.opencontainers.image.title="pdcluster-worker" \
       org.opencontainers.image.description="pdcluster worker, router and local launcher (torch, CUDA and CPU)"
 # Triton JIT-compiles a small C launcher at run time (GPU only), hence gcc and the libc headers.
@@ -42,6 +44,11 @@ COPY --from=lock /requirements.txt ./
 RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     uv venv /opt/pdcluster && uv pip install --python /opt/pdcluster/bin/python --no-deps -r requirements.txt
+
+FROM deps AS worker
+ARG UV_CACHE_DIR=/root/.cache/uv
+ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
+    UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_SYSTEM_CERTS=1 UV_NO_PROGRESS=1
 COPY pyproject.toml uv.lock ./
 COPY README.md ./
 COPY src ./src

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the project's images without a Docker daemon or a registry: buildah, on a Debian base made here.
 #
-#   e2e/images.sh [all|base|uv|pause|operator|worker|worker-vllm]...   (default: all; worker-vllm is not in all)
-#   e2e/images.sh archive NAME FILE     write image NAME (e.g. pdcluster/worker:0.1.0) as an OCI archive
-#   e2e/images.sh names                 print the operator, worker and pause image names, one a line
+#   e2e/images.sh [all|base|uv|pause|operator|worker|worker-vllm]...   (default: all)
+#   e2e/images.sh archive NAME FILE [HAVE]  write image NAME (e.g. pdcluster/worker:0.1.0) as an OCI archive,
+#                                       leaving out the layers whose blobs are in directory HAVE
+#   e2e/images.sh names                 print the operator, worker, worker-vllm and pause image names, one a line
 #
 # - base:   `debootstrap --variant=minbase bookworm` + python3.11, committed as localhost/pdcluster/python-base:<key>;
 #           the rootfs tarball is cached as $CACHE/images/python-base-<key>.tar, <key> = hash of what it was
@@ -15,6 +16,9 @@
 # - operator, worker: docker/<name>.Dockerfile, unchanged, with --build-arg PYTHON_IMAGE=<base> and
 #           UV_IMAGE=<uv>, the host's uv cache bind-mounted as the Dockerfiles' UV_CACHE_DIR (torch is
 #           copied from it, not downloaded) and the host CA bundle at the base's CA path (build time only).
+# - worker-vllm: docker/worker-vllm.Dockerfile FROM the worker's `deps` stage (tagged
+#           localhost/pdcluster/worker-deps:<version>, a layer-cache hit after `worker`): the two images share
+#           the torch/CUDA layer, and this one adds vLLM and NIXL only.
 # buildah's storage lives in $CACHE/containers (layers are cached there: `--layers`); every RUN step uses
 # the host network (`--network host`): buildah's default would create a CNI bridge and iptables chains of
 # its own and leave them behind.
@@ -33,6 +37,7 @@ VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml" | head -1
 OPERATOR_IMAGE="pdcluster/operator:$VERSION"
 WORKER_IMAGE="pdcluster/worker:$VERSION"
 WORKER_VLLM_IMAGE="pdcluster/worker-vllm:$VERSION"   # engine: vllm pools (docker/worker-vllm.Dockerfile)
+WORKER_DEPS_IMAGE="localhost/pdcluster/worker-deps:$VERSION"   # worker.Dockerfile's deps stage, worker-vllm's base
 PAUSE_IMAGE="pdcluster/pause:$K8S_VERSION"
 BASE_PACKAGES="python3.11"
 BASE_KEY="$(printf '%s\n' "bookworm minbase $BASE_PACKAGES $MIRROR v1" | sha256sum | cut -c1-12)"
@@ -98,8 +103,9 @@ build_pause() {
   log "pause $PAUSE_IMAGE: built in $((SECONDS - t0))s"
 }
 
-build_dockerfile() {  # name image
+build_dockerfile() {  # name image [extra buildah bud arguments]
   local name="$1" image="$2" t0=$SECONDS
+  shift 2
   build_base; build_uv
   [[ -d "$HOST_UV_CACHE" ]] || mkdir -p "$HOST_UV_CACHE"
   log "$image: buildah bud -f docker/$name.Dockerfile (base $BASE_IMAGE)"
@@ -108,11 +114,19 @@ build_dockerfile() {  # name image
       -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore" \
       --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "UV_IMAGE=$UV_IMAGE" \
       --build-arg "UV_CACHE_DIR=/host-uv-cache" -v "$HOST_UV_CACHE:/host-uv-cache" \
-      -v "$HOST_CA:$HOST_CA:ro" \
+      -v "$HOST_CA:$HOST_CA:ro" "$@" \
       -t "$image" . ) >"$CACHE/images/$name.build.log" 2>&1 \
     || { rm_stage_containers; tail -40 "$CACHE/images/$name.build.log" >&2; die "$image: build failed; see $CACHE/images/$name.build.log"; }
   rm_stage_containers
   log "$image: built in $((SECONDS - t0))s ($(image_size "$image"))"
+}
+
+# the deps stage of worker.Dockerfile (cached layers when `worker` was built), then worker-vllm FROM it
+build_worker_vllm() {
+  local t0=$SECONDS
+  build_dockerfile worker "$WORKER_DEPS_IMAGE" --target deps
+  build_dockerfile worker-vllm "$WORKER_VLLM_IMAGE" --build-arg "DEPS_IMAGE=$WORKER_DEPS_IMAGE"
+  log "$WORKER_VLLM_IMAGE: deps stage + vLLM layer in $((SECONDS - t0))s"
 }
 
 # buildah 1.28 keeps the working container of a stage that is only mounted (`RUN --mount=from=uv`),
@@ -125,11 +139,23 @@ rm_stage_containers() {
 
 image_size() { bh images --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
 
-# write NAME as an OCI archive (uncompressed layers: the node imports it right away, gzip would only cost CPU)
-archive() {  # name file
+# write NAME as an OCI archive for `ctr images import`. With HAVE (containerd's blobs/sha256 directory), the image
+# goes out uncompressed (`docker-archive:`, IO only) and e2e/oci_subset.py repacks it as an OCI archive leaving
+# out the layers whose blobs HAVE holds: a layer shared by two images (worker and worker-vllm: torch) or unchanged
+# under a source edit crosses once. Without HAVE, buildah's own oci-archive (which gzips every layer).
+archive() {  # name file [have]
   have_image "$1" || die "no image $1 (run e2e/images.sh first)"
   rm -f "$2"
-  bh push --quiet --disable-compression "$1" "oci-archive:$2:$(normalize "$1")" >/dev/null
+  if [[ -z "${3:-}" ]]; then
+    bh push --quiet --disable-compression "$1" "oci-archive:$2:$(normalize "$1")" >/dev/null
+    return
+  fi
+  local full="$2.docker.tar" out
+  rm -f "$full"
+  bh push --quiet "$1" "docker-archive:$full:$(normalize "$1")" >/dev/null || { rm -f "$full"; die "buildah push $1"; }
+  out="$(python3 "$HERE/oci_subset.py" "$full" "$2" "$(normalize "$1")" "$3")" || { rm -f "$full" "$2"; die "oci_subset $1"; }
+  rm -f "$full"
+  log "$1: archive $(du -h "$2" | cut -f1): $out"
 }
 
 # the name a kubelet/containerd resolves an unqualified image to
@@ -139,20 +165,21 @@ normalize() { case "$1" in */*/*|*.*/*|localhost/*) echo "$1" ;; */*) echo "dock
 command -v buildah >/dev/null || die "buildah is required (e2e/node-deps.sh installs it)"
 targets=("$@"); [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 case "${targets[0]}" in
-  names) echo "$OPERATOR_IMAGE"; echo "$WORKER_IMAGE"; echo "$PAUSE_IMAGE"; exit 0 ;;
-  archive) archive "$2" "$3"; exit 0 ;;
+  names) echo "$OPERATOR_IMAGE"; echo "$WORKER_IMAGE"; echo "$WORKER_VLLM_IMAGE"; echo "$PAUSE_IMAGE"; exit 0 ;;
+  archive) archive "$2" "$3" "${4:-}"; exit 0 ;;
   id) bh images --no-trunc --quiet "$2" | head -1; exit 0 ;;
 esac
 T0=$SECONDS
 for t in "${targets[@]}"; do
   case "$t" in
-    all) build_pause; build_dockerfile operator "$OPERATOR_IMAGE"; build_dockerfile worker "$WORKER_IMAGE" ;;
+    all) build_pause; build_dockerfile operator "$OPERATOR_IMAGE"; build_dockerfile worker "$WORKER_IMAGE"
+         build_worker_vllm ;;
     base) build_base ;;
     uv) build_uv ;;
     pause) build_pause ;;
     operator) build_dockerfile operator "$OPERATOR_IMAGE" ;;
     worker) build_dockerfile worker "$WORKER_IMAGE" ;;
-    worker-vllm) build_dockerfile worker-vllm "$WORKER_VLLM_IMAGE" ;;
+    worker-vllm) build_worker_vllm ;;
     *) die "unknown target $t" ;;
   esac
 done

@@ -144,8 +144,13 @@ import_images() {
       log "$name: already in containerd"; continue
     fi
     local t0=$SECONDS tar="$N/import.tar"
-    "$HERE/images.sh" archive "$name" "$tar"
-    import_one "docker.io/$name" "$tar" <<<"$have"
+    # only the layers containerd lacks (images.sh archive); a failed import retries with the whole image
+    "$HERE/images.sh" archive "$name" "$tar" "$CROOT/io.containerd.content.v1.content/blobs/sha256"
+    if ! (import_one "docker.io/$name" "$tar" <<<"$have"); then
+      log "$name: import of the partial archive failed; importing the whole image"
+      "$HERE/images.sh" archive "$name" "$tar"
+      import_one "docker.io/$name" "$tar" <<<"$have"
+    fi
     rm -f "$tar"
     echo "$id" > "$marker"
     log "$name: imported into containerd in $((SECONDS - t0))s"

@@ -10,9 +10,14 @@
 #      NIXL backend fed from a CUDA export (device-to-host into registered staging, READ, MAC, import).
 #   6. Tensor parallelism on the GPUs (NCCL): the 1.1B model of step 3 served at TP 1 and TP 2 (and 4 when
 #      there are 4 GPUs), the same short benchmark against each; skipped with a line on a one-GPU machine.
+#   7. pdcluster vs vLLM on CUDA (benchmarks/vs_vllm.py, as `make bench` runs it on CPU): the 1.1B model of
+#      step 3, served decode tok/s at batch 1 and 16 and TTFT at 512 and 2,048 prompt tokens, one server
+#      loaded at a time in interleaved rounds. vLLM comes from PyPI (`uv pip install vllm` into a venv before
+#      the session: the device has no network) named by $PDCLUSTER_VLLM_PYTHON, else
+#      ~/.cache/pdcluster/vllm-gpu-venv; skipped with a line when no interpreter there imports vllm.
 # Results land in ${OUT:-gpu-bench-out}/ (JSON, CSV, PNG, logs); copy the figures into docs/benchmarks.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu-bench-out}
 mkdir -p "$OUT"
 PY=.venv/bin/python
@@ -78,5 +83,13 @@ else
             --output-lens 128 --requests 16 --concurrency 8 --out "$OUT/tp$TP" 2>&1 | tail -8 | tee -a "$OUT/tp.log"
         kill -TERM "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null
     done
+fi
+echo "== 7. pdcluster vs vLLM on CUDA (one server loaded at a time, interleaved rounds)"
+VLLM_PY=${PDCLUSTER_VLLM_PYTHON:-$HOME/.cache/pdcluster/vllm-gpu-venv/bin/python}
+if [ -x "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" >/dev/null 2>&1; then
+    PDCLUSTER_VLLM_PYTHON="$VLLM_PY" timeout 540 "$PY" -m benchmarks.vs_vllm --device cuda --rounds 3 \
+        --no-disagg --model "$MODEL" --json "$OUT/vs-vllm.json" 2>&1 | tee "$OUT/vs-vllm.log"
+else
+    echo "skipped: no vLLM at $VLLM_PY (uv venv ~/.cache/pdcluster/vllm-gpu-venv && uv pip install vllm nixl, or set PDCLUSTER_VLLM_PYTHON)" | tee "$OUT/vs-vllm.log"
 fi
 echo "== done: $OUT"

@@ -15,6 +15,7 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 OPERATOR = f"pdcluster/operator:{VERSION}"
 WORKER = f"pdcluster/worker:{VERSION}"
 WORKER_VLLM = f"pdcluster/worker-vllm:{VERSION}"
+WORKER_DEPS = f"pdcluster/worker-deps:{VERSION}"  # worker.Dockerfile's deps stage, worker-vllm's base
 
 
 def test_chart_default_is_the_operator_image():
@@ -35,7 +36,8 @@ def test_dockerfiles_name_their_image_and_nothing_else():
     for name, image in (("operator", OPERATOR), ("worker", WORKER), ("worker-vllm", WORKER_VLLM)):
         text = (ROOT / f"docker/{name}.Dockerfile").read_text()
         assert f"docker build -f docker/{name}.Dockerfile -t {image} ." in text
-        others = set(re.findall(r"pdcluster/[a-z-]+:[\w.-]+", text)) - {image}
+        others = set(re.findall(r"pdcluster/[a-z-]+:[\w.-]+", text)) - {image} - (
+            {WORKER_DEPS} if name == "worker-vllm" else set())
         assert not others, (name, others)
     assert sorted(p.name for p in (ROOT / "docker").glob("*.Dockerfile")) == [
         "operator.Dockerfile", "worker-vllm.Dockerfile", "worker.Dockerfile"]
@@ -46,6 +48,9 @@ def test_e2e_paths_build_the_same_files():
     assert 'OPERATOR_IMAGE="pdcluster/operator:$VERSION"' in images
     assert 'WORKER_IMAGE="pdcluster/worker:$VERSION"' in images
     assert 'WORKER_VLLM_IMAGE="pdcluster/worker-vllm:$VERSION"' in images
+    assert 'WORKER_DEPS_IMAGE="localhost/pdcluster/worker-deps:$VERSION"' in images
+    vllm = (ROOT / "docker/worker-vllm.Dockerfile").read_text()
+    assert f"ARG DEPS_IMAGE={WORKER_DEPS}" in vllm and f"-t {WORKER_DEPS} ." in vllm
 
 
 def test_the_operator_defaults_vllm_pools_to_the_worker_vllm_image():

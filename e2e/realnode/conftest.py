@@ -5,7 +5,8 @@ Run as their own session (`pytest e2e/realnode`, `make e2e` does): the kwok suit
 local process watching every namespace, which would reconcile these PDClusters a second time.
 Scenario files share one PDCluster and run in file order (10 operator, 11 apply, 12 completion, 13 scale
 and container kill, 14 autoscaler fed by Prometheus, 14b role flip,
-and 15 delete); 16 serves a hostpath:// model of its own."""
+and 15 delete); 16 serves a hostpath:// model of its own, 17 one `engine: vllm` PDCluster
+(pdcluster/worker-vllm) for its three scenarios."""
 
 from __future__ import annotations
 

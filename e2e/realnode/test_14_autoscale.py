@@ -7,6 +7,7 @@ printed and saved (docs/e2e.md records one)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -18,6 +19,8 @@ import httpx
 import pytest
 from node_e2e import NODE_NAME, Traffic, assert_route_to, dump, free_port, http_json, pods, port_forward
 from pdc_e2e import ARTIFACTS, Kube, deployments, wait_until
+
+from pdcluster.operator.autoscaler_explain import CAUSES
 
 INTERVAL, WINDOW, STABILIZATION = 5, 20, 30
 MAX_DECODE = 2  # the node has 2 CPUs: a third 500m decode pod stays Pending (Insufficient cpu)
@@ -114,6 +117,21 @@ def _prometheus_view(url: str, name: str) -> str:
     return "\n".join(lines)
 
 
+def _describe(kube: Kube, ns: str, name: str) -> list[str]:
+    return kube.run("describe", "pdc", name, "-n", ns).stdout.splitlines()
+
+
+def _scaled_steps(kube: Kube, ns: str, name: str) -> dict[str, list[tuple[int, int, str]]]:
+    """Every pool step of the `Scaled` Events `kubectl describe pdc` shows: role -> [(from, to, cause)]
+    (`prefill 1->1 (bound), decode 1->2 (formula) (ScaleUp: rate ...)`, operator/scaling.py)."""
+    steps: dict[str, list[tuple[int, int, str]]] = {"prefill": [], "decode": []}
+    for line in _describe(kube, ns, name):
+        if re.search(r"\bScaled\b", line):
+            for role, frm, to, cause in re.findall(r"(prefill|decode) (\d+)->(\d+) \(([a-z-]+)\)", line):
+                steps[role].append((int(frm), int(to), cause))
+    return steps
+
+
 def _replicas(kube: Kube, ns: str, name: str) -> tuple[int, int]:
     d = deployments(kube, ns, name)["decode"]
     return int(d["spec"]["replicas"]), int((d.get("status") or {}).get("readyReplicas") or 0)
@@ -163,6 +181,10 @@ def test_autoscaler_fed_by_prometheus_follows_the_load(kube: Kube, app_ns: str, 
                     wait_until("the added decode pods Ready", lambda: (r := sample("load"))[1] == r[0] > 1,
                                timeout=300, interval=2)
                     peak = sample("load")[0]
+                    # the decision is explained where a user looks: a Scaled Event with each pool's cause
+                    up = _scaled_steps(kube, app_ns, name)
+                    assert any(to > frm for frm, to, _ in up["decode"]), up
+                    assert all(cause in CAUSES for steps in up.values() for _, _, cause in steps), up
                     # each Ready decode pod took requests (Prometheus' view of the pods' own counters)
                     # (distinct pods: a pod exports several requests_total series, one per outcome)
                     wait_until("every decode pod served requests", lambda: len({
@@ -176,6 +198,10 @@ def test_autoscaler_fed_by_prometheus_follows_the_load(kube: Kube, app_ns: str, 
                 wait_until("decode back to 1 after the load", lambda: sample("trickle") == (1, 1),
                            timeout=WINDOW + STABILIZATION + MAX_DECODE * 40 + 120, interval=2)
                 down_s = time.monotonic() - t_low
+                described = _scaled_steps(kube, app_ns, name)
+                assert any(to < frm for frm, to, _ in described["decode"]), described  # the step down, explained
+                drained = [ln for ln in _describe(kube, app_ns, name) if "Drained" in ln and "decode pod " in ln]
+                assert drained, "no Drained Event for the decode pod removed"  # drained before it was removed
                 time.sleep(2 * INTERVAL)  # a few more trickle requests on the one pod left
         status = kube.get("pdc", name, app_ns)["status"]
         failures = [f for c in (*load, trickle) for f in c.failures]

@@ -41,7 +41,7 @@ def test_drain_needs_the_token_undrain_restores_and_router_refuses_at_once(tiny_
         assert h.get(f"{c.router}/live").status_code == 200
         t0 = time.monotonic()
         r = h.post(f"{c.router}/v1/completions", json=body)
-        assert time.monotonic() - t0 < 2.0  # at once, not at the request timeout
+        assert time.monotonic() - t0 < 30.0  # at once, not at the request timeout (60 s); loose for a loaded machine
         assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["code"] == "no_decode_worker"
 
         assert h.post(f"{decode}/undrain", headers=AUTH).json()["status"] == "ok"

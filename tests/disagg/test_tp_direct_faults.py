@@ -16,13 +16,13 @@ import pytest
 from pdcluster.worker.server.tp_rank import KILL_ENV
 
 from .harness import AUTH
-from .test_tp_layouts import NIXL, assert_ranks_clean, model, prompts, reference, tp_cluster  # noqa: F401
+from .test_tp_layouts import HANG_S, NIXL, assert_ranks_clean, model, prompts, reference, tp_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slow
 BACKENDS = ["tcp", pytest.param("nixl", marks=NIXL)]
 
 
-def _quiet(url: str, seconds: float = 30) -> dict[str, object]:
+def _quiet(url: str, seconds: float = 120) -> dict[str, object]:
     """/internal/load once nothing is held any more (or as it is when time is up)."""
     deadline = time.monotonic() + seconds
     while True:
@@ -32,20 +32,19 @@ def _quiet(url: str, seconds: float = 30) -> dict[str, object]:
         time.sleep(0.2)
 
 
-def _request(router: str) -> tuple[httpx.Response, float]:
+def _request(router: str) -> httpx.Response:
+    """One request; a hang fails it at the client's read timeout (test_tp_layouts.HANG_S), no timing assert."""
     body = {"model": "tiny", "prompt": prompts()[-1], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    t0 = time.monotonic()
-    r = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
-    return r, time.monotonic() - t0
+    return httpx.post(f"{router}/v1/completions", json=body, timeout=HANG_S)
 
 
 def _assert_faulted_and_clean(urls: dict[str, str], faulted: str) -> None:
     """After a follower of ``faulted`` died: that worker is unhealthy, both sides hold nothing, every surviving
     rank is clean and the faulted worker reports exactly its rank 1 dead."""
-    deadline = time.monotonic() + 30  # the worker learns of its rank's death from the control channel
+    deadline = time.monotonic() + 120  # the worker learns of its rank's death from the control channel
     while httpx.get(f"{urls[faulted]}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline, f"{faulted} still healthy 30 s after its rank 1 died"
+        assert time.monotonic() < deadline, f"{faulted} still healthy 120 s after its rank 1 died"
         time.sleep(0.2)
     for role in ("prefill", "decode"):
         d = _quiet(urls[role])
@@ -61,8 +60,8 @@ def test_prefill_follower_killed_mid_transfer(model: Path, tmp_path: Path, backe
     with tp_cluster(model, tmp_path, 2, 1, backend, env={"prefill": {KILL_ENV: "0"}}) as c:
         urls = c["urls"]
         assert isinstance(urls, dict)
-        r, seconds = _request(urls["router"])
-        assert seconds < 90 and r.status_code in (200, 500, 502, 503), r.text
+        r = _request(urls["router"])
+        assert r.status_code in (200, 500, 502, 503), r.text
         if r.status_code == 200:  # the router's fallback prefilled on the decode worker: still the right tokens
             assert r.json()["choices"][0]["token_ids"] == reference(model, [prompts()[-1]])[0]
         _assert_faulted_and_clean(urls, "prefill")
@@ -74,6 +73,6 @@ def test_decode_follower_killed_mid_transfer(model: Path, tmp_path: Path, backen
     with tp_cluster(model, tmp_path, 1, 2, backend, env={"decode": {KILL_ENV: "0"}}) as c:
         urls = c["urls"]
         assert isinstance(urls, dict)
-        r, seconds = _request(urls["router"])
-        assert seconds < 90 and r.status_code in (200, 500, 502, 503), r.text
+        r = _request(urls["router"])
+        assert r.status_code in (200, 500, 502, 503), r.text
         _assert_faulted_and_clean(urls, "decode")

@@ -31,7 +31,7 @@ def test_killed_follower_faults_the_engine(tp_models: dict[str, Path], make_tp_e
     assert engine.fault is None and engine_fault(engine) is None
     (pid,) = engine.runner.pids  # type: ignore[union-attr]
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # the watcher's next poll; generous for a loaded machine
     while engine.fault is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.fault is not None and "rank 1" in engine.fault and "exited" in engine.fault
@@ -40,7 +40,7 @@ def test_killed_follower_faults_the_engine(tp_models: dict[str, Path], make_tp_e
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1"):
         engine.step()
-    assert time.monotonic() - t0 < 1.0  # refused at once: no collective is even tried
+    assert time.monotonic() - t0 < TIMEOUT_S - 0.5  # refused at once: no collective is even tried
     engine.abort("after")
 
 
@@ -58,7 +58,7 @@ def test_stopped_follower_errors_in_flight_request_and_fails_health(tp_models: d
             with client.stream("POST", "/v1/completions", json=body) as r:  # in flight when the step stalls
                 events = [line for line in r.iter_lines() if line.startswith("data: ")]
             waited = time.monotonic() - t0
-            assert waited < TIMEOUT_S + 15, waited  # bounded by the compute timeout, not hung
+            assert waited < TIMEOUT_S + 45, waited  # bounded by the compute timeout, not hung (slack: a loaded machine)
             errors = [json.loads(e[6:])["error"] for e in events if e != "data: [DONE]" and '"error"' in e]
             assert errors and "tensor-parallel" in errors[0]["message"], events[-3:]
             health = client.get("/health")

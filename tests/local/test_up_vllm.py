@@ -36,20 +36,21 @@ THRESHOLD = 16
 MAX_TOKENS = 24
 
 
-def _free_ports() -> int:
-    """A block for the router and two workers whose NIXL side-channel ports are free too."""
+def _free_ports(workers: int = 2) -> int:
+    """A block for the router and `workers` workers whose NIXL side-channel ports are free too."""
     while True:
-        port = free_block(3)
-        if not any(port_in_use("127.0.0.1", port + i + vllm_workers.SIDE_CHANNEL_OFFSET) for i in (1, 2)):
+        port = free_block(workers + 1)
+        if not any(port_in_use("127.0.0.1", port + i + vllm_workers.SIDE_CHANNEL_OFFSET)
+                   for i in range(1, workers + 1)):
             return port
 
 
 class Up:
-    def __init__(self, model: Path, port: int) -> None:
+    def __init__(self, model: Path, port: int, decode: int = 1) -> None:
         self.port = port
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdcluster", "up", "--engine", "vllm", "--model", str(model), "--prefill", "1",
-             "--decode", "1", "--port", str(port), "--disaggregation-threshold", str(THRESHOLD),
+             "--decode", str(decode), "--port", str(port), "--disaggregation-threshold", str(THRESHOLD),
              "--max-model-len", "512", "--start-timeout", str(vllm_workers.START_TIMEOUT)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.lines: list[str] = []
@@ -99,6 +100,7 @@ def _sample(url: str, name: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 900)  # vLLM starts in minutes under load: `up --start-timeout` bounds it, not pytest's 300 s
 @needs_vllm
 def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> None:
     assert up.wait_line(r"^ready: "), "".join(up.lines)

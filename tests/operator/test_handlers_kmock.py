@@ -188,7 +188,7 @@ async def test_pdcluster_operator_command_runs_the_handlers(k8s: Any, kubeconfig
          "--metrics-address", "127.0.0.1", "--liveness", f"http://127.0.0.1:{live_port}/healthz"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(kubeconfig)})
     try:
-        await wait_for(lambda: proc.poll() is not None or _status(k8s).get("endpoint"), timeout=30,
+        await wait_for(lambda: proc.poll() is not None or _status(k8s).get("endpoint"), timeout=120,
                        what="status from the operator process")
         assert proc.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
         async with httpx.AsyncClient() as http:

@@ -130,7 +130,7 @@ def test_drain_finishes_in_flight_and_refuses_new_work() -> None:
         assert rest[-2]["choices"][0]["finish_reason"] == "length"
         assert len(first["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in rest[:-1])) == 20
         waited = c.post("/drain", params={"wait": "true", "timeout": "5"})
-        assert waited.json() == {"status": "draining", "in_flight": 0, "idle": True}
+        assert waited.json() == {"status": "draining", "in_flight": 0, "idle": True, "in_flight_at_drain": 0}
 
 
 def test_timeout_is_504_and_frees_blocks() -> None:

@@ -44,7 +44,10 @@ VLLM_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("self.kvCache.dtype == 'auto'", lambda s: s.kvCache.dtype == "auto",
      "engine vllm: kvCache.dtype int8/int4 is pdcluster's KV format; leave it auto (vLLM's own "
      "--kv-cache-dtype, e.g. fp8, goes in the pools' engineArgs)"),
-    ("size(self.kvCache.fullPrecisionLayers) == 0", lambda s: not s.kvCache.fullPrecisionLayers,
+    # has(): the field has no schema default, and CEL fails on an absent key ("no such key") rather than
+    # reading it as empty, which refused every vllm spec without the field (found by e2e/realnode/test_17_vllm)
+    ("!has(self.kvCache.fullPrecisionLayers) || size(self.kvCache.fullPrecisionLayers) == 0",
+     lambda s: not s.kvCache.fullPrecisionLayers,
      "engine vllm: kvCache.fullPrecisionLayers applies to pdcluster's int8/int4 KV cache only"),
     ("self.kvCache.preemption != 'swap'", lambda s: s.kvCache.preemption != "swap",
      "engine vllm: vLLM preempts by recompute; kvCache.preemption swap is pdcluster's"),

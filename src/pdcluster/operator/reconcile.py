@@ -334,9 +334,16 @@ async def _drain_victims(ctx: Context, owner: naming.Owner, role: str, count: in
             await ctx.kube.merge_patch("v1", "Pod", owner.namespace, name, {"metadata": {"annotations": {
                 drain.DELETION_COST: drain.VICTIM_COST, drain.DRAINING: now_s}}})
             log.info("draining %s/%s before scaling %s down", owner.namespace, name, role)
-        # Ask all victims at once: an unreachable pod costs one short timeout, not one per pod.
-        # the workers refuse /drain without the bearer token derived from the KV secret
-        await asyncio.gather(*(drain.drain_pod(pod, http, secret=key) for pod in victims))
+        # Ask all victims at once and wait until none has anything in flight (a prefill's KV sends included):
+        # an unreachable pod costs one short timeout. The workers refuse /drain without the bearer token
+        # derived from the KV secret.
+        results = await asyncio.gather(*(drain.drain_and_wait(pod, http, secret=key) for pod in victims))
+        target = {"apiVersion": owner.api_version, "kind": owner.kind,
+                  "metadata": {"name": owner.name, "namespace": owner.namespace, "uid": owner.uid}}
+        for res in results:  # a pod that did not take the drain (gone, or vLLM's: its preStop drains) is logged
+            if res.answered:
+                ctx.emit(target, "Normal" if res.idle else "Warning", "Drained" if res.idle else "DrainIncomplete",
+                         res.message(role))
     finally:
         if ctx.http is None:
             await http.aclose()

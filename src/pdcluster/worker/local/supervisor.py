@@ -139,6 +139,7 @@ class Supervisor:
                     p.restarts = 0  # a minute of good health resets the backoff and the crash-loop count
                 continue
             if p.restart_at is None:
+                _kill_group(p.popen.pid)  # what the dead child started (vLLM's engine core) dies with it
                 self._give_up_if_hopeless(p, code)
                 p.restarts += 1
                 p.restart_at = now + backoff(p.restarts)
@@ -199,6 +200,7 @@ class Supervisor:
                 p.popen.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(5)
+        _kill_group(p.popen.pid)
         p.drain_until = None
         if not p.respawn:
             return [f"{p.name} stopped (scaled down)"]
@@ -228,3 +230,13 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     p.popen.kill()
                 p.popen.wait(5)
+            _kill_group(p.popen.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left of a child's process group once the child itself has exited. Each child leads
+    its own group (`start_new_session`), and a vLLM server's engine-core process outlives a server killed by
+    a signal (seen here: orphans holding ~2 GiB each); a pod's container takes them down with it, `up` does
+    it here. The group id stays valid while any member lives, so this is a no-op once they are all gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

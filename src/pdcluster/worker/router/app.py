@@ -98,7 +98,8 @@ class RouterState:
         if pool.engine == "vllm":
             from pdcluster.worker.router.vllm_pd import VLLMFlow
 
-            self.vllm = VLLMFlow(pool, threshold=options.disaggregation_threshold, max_retries=options.max_retries)
+            self.vllm = VLLMFlow(pool, threshold=options.disaggregation_threshold, max_retries=options.max_retries,
+                                 decode_wait=options.decode_wait)
         self.metrics.registry.register(_StageCollector(self))
         self.waiting = 0  # admitted, no first token yet: the router's queue
         self.in_flight = 0
@@ -313,7 +314,8 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
                           "ttft_slo": st.flow.ttft_slo, **st.flow.placements.describe()}
         if st.vllm is not None:  # --engine vllm: the handshake's own counts
             snap["router"].update(engine="vllm", vllm_disaggregated=st.vllm.disaggregated,
-                                  retries=st.flow.retries + st.vllm.retries)
+                                  retries=st.flow.retries + st.vllm.retries,
+                                  resumes=st.flow.resumes + st.vllm.resumes)
         return JSONResponse(snap)
 
     @app.get("/health")

@@ -12,9 +12,8 @@ vLLM's NixlConnector is driven per request by `kv_transfer_params` in the OpenAI
 The router's own parts stay what they are for our engine: admission and the queue, the disaggregation
 threshold (prompts below it go straight to a decode worker), prefix-aware and least-loaded picking (prompt
 token ids from the worker's `/tokenize`; block size and KV blocks from its `vllm:cache_config_info`), and
-retries on another pair while nothing has reached the client. What does not carry over (docs/vllm.md): a
-decode worker dying mid-stream ends that stream with an error event (our engine resumes it elsewhere; vLLM's
-reply carries text, not the token ids a resume needs).
+retries on another pair while nothing has reached the client, and a stream whose decode worker dies resumes
+on another pair after the tokens the client already has (vllm_resume.py).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +36,7 @@ from pdcluster.worker.router.flow import Chunk
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker
 from pdcluster.worker.router.upstream import describe
+from pdcluster.worker.router.vllm_resume import StreamState
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,13 @@ async def probe(client: httpx.AsyncClient, w: Worker) -> tuple[bool, str | None]
 class VLLMFlow:
     """Tokenize (for picking), then prefill leg + decode leg, or the decode worker alone below the threshold."""
 
-    def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0) -> None:
+    def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0,
+                 decode_wait: float = 30.0) -> None:
         self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+        self.decode_wait = decode_wait  # a resume waits this long for a healthy decode worker (as Flow's)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
         self.retries = 0
+        self.resumes = 0  # streams continued on another decode worker after theirs broke
         self.disaggregated = 0
 
     async def close(self) -> None:
@@ -255,15 +259,13 @@ class VLLMFlow:
             if owned:
                 tracker.done()
 
-    async def run(self, kind: str, body: dict[str, Any], prompt: list[int], on_tokens: Any) -> Response:
-        """The client's response: retried on another pair until a decode worker answers 200 (nothing has reached
-        the client before that). `on_tokens(n)` is told of output tokens as they stream (TTFT/TPOT metrics)."""
-        excluded: set[str] = set()
+    async def _pair(self, kind: str, body: dict[str, Any], prompt: list[int],
+                    excluded: set[str]) -> tuple[Worker, httpx.Response]:
+        """A decode worker's open reply, retried on another pair (`max_retries`) while none answers 200."""
         failures = 0
         while True:
             try:
-                d, resp = await self._attempt(kind, body, prompt, excluded)
-                break
+                return await self._attempt(kind, body, prompt, excluded)
             except _Failed as e:
                 failures += 1
                 self.retries += 1
@@ -272,9 +274,16 @@ class VLLMFlow:
                 if failures > self.max_retries:
                     raise errors.APIError(502, f"request failed on {failures} worker pairs; last error: {e}",
                                           code="workers_failed") from None
+
+    async def run(self, kind: str, body: dict[str, Any], prompt: list[int], on_tokens: Any) -> Response:
+        """The client's response: retried on another pair until a decode worker answers 200 (nothing has reached
+        the client before that). `on_tokens(n)` is told of output tokens as they stream (TTFT/TPOT metrics)."""
         if body.get("stream"):
-            return StreamingResponse(_relay(resp, d, on_tokens), media_type="text/event-stream",
+            state = StreamState(kind, body, prompt)
+            d, resp = await self._pair(kind, state.leg_body(), prompt, set())
+            return StreamingResponse(self._relay(state, d, resp, on_tokens), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
+        d, resp = await self._pair(kind, body, prompt, set())
         try:
             data = json.loads(await resp.aread())
         except ValueError:
@@ -286,21 +295,78 @@ class VLLMFlow:
         on_tokens(int(usage.get("completion_tokens", 0)) if isinstance(usage, dict) else 0)
         return JSONResponse(data)
 
+    async def _relay(self, state: StreamState, d: Worker, resp: httpx.Response, on_tokens: Any
+                     ) -> AsyncIterator[bytes]:
+        """The decode worker's SSE to the client, line by line. A worker that breaks the stream (dies, or ends it
+        without `[DONE]`) is replaced: the stream resumes on another pair after the tokens already sent
+        (vllm_resume.py), at most `max_retries` times; what cannot be resumed ends with an OpenAI error event."""
+        excluded: set[str] = set()
+        while True:
+            try:
+                async for line in resp.aiter_lines():
+                    out, n = state.line(line)
+                    if n:
+                        on_tokens(n)
+                    if out is not None:
+                        yield (out + "\n").encode()
+                if state.done:
+                    return
+                failure = "the stream ended without [DONE]"
+            except httpx.HTTPError as e:
+                failure = describe(e)
+                self.pool.mark_failed("decode", d.url, failure)
+            finally:
+                d.in_flight -= 1
+                await resp.aclose()
+            log.warning("vLLM decode worker %s broke a stream after %d tokens: %s", d.url, len(state.sent), failure)
+            if state.finished or state.all_sent():  # everything was delivered but the stream's end
+                yield "\n".join(state.closing()).encode()
+                return
+            excluded.add(d.url)
+            why = state.blocker or (f"{state.resumed} resumes already" if state.resumed >= self.max_retries else None)
+            try:
+                if why:
+                    raise errors.APIError(502, f"decode worker {d.url} failed mid-stream ({failure}); not resumed: "
+                                               f"{why}", code="workers_failed")
+                self.resumes += 1
+                state.start_leg(await self._boundary(state))
+                d, resp = await self._resume(state, excluded)
+            except errors.APIError as err:
+                yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+                return
 
-async def _relay(resp: httpx.Response, d: Worker, on_tokens: Any) -> AsyncIterator[bytes]:
-    """The decode worker's SSE, line by line to the client; each `data:` event with output counts as a token
-    (vLLM streams one token per event). A broken stream ends with an OpenAI error event."""
-    try:
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
-                on_tokens(1)
-            yield (line + "\n").encode()
-    except httpx.HTTPError as e:
-        err = errors.APIError(502, f"decode worker {d.url} failed mid-stream: {describe(e)}", code="workers_failed")
-        yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        d.in_flight -= 1
-        await resp.aclose()
+    async def _boundary(self, state: StreamState, lookback: int = 8) -> int | None:
+        """How many of the tokens sent end on a character boundary (their text, from a worker's /detokenize, does
+        not end in U+FFFD), looking back at most `lookback` tokens; None when no worker can say."""
+        workers = [w for w in self.pool.workers.values() if w.healthy]
+        for m in range(len(state.sent), max(0, len(state.sent) - lookback) - 1, -1):
+            for w in workers:
+                try:
+                    r = await self.client.post(f"{w.url}/detokenize", timeout=10.0,
+                                               json={"model": state.body.get("model"), "tokens": state.sent[:m]})
+                except httpx.HTTPError:
+                    continue
+                if r.status_code != 200:
+                    continue
+                text = r.json().get("prompt")
+                if not isinstance(text, str) or not text.endswith("\ufffd"):
+                    return m
+                break
+            else:
+                return None
+        return None
+
+    async def _resume(self, state: StreamState, excluded: set[str]) -> tuple[Worker, httpx.Response]:
+        """The next leg of a broken stream. With no healthy decode worker (the only one died and restarts) it
+        waits for one at most `decode_wait` seconds, as our engine's resume does, then gives up."""
+        since = time.monotonic()
+        while True:
+            try:
+                return await self._pair("completions", state.resume_body(), state.prompt + state.sent, excluded)
+            except errors.APIError as e:
+                if e.code != "no_decode_worker" or time.monotonic() - since >= self.decode_wait:
+                    raise
+                await self.pool.wait_changed(min(0.05, self.decode_wait))
 
 
 def _api_error(r: httpx.Response) -> errors.APIError:

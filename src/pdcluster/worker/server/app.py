@@ -314,10 +314,13 @@ def _ops_routes() -> APIRouter:
 
     @r.post("/drain", dependencies=[Depends(_operator_auth)])
     async def drain(request: Request, wait: bool = False, timeout: float | None = None) -> JSONResponse:
-        """Stop taking new work; with ?wait=true return only when in-flight requests are done."""
+        """Stop taking new work; with ?wait=true return only when in-flight requests are done (a prefill's
+        include the KV it still sends). ``in_flight_at_drain``: what was in flight when the drain arrived."""
         w = _worker(request)
+        at_drain = w.in_flight
         idle = await w.drain(wait=wait, timeout=timeout)
-        return JSONResponse({"status": "draining", "in_flight": w.in_flight, "idle": idle})
+        return JSONResponse({"status": "draining", "in_flight": w.in_flight, "idle": idle,
+                             "in_flight_at_drain": at_drain})
 
     @r.post("/undrain", dependencies=[Depends(_operator_auth)])
     async def undrain(request: Request) -> JSONResponse:

@@ -43,7 +43,7 @@ from pdcluster.worker.api.internal import (
 from pdcluster.worker.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.worker.engine.sampling_params import SamplingParams
 from pdcluster.worker.server import ucx_bind
-from pdcluster.worker.server.lifecycle import WorkerServer, observe_prefill
+from pdcluster.worker.server.lifecycle import WorkerServer, engine_fault, observe_prefill
 from pdcluster.worker.server.tp_direct import DirectKV
 from pdcluster.worker.transfer import backend as transfer_backend
 from pdcluster.worker.transfer.channel import TransferError
@@ -158,8 +158,12 @@ class Disaggregation:
         s = self.engine.stats()
         total = int(s.get("kv_cache_total_blocks", 0))
         used = int(s.get("kv_cache_used_blocks", 0))
+        # "ready" is what the router's probe admits on: a failed engine (a dead tensor-parallel rank) answers
+        # every request 503, and a router that still saw it ready kept retrying it as busy, never falling back
+        fault = engine_fault(self.engine)
         return {
-            "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining,
+            "role": self.role, "node": self.node, "ready": worker.ready and not worker.draining and fault is None,
+            **({"error": fault} if fault else {}),
             "free_blocks": total - used, "total_blocks": total, "used_blocks": used,
             "block_size": self.layout.block_size,
             "running": int(s.get("requests_running", 0)), "waiting": int(s.get("requests_waiting", 0)),
@@ -260,8 +264,8 @@ class Disaggregation:
             me.direct.check_target(data.target.rank_ports)  # a layout this worker's heads cannot go to: 400
             w.admit()
             rid, target = data.request_id, TransferTarget(data.target.host, data.target.port)
-            return StreamingResponse(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),
-                                                        data.target.rank_ports), media_type=NDJSON)
+            return StreamingResponse(w.tracked(me._prefill_stream(w, rid, ids, params, target, tracing.span_of(request),
+                                                                  data.target.rank_ports)), media_type=NDJSON)
 
         @r.post("/decode")
         async def decode(request: Request) -> StreamingResponse:
@@ -269,7 +273,8 @@ class Disaggregation:
             rid, first = data.request_id, data.first_token_id
             if me.connector is None or rid not in dict(me.connector.pending_loads()):
                 raise errors.APIError(409, f"no reservation for {rid} (expired or cancelled)", code="no_reservation")
-            return StreamingResponse(me._decode_stream(w, rid, first, tracing.span_of(request)), media_type=NDJSON)
+            return StreamingResponse(w.tracked(me._decode_stream(w, rid, first, tracing.span_of(request))),
+                                     media_type=NDJSON)
 
         @r.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
@@ -347,7 +352,6 @@ class Disaggregation:
                              span: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[bytes]:
         assert self.connector is not None
         committed, finished = False, False
-        w.in_flight += 1
         span.set({"pdcluster.request_id": rid})
         t0 = time.monotonic()
         try:
@@ -396,7 +400,6 @@ class Disaggregation:
             finally:
                 stream.close()  # aborts the engine request if we leave early (router gone)
         finally:
-            w.in_flight -= 1
             if not committed:
                 self._detach(self._cancel(rid))
 

@@ -290,6 +290,35 @@ class WorkerServer:
         if self.in_flight == 0:
             self._idle.set()
 
+    def tracked(self, stream: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        """``stream`` (an /internal/* response) counted as in flight from now until it ends. A prefill's
+        stream ends once its KV reached the decode worker (or failed), a decode's at its last token: a drain
+        (``/drain?wait=true``, what the operator asks before a scale-down) waits for both, so no decode is left
+        needing the KV of a pod that is going away. A stream never iterated (the client left before the
+        response started) is released when it is garbage-collected."""
+        self.in_flight += 1
+        self._idle.clear()
+        released = [False]
+
+        def release() -> None:
+            if not released[0]:
+                released[0] = True
+                self._done(pending=False)
+
+        async def run() -> AsyncGenerator[bytes, None]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                release()
+                close = getattr(stream, "aclose", None)
+                if close is not None:  # its own cleanup (abort a save, free blocks) runs now, not at GC
+                    await close()
+
+        gen = run()
+        weakref.finalize(gen, release)
+        return gen
+
     async def _run(
         self, started: list[bool], request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
         span: tracing.Span = tracing.NO_SPAN,

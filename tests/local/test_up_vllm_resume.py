@@ -1,0 +1,101 @@
+"""A vLLM decode worker dying mid-stream, for real: `pdcluster up --engine vllm` with one prefill and two decode
+workers (three vLLM servers, ~15 GiB: the most this suite keeps alive at once, each with 1 GiB of KV). A long
+greedy stream goes prefill -> decode; at its Nth token the decode worker the router's own in-flight accounting
+names is frozen (SIGSTOP) and then killed with its engine (SIGKILL on its process group, as a pod dies). The
+client's stream goes on without a break and ends equal to one plain vLLM server's answer: no token missing,
+none twice; the router counts one resume, as for our engine.
+
+Skipped when the vLLM environment is absent (`scripts/setup.sh vllm`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from .test_up_vllm import PROMPTS, Up, _free_ports, needs_vllm
+
+# Long enough that the frozen worker cannot have finished the stream by the time the test has read N tokens
+# (the remaining ~400 tokens take seconds on any machine that runs vLLM at all), within --max-model-len 512.
+MAX_TOKENS = 400
+FREEZE_AT = 3
+
+
+@pytest.fixture(scope="module")
+def up3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    from pdcluster.worker.local.demo_model import build_demo_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker: three share this machine
+    model = build_demo_model(tmp_path_factory.mktemp("vllm") / "tiny", num_hidden_layers=2, hidden_size=128,
+                             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512)
+    u = Up(model, _free_ports(3), decode=2)
+    try:
+        yield u
+    finally:
+        if u.proc.poll() is None:
+            u.proc.send_signal(signal.SIGTERM)
+            u.proc.wait(120)
+
+
+def _ports_to_pids(up: Up) -> dict[int, int]:
+    """Each worker's HTTP port -> its pid, from `up`'s listing (`  decode-1   pid 123  --port 4567`)."""
+    return {int(m.group(2)): int(m.group(1))
+            for m in re.finditer(r"^\s+\S+\s+pid (\d+)\s+--port (\d+)", "".join(up.lines), re.M)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * 900)  # vLLM starts in minutes under load: `up --start-timeout` bounds it, not pytest's 300 s
+@needs_vllm
+def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
+    assert up3.wait_line(r"^ready: "), "".join(up3.lines)
+    router = f"http://127.0.0.1:{up3.port}"
+    prefill = f"http://127.0.0.1:{up3.port + 1}"
+    model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    # the reference: one plain vLLM server (the prefill worker asked directly, without kv_transfer_params)
+    ref = httpx.post(f"{prefill}/v1/completions", json={**body, "return_token_ids": True}, timeout=600).json()
+    want_text, want_ids = ref["choices"][0]["text"], ref["choices"][0]["token_ids"]
+    assert len(want_ids) == MAX_TOKENS
+    pids = _ports_to_pids(up3)
+    before = httpx.get(f"{router}/cluster", timeout=10).json()["router"]
+
+    text, tokens, finish, usage, killed = "", 0, None, None, None
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=600,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            usage = ev.get("usage") or usage
+            for ch in ev["choices"]:
+                assert ch.get("token_ids") is None  # the router's own request for token ids stays hidden
+                text += ch["text"]
+                tokens += 1  # vLLM streams one token per event
+                finish = ch.get("finish_reason") or finish
+            if killed is None and tokens >= FREEZE_AT:
+                # the decode worker holding this stream, by the router's own accounting
+                decode = httpx.get(f"{router}/cluster", timeout=10).json()["decode"]
+                busy = [w for w in decode if w["in_flight"] == 1]
+                assert len(busy) == 1 and sum(w["in_flight"] for w in decode) == 1, decode
+                pid = pids[int(busy[0]["url"].rsplit(":", 1)[1])]
+                os.killpg(os.getpgid(pid), signal.SIGSTOP)  # frozen mid-stream, its socket still open
+                frozen = httpx.get(f"{router}/cluster", timeout=10).json()
+                assert [w["in_flight"] for w in frozen["decode"] if w["url"] == busy[0]["url"]] == [1]
+                assert frozen["router"]["resumes"] == before["resumes"]
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                killed = busy[0]["url"]
+    assert killed is not None
+    assert text == want_text  # nothing missing, nothing twice
+    assert finish == "length"
+    assert usage is not None and usage["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # the client's prompt
+    assert usage["completion_tokens"] == MAX_TOKENS  # counted over both legs
+    after = httpx.get(f"{router}/cluster", timeout=10).json()["router"]
+    assert after["resumes"] == before["resumes"] + 1  # the counter our engine's resumes go to
