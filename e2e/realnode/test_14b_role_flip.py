@@ -55,8 +55,11 @@ def _decode_requests(pod: dict[str, Any]) -> float:
 def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
     name = example_name
     try:
+        # the bounds too: test_14 (the autoscaler) leaves its own minReplicas/maxReplicas on the example, and a
+        # replicas outside them is refused by the CRD even with autoscaling off
         _patch(kube, app_ns, name, '{"roleFlips":true,"autoscaling":{"enabled":false},'
-                                   '"prefill":{"replicas":2},"decode":{"replicas":1}}')
+                                   '"prefill":{"replicas":2,"minReplicas":1,"maxReplicas":2},'
+                                   '"decode":{"replicas":1,"minReplicas":1,"maxReplicas":2}}')
         before = wait_until("2 prefill and 1 decode pods Ready", lambda: _all_ready(kube, app_ns, name, (2, 1)),
                             timeout=420, interval=2)
         uids = {p["metadata"]["uid"] for p in before}
