@@ -181,7 +181,7 @@ def vllm_cluster(kube: Kube, app_ns: str, real_operator: dict[str, Any], vllm_mo
                  reference: dict[tuple[str, int], tuple[list[int], str]]) -> Iterator[str]:
     pool = {"replicas": 1, "minReplicas": 1, "maxReplicas": 2, "maxBatchSize": MAX_BATCH_SIZE,
             "maxBatchTokens": MAX_BATCH_TOKENS, "resources": RESOURCES,
-            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": KV_GIB}]}
+            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": KV_GIB}, {"name": "OMP_NUM_THREADS", "value": "1"}]}
     doc = example_pdc(NAME, engine="vllm",
                       model={"name": SERVED, "uri": f"hostpath://{vllm_model}", "dtype": "auto",
                              "maxModelLen": MAX_MODEL_LEN},
