@@ -68,20 +68,25 @@ class Up:
         return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)", "".join(self.lines), re.M)}
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def started_up(tmp_path_factory: pytest.TempPathFactory, decode: int = 1) -> Iterator[Up]:
+    """`pdcluster up --engine vllm` on a tiny Llama with one prefill and `decode` decode workers, stopped after."""
     from pdcluster.worker.local.demo_model import build_demo_model
 
     model = build_demo_model(tmp_path_factory.mktemp("vllm") / "tiny", num_hidden_layers=2, hidden_size=128,
                              intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=512)
-    u = Up(model, _free_ports())
+    u = Up(model, _free_ports(1 + decode), decode=decode)
     try:
         yield u
     finally:
         if u.proc.poll() is None:
             u.proc.send_signal(signal.SIGTERM)
             u.proc.wait(120)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    yield from started_up(tmp_path_factory)
 
 
 def _completion(url: str, model: str, prompt: str, **kw: object) -> dict:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .test_up_vllm import PROMPTS, Up, _free_ports, needs_vllm
+from .test_up_vllm import PROMPTS, Up, needs_vllm, started_up
 
 # Long enough that the frozen worker cannot have finished the stream by the time the test has read N tokens
 # (the remaining ~400 tokens take seconds on any machine that runs vLLM at all), within --max-model-len 512.
@@ -28,19 +28,8 @@ FREEZE_AT = 3
 
 @pytest.fixture(scope="module")
 def up3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    from pdcluster.worker.local.demo_model import build_demo_model
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker: three share this machine
-    model = build_demo_model(tmp_path_factory.mktemp("vllm") / "tiny", num_hidden_layers=2, hidden_size=128,
-                             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=512)
-    u = Up(model, _free_ports(3), decode=2)
-    try:
-        yield u
-    finally:
-        if u.proc.poll() is None:
-            u.proc.send_signal(signal.SIGTERM)
-            u.proc.wait(120)
+    yield from started_up(tmp_path_factory, decode=2)
 
 
 def _ports_to_pids(up: Up) -> dict[int, int]:
