@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -181,7 +182,7 @@ def vllm_cluster(kube: Kube, app_ns: str, real_operator: dict[str, Any], vllm_mo
                  reference: dict[tuple[str, int], tuple[list[int], str]]) -> Iterator[str]:
     pool = {"replicas": 1, "minReplicas": 1, "maxReplicas": 2, "maxBatchSize": MAX_BATCH_SIZE,
             "maxBatchTokens": MAX_BATCH_TOKENS, "resources": RESOURCES,
-            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": KV_GIB}, {"name": "OMP_NUM_THREADS", "value": "1"}]}
+            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": KV_GIB}]}
     doc = example_pdc(NAME, engine="vllm",
                       model={"name": SERVED, "uri": f"hostpath://{vllm_model}", "dtype": "auto",
                              "maxModelLen": MAX_MODEL_LEN},
@@ -235,6 +236,14 @@ class CheckedTraffic:
         self._t.join(timeout=240)
 
 
+# the preStop drain's reads of /metrics in vLLM's access log: from the pod's loopback (render_vllm.drain_command)
+DRAIN_POLL = re.compile(r'127\.0\.0\.1:\d+ .*"GET /metrics ')
+
+
+def _drain_polls(kube: Kube, ns: str, pod: str) -> bool:
+    return bool(DRAIN_POLL.search(kube.run("logs", "-n", ns, pod, "--tail=400", check=False).stdout))
+
+
 def _scale(kube: Kube, ns: str, role: str, n: int) -> None:
     kube.run("patch", "pdc", NAME, "-n", ns, "--type=merge", "-p", f'{{"spec":{{"{role}":{{"replicas":{n}}}}}}}')
 
@@ -251,6 +260,8 @@ def test_a_router_is_greedy_equal_to_one_vllm_server(kube: Kube, vllm_cluster: s
             assert c["image"].startswith("pdcluster/worker-vllm:"), c["image"]
             assert c["command"][:3] == ["python3", "-m", vllm_workers.VLLM_MODULE], c["command"]
             assert "NixlConnector" in c["command"][c["command"].index("--kv-transfer-config") + 1]
+            # the operator sized vLLM's OpenMP pool from the pool's CPU request (500m: 1 thread); the spec sets none
+            assert [e.get("value") for e in c["env"] if e["name"] == "OMP_NUM_THREADS"] == ["1"], c["env"]
         xfers0 = _metric(decode, "vllm:nixl_xfer_time_seconds_count")
         with port_forward(kube, ns, f"svc/{NAME}-router", 8000) as port:
             router = f"http://127.0.0.1:{port}"
@@ -319,14 +330,16 @@ def test_c_prefill_pod_deleted_with_kv_in_flight(kube: Kube, vllm_cluster: str,
         wait_until("the prefill pod to report the KV it holds for the decode pod",
                    lambda: _metric(prefill, "vllm:kv_cache_usage_perc") > 0, timeout=20, interval=0.5)
         xfers0 = _metric(decode, "vllm:nixl_xfer_time_seconds_count")
+        assert not _drain_polls(kube, ns, pname)
         t0 = time.monotonic()
         kube.run("delete", "pod", pname, "-n", ns, "--wait=false")
-        # the pod is terminating, and its preStop drain keeps the server up while that KV is unread
         gone = kube.get("pod", pname, ns)
         assert gone is not None and gone["metadata"].get("deletionTimestamp"), gone
-        # the kubelet has begun stopping it (not Ready: out of the Service), yet the server still answers and still
-        # holds the KV: the preStop hook is waiting on it
-        wait_until(f"{pname} not Ready", lambda: not ready(kube.get("pod", pname, ns) or {}), timeout=20,
+        # the kubelet is stopping it: its preStop drain runs (the server logs the hook's reads of /metrics from
+        # the pod's own loopback; the router's and the kubelet's come from other addresses), and the server
+        # still answers and still holds the KV. Without the hook the kubelet's SIGTERM would have stopped vLLM
+        # here and the KV with it.
+        wait_until(f"the preStop drain of {pname} to run", lambda: _drain_polls(kube, ns, pname), timeout=60,
                    interval=0.5)
         assert _metric(prefill, "vllm:kv_cache_usage_perc") > 0
         got = _complete(_pod_url(decode), prompt, kv_transfer_params=params)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from pdcluster.operator import render
-from pdcluster.operator.models import NIXL_SIDE_CHANNEL_PORT, WORKER_PORT, PDClusterSpec
+from pdcluster.operator.models import NIXL_SIDE_CHANNEL_PORT, WORKER_PORT, IntOrString, PDClusterSpec
 from pdcluster.operator.naming import Owner, selector_labels
 from pdcluster.operator.parallel import shm_size_limit
 from pdcluster.operator.podoptions import apply_pod_options
@@ -92,10 +93,38 @@ def vllm_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
     return cmd + list(pool.engineArgs)
 
 
+# Kubernetes CPU quantities: a decimal number with an optional decimal SI suffix ("500m", "2", "1.5", "2k")
+_CPU_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|M|G)?$")
+_CPU_SUFFIX = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
+def cpu_cores(value: IntOrString | None) -> float | None:
+    """A CPU quantity in cores; None when absent or not a quantity this reads (then nothing is derived)."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return float(value)
+    m = _CPU_QUANTITY.match(value.strip())
+    return float(m.group(1)) * _CPU_SUFFIX[m.group(2)] if m else None
+
+
+def cpu_threads(spec: PDClusterSpec, role: str) -> int | None:
+    """OpenMP threads for one `role` pod on CPU: the whole cores of its CPU limit, else of its request, at least
+    1; None when the pool names neither (vLLM then sizes its pool from the pod's affinity and quota)."""
+    res = spec.pool(role).resources
+    cores = cpu_cores(res.limits.get("cpu"))
+    if cores is None:
+        cores = cpu_cores(res.requests.get("cpu"))
+    return None if cores is None else max(1, math.floor(cores))
+
+
 def vllm_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
     """vLLM's environment: the NIXL side channel on the pod IP, UCX on TCP within the named port range, and on
     CPU pools no OpenMP binding (a pod's CPU quota is not a cpuset: vLLM's `auto` would bind to the node's
-    cores and reserve some for itself). A pool `env` of the same name replaces the default here."""
+    cores and reserve some for itself) and OMP_NUM_THREADS at the pod's CPU share. Unset, the OpenMP pool that
+    torch and vLLM's CPU kernels run on takes one thread per CPU the pod may run on (all the node's, without a
+    cpuset), whatever its quota, and vLLM's CPU worker does not lower it: pods oversubscribe the node and stall
+    each other (docs/vllm.md). A pool `env` of the same name replaces the default here."""
     on_gpus = spec.gpus_per_pod(role) > 0
     env: list[dict[str, Any]] = [
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
@@ -110,6 +139,8 @@ def vllm_env(spec: PDClusterSpec, role: str) -> list[dict[str, Any]]:
             {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
             {"name": "VLLM_CPU_NUM_OF_RESERVED_CPU", "value": "0"},
         ]
+        if (threads := cpu_threads(spec, role)) is not None:
+            env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
     own = {e.name for e in spec.pool(role).env}
     return [e for e in env if e["name"] not in own]
 
