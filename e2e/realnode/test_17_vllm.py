@@ -25,6 +25,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,16 +50,7 @@ from pdcluster.worker.router.vllm_pd import REMOTE_DECODE
 
 # The first test also pays the module's fixtures: the reference server's and the PDCluster's vLLM starts (minutes
 # each on the shared 2-core node), beyond make e2e's 600 s per test.
-pytestmark = [
-    pytest.mark.timeout(1800),
-    # Not yet in the CI gate: on this 2-core node the pods start and serve the first disaggregated request
-    # (one NIXL transfer, 0 failed), then the second request's prefill leg answers its headers and never its
-    # body: the router's 504 after ~2.5 min, node load ~80 from the vLLM workers' threads (docs/vllm.md,
-    # "Real-node scenarios"). Run them with PDCLUSTER_E2E_VLLM=1.
-    pytest.mark.skipif(not os.environ.get("PDCLUSTER_E2E_VLLM"),
-                       reason="engine: vllm on the real node stalls on its second request here (issue 36); "
-                              "PDCLUSTER_E2E_VLLM=1 runs it"),
-]
+pytestmark = pytest.mark.timeout(1800)
 
 NAME = "tiny-vllm"
 SERVED = "tiny-vllm-model"  # spec.model.name: what clients send (not the folder's name)
@@ -211,21 +203,31 @@ class CheckedTraffic:
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
-            prompt = TRAFFIC[i % len(TRAFFIC)]
-            try:
-                got = _answer(_complete(f"http://127.0.0.1:{self.port}", prompt, 6))
-                if got == self.want[(prompt, 6)]:
-                    self.ok += 1
-                else:
-                    self.failures.append(f"{prompt!r}: {got} != {self.want[(prompt, 6)]}")
-            except Exception as e:  # noqa: BLE001 - every failure is recorded and fails the test
-                self.failures.append(f"{type(e).__name__}: {e}")
+            self._check(TRAFFIC[i % len(TRAFFIC)])
             i += 1
+
+    def _check(self, prompt: str) -> None:
+        try:
+            got = _answer(_complete(f"http://127.0.0.1:{self.port}", prompt, 6))
+            if got == self.want[(prompt, 6)]:
+                with self._lock:  # the client's thread and a burst's
+                    self.ok += 1
+            else:
+                self.failures.append(f"{prompt!r}: {got} != {self.want[(prompt, 6)]}")
+        except Exception as e:  # noqa: BLE001 - every failure is recorded and fails the test
+            self.failures.append(f"{type(e).__name__}: {e}")
+
+    def burst(self, n: int) -> bool:
+        """n more requests at once beside the client (checked like its own); True when all are answered."""
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(self._check, TRAFFIC[:n]))
+        return True
 
     def __enter__(self) -> CheckedTraffic:
         self._t.start()
@@ -279,6 +281,8 @@ def test_a_router_is_greedy_equal_to_one_vllm_server(kube: Kube, vllm_cluster: s
         assert after["router"]["vllm_disaggregated"] - before["router"]["vllm_disaggregated"] == len(LONG), after
         assert _metric(decode, "vllm:nixl_xfer_time_seconds_count") - xfers0 >= len(LONG)
         assert _metric(decode, "vllm:nixl_num_failed_transfers_total") == 0
+        n, total = (_metric(decode, f"vllm:nixl_xfer_time_seconds_{k}") for k in ("count", "sum"))
+        print(f"\nNIXL reads by the decode pod: {n:.0f}, mean {1000 * total / n:.1f} ms")
     except BaseException:
         print(dump(kube, ns))
         raise
@@ -296,8 +300,11 @@ def test_b_decode_one_two_one_under_traffic(kube: Kube, vllm_cluster: str,
                              and len(ps) == 2 and all(ready(p) for p in ps) and ps, timeout=900, interval=2)
             (new,) = [p for p in two if p["metadata"]["uid"] != old["metadata"]["uid"]]
             print(f"\ndecode 1->2: the new vLLM pod Ready after {time.monotonic() - t0:.0f}s")
+            # one client back to back leaves both pods idle at each pick, and the router then breaks the tie by
+            # address: concurrent requests spread by the router's own in-flight count, so the new pod gets some
             wait_until("the new decode pod to serve requests",
-                       lambda: _metric(new, "vllm:request_success_total") > 0, timeout=300, interval=1)
+                       lambda: traffic.burst(4) and _metric(new, "vllm:request_success_total") > 0, timeout=300,
+                       interval=1)
             ok_before_down = traffic.ok
             t1 = time.monotonic()
             _scale(kube, ns, "decode", 1)
