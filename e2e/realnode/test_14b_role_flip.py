@@ -1,6 +1,7 @@
-"""Real-node scenario: a role flip under steady traffic (issue 37 item 3). With `spec.roleFlips`, editing the
-example from prefill 2 / decode 1 to prefill 1 / decode 2 moves a running prefill worker to the decode pool:
-the operator asks the worker (`POST /internal/role`), relabels its pod (the router's headless Services follow)
+"""Real-node scenario: a role flip under steady traffic (issue 37 item 3). Flips are the operator's default
+(the spec sets no `roleFlips`; the example's pools are interchangeable, so the `RoleFlips` condition is True):
+editing the example from prefill 2 / decode 1 to prefill 1 / decode 2 moves a running prefill worker to the
+decode pool: the operator asks the worker (`POST /internal/role`), relabels its pod (the router's headless Services follow)
 and lowers the prefill Deployment, so no pod starts and none stops; the flipped pod serves decode traffic
 without a restart. Then decode 2 -> 1 removes the flipped pod first. No client request may fail, and the
 flip's Event shows in `kubectl describe pdc`."""
@@ -10,8 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import yaml
+
 from node_e2e import Traffic, assert_route_to, dump, http_json, http_text, pods, port_forward, ready
-from pdc_e2e import Kube, wait_until
+from pdc_e2e import EXAMPLE, Kube, condition, wait_until
 
 FLIPPED = "pdcluster.dev/flipped-from"
 
@@ -57,11 +60,19 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
     try:
         # the bounds too: test_14 (the autoscaler) leaves its own minReplicas/maxReplicas on the example, and a
         # replicas outside them is refused by the CRD even with autoscaling off
-        _patch(kube, app_ns, name, '{"roleFlips":true,"autoscaling":{"enabled":false},'
+        # no `roleFlips` in the example or in any patch here: the CRD's default (true) is what flips
+        assert "roleFlips" not in yaml.safe_load(EXAMPLE.read_text())["spec"]
+        assert (kube.get("pdc", name, app_ns) or {})["spec"].get("roleFlips") is True  # defaulted by the API server
+        _patch(kube, app_ns, name, '{"autoscaling":{"enabled":false},'
                                    '"prefill":{"replicas":2,"minReplicas":1,"maxReplicas":2},'
                                    '"decode":{"replicas":1,"minReplicas":1,"maxReplicas":2}}')
         before = wait_until("2 prefill and 1 decode pods Ready", lambda: _all_ready(kube, app_ns, name, (2, 1)),
                             timeout=420, interval=2)
+        pdc = wait_until("the RoleFlips condition of this generation", lambda: (d := kube.get("pdc", name, app_ns))
+                         and (c := condition(d, "RoleFlips")) and c.get("observedGeneration")
+                         == d["metadata"]["generation"] and d, timeout=60)
+        flips_cond = condition(pdc, "RoleFlips") or {}
+        assert (flips_cond["status"], flips_cond["reason"]) == ("True", "PoolsInterchangeable"), flips_cond
         uids = {p["metadata"]["uid"] for p in before}
         restarts = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"] for p in before}
         with port_forward(kube, app_ns, f"svc/{name}-router", 8000) as port:
@@ -88,6 +99,9 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
                            timeout=120, interval=1)
                 described = kube.run("describe", "pdc", name, "-n", app_ns).stdout
                 assert "RoleFlip" in described and flipped["metadata"]["name"] in described, described[-3000:]
+                assert "PoolsInterchangeable" in described, described[-3000:]  # the condition, where users look
+                status = (kube.get("pdc", name, app_ns) or {}).get("status") or {}
+                assert (status["decode"]["flippedReplicas"], status["decode"]["replicas"]) == (1, 2), status
                 ok_after_flip = traffic.ok
 
                 # decode 2 -> 1: the flipped pod goes first; the Deployment's decode pod stays
@@ -106,6 +120,3 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
     except BaseException:
         print(dump(kube, app_ns))
         raise
-    finally:  # leave the example as test_15 expects it
-        kube.run("patch", "pdc", name, "-n", app_ns, "--type=merge", "-p", '{"spec":{"roleFlips":false}}',
-                 check=False)

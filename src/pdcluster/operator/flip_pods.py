@@ -111,7 +111,9 @@ async def retire(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, pods: 
 
 class FlipPass:
     """One reconcile pass's role flips: the pools as flips leave them, the flips to make, the flipped pods
-    to retire first. Only with `spec.roleFlips` (else the pass is what it always was)."""
+    to retire first. Flips are made only where the pools are interchangeable (`flips.blocked`); the pods
+    are read on every pass all the same, so pods flipped before `spec.roleFlips` was turned off (or before
+    the pools stopped being interchangeable) stay counted in their pool and go first when it shrinks."""
 
     def __init__(self, kube: Any, owner: naming.Owner, spec: PDClusterSpec,
                  pods: dict[str, list[dict[str, Any]]]) -> None:
@@ -119,9 +121,7 @@ class FlipPass:
         self.flipped = flips.flipped_counts(pods)
 
     @classmethod
-    async def read(cls, kube: Any, owner: naming.Owner, spec: PDClusterSpec) -> FlipPass | None:
-        if not spec.roleFlips:
-            return None
+    async def read(cls, kube: Any, owner: naming.Owner, spec: PDClusterSpec) -> FlipPass:
         return cls(kube, owner, spec, await pool_pods(kube, owner))
 
     def pools(self, current: dict[str, int | None], ready: dict[str, int]

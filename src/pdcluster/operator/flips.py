@@ -1,4 +1,7 @@
-"""Pure: role flips carried out by the operator (`spec.roleFlips`; docs/operator.md, "Role flips").
+"""Pure: role flips carried out by the operator (`spec.roleFlips`, on by default; docs/operator.md).
+
+Flips are used wherever the pools' pods are interchangeable (`blocked` says why not: the RoleFlips condition);
+elsewhere a growing pool starts pods, as it always does for what flips cannot cover.
 
 A flip moves a running worker pod from one pool to the other: the worker is told its new role
 (`POST /internal/role`, worker/server/role_flip.py), then the pod is relabelled (`pdcluster.dev/role`,
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator import naming
+from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 
 ROLES = naming.WORKER_ROLES
@@ -47,21 +51,67 @@ def other(role: str) -> str:
     return "decode" if role == "prefill" else "prefill"
 
 
-def incompatible(spec: PDClusterSpec) -> str | None:
-    """Why the pools' pods cannot swap roles (None: they can). A flipped pod keeps its pod spec: same engine
-    flags except the role and batch limits (which the flip sets), same resources, image and layout."""
+@dataclass(frozen=True)
+class Blocked:
+    """Why the pools' pods cannot swap roles: the RoleFlips condition's reason (CamelCase) and message."""
+
+    reason: str
+    message: str
+
+
+# what a flipped pod keeps from its old pool besides image, resources and layout: the pool fields that shape
+# how its process runs or where it may be placed (podAnnotations and imagePullSecrets do neither once it runs)
+POD_FIELDS = ("engineArgs", "env", "affinity", "priorityClassName")
+PODS_START = "a growing pool starts pods"
+
+
+def blocked(spec: PDClusterSpec) -> Blocked | None:
+    """Why flips are off for this spec (None: the pools' pods are interchangeable, flips are used). A flipped
+    pod keeps its pod spec: same engine flags except the role and batch limits (which the flip sets), same
+    resources, image, layout and pod options."""
     if not spec.roleFlips:
-        return "spec.roleFlips is false"
+        return Blocked("Disabled", f"spec.roleFlips is false: {PODS_START}")
     if spec.engine != "pdcluster":
-        return f"engine {spec.engine} has no role flip"
+        return Blocked("EngineUnsupported", f"engine {spec.engine}: its workers cannot change role without a "
+                       f"restart; {PODS_START}")
     p, d = spec.prefill, spec.decode
-    if p.tensorParallelSize != d.tensorParallelSize or spec.gpus_per_pod("prefill") != spec.gpus_per_pod("decode"):
-        return "the pools' tensor-parallel layouts differ"
+    layout = {r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in ROLES}
+    if layout["prefill"] != layout["decode"]:
+        (tp_p, g_p), (tp_d, g_d) = layout["prefill"], layout["decode"]
+        return Blocked("LayoutsDiffer", f"prefill runs tensorParallelSize {tp_p} ({g_p} GPUs per pod), decode "
+                       f"{tp_d} ({g_d}): {PODS_START}")
     if p.resources.model_dump() != d.resources.model_dump():
-        return "the pools' resources differ"
-    if spec.pool_image("prefill") != spec.pool_image("decode"):
-        return "the pools' images differ"
+        return Blocked("ResourcesDiffer", f"spec.prefill.resources and spec.decode.resources differ: {PODS_START}")
+    if (ip := spec.pool_image("prefill")) != (id_ := spec.pool_image("decode")):
+        return Blocked("ImagesDiffer", f"prefill image {ip}, decode image {id_}: {PODS_START}")
+    differ = [f for f in POD_FIELDS if _dump(getattr(p, f)) != _dump(getattr(d, f))]
+    if differ:
+        return Blocked("PodSpecsDiffer", f"spec.prefill and spec.decode differ in {', '.join(differ)}: "
+                       f"{PODS_START}")
     return None
+
+
+def _dump(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_dump(x) for x in v]
+    return v.model_dump() if hasattr(v, "model_dump") else v
+
+
+def incompatible(spec: PDClusterSpec) -> str | None:
+    """Why the pools' pods cannot swap roles (None: they can): `blocked`'s message."""
+    b = blocked(spec)
+    return None if b is None else b.message
+
+
+def condition(spec: PDClusterSpec) -> dict[str, Any]:
+    """The RoleFlips condition: True while a pool grows by flips first, False with the reason it cannot."""
+    b = blocked(spec)
+    if b is None:
+        return st.condition("RoleFlips", True, "PoolsInterchangeable",
+                            "a growing pool first takes running workers of the other pool (a role flip, no "
+                            "restart) where that pool shrinks or, with autoscaling, has slack; pods start for "
+                            "the rest")
+    return st.condition("RoleFlips", False, b.reason, b.message)
 
 
 def order(spec: PDClusterSpec, current: Mapping[str, int | None], desired: Mapping[str, int]) -> Order | None:
