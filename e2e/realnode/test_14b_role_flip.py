@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import yaml
-
 from node_e2e import Traffic, assert_route_to, dump, http_json, http_text, pods, port_forward, ready
 from pdc_e2e import EXAMPLE, Kube, condition, wait_until
 
@@ -100,8 +99,12 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
                 described = kube.run("describe", "pdc", name, "-n", app_ns).stdout
                 assert "RoleFlip" in described and flipped["metadata"]["name"] in described, described[-3000:]
                 assert "PoolsInterchangeable" in described, described[-3000:]  # the condition, where users look
-                status = (kube.get("pdc", name, app_ns) or {}).get("status") or {}
-                assert (status["decode"]["flippedReplicas"], status["decode"]["replicas"]) == (1, 2), status
+                # the status counts the flipped pod in decode (the pass that flipped wrote it; a later pass keeps it)
+                wait_until("status.decode: 2 replicas, 1 of them flipped", lambda: (
+                    ((kube.get("pdc", name, app_ns) or {}).get("status") or {}).get("decode") or {}).get(
+                    "flippedReplicas") == 1, timeout=60)
+                status = (kube.get("pdc", name, app_ns) or {})["status"]
+                assert (status["decode"]["replicas"], status["prefill"]["flippedReplicas"]) == (2, 0), status
                 ok_after_flip = traffic.ok
 
                 # decode 2 -> 1: the flipped pod goes first; the Deployment's decode pod stays

@@ -40,7 +40,7 @@ def test_the_default_is_on_in_the_model_and_the_committed_crds() -> None:
 # each way the pools' pods stop being interchangeable -> the condition's reason (and a word of its message)
 BLOCKED = [
     ("off", {"roleFlips": False}, "Disabled", "roleFlips is false"),
-    ("vllm", {"engine": "vllm", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+    ("vllm", {"engine": "vllm", "kvTransfer": {"integrity": "fabric"}},
      "EngineUnsupported", "engine vllm"),
     ("tp", {"prefill": {"replicas": 1, "tensorParallelSize": 2}, "decode": {"replicas": 1}},
      "LayoutsDiffer", "tensorParallelSize 2"),
@@ -93,13 +93,12 @@ def test_the_autoscaler_flips_by_default_and_not_when_blocked() -> None:
     observed = scaling.Observed(obs(4, i=4000, o=20), "QueriesSucceeded", "ok")
     base = {"prefill": 1, "decode": 5}
 
-    def step(**kw: Any) -> scaling.Step:
+    def step(**decode: Any) -> scaling.Step:
         s = parse_spec(make_spec(autoscaling=auto, prefill={"minReplicas": 1, "maxReplicas": 8},
-                                 decode={"minReplicas": 1, "maxReplicas": 8}, **kw))
+                                 decode={"minReplicas": 1, "maxReplicas": 8, **decode}))
         return scaling.evaluate(s, base, pools, {}, observed, 1_000.0)
 
-    flipped, blocked = step(), step(decode={"minReplicas": 1, "maxReplicas": 8,
-                                            "resources": {"requests": {"cpu": "3"}}})
+    flipped, blocked = step(), step(resources={"requests": {"cpu": "3"}})
     assert flipped.decision is not None and blocked.decision is not None
     assert flipped.decision.prefill.desired > 1, flipped.decision  # prefill is short
     assert flipped.decision.reason == "RoleFlip" and flipped.before_flips is not None

@@ -51,7 +51,7 @@ def pod(name: str, role: str, *, ready: bool = True, ip: str | None = "10.0.0.1"
 def test_flips_need_the_switch_the_engine_and_one_layout() -> None:
     assert flips.incompatible(spec()) is None
     assert "roleFlips" in (flips.incompatible(parse_spec(make_spec(roleFlips=False))) or "")
-    assert "layouts" in (flips.incompatible(spec(decode={"replicas": 1, "tensorParallelSize": 2})) or "")
+    assert "tensorParallelSize" in (flips.incompatible(spec(decode={"replicas": 1, "tensorParallelSize": 2})) or "")
     assert "resources" in (flips.incompatible(spec(decode={"replicas": 1, "resources": {
         "requests": {"cpu": "3"}}})) or "")
 

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--role-flips", action=argparse.BooleanOptionalAction, default=True,
       help="with --autoscale: grow a pool by moving a running worker of the other pool (a role flip, no restart) "
            "where both pools run the same tensor-parallel size, before starting one (the CRD's spec.roleFlips; "
-           "default: on)")
+           "default: %(default)s)")
     a("--tool-call-parser", choices=list(PARSERS), default=None,
       help='passed to the router and every worker: parse tool calls out of the text for tool_choice "auto" '
            '(hermes: <tool_call>{json}</tool_call> blocks); default none, "auto" is refused')
