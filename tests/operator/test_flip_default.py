@@ -1,7 +1,7 @@
 """Role flips are the operator's default (issue 37 item 3): `spec.roleFlips` is true unless a user says false,
 flips are used wherever the pools' pods are interchangeable, and where they are not the operator falls back to
-starting pods and says why in the `RoleFlips` condition (reason, message, observedGeneration). Pods flipped
-before flips were turned off stay counted in their pool and go first when it shrinks."""
+starting pods and says why in the `RoleFlips` condition (reason, message, observedGeneration). A flipped pod
+that a pod of its pool would not be now (flips turned off, an image upgrade) is replaced, surge first."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from pdcluster.operator import flips, models, naming, scaling
+from pdcluster.operator import flips, models, naming, render, scaling
 from pdcluster.operator import reconcile as rec
 from pdcluster.operator import status as st
 from pdcluster.operator.models import parse_spec
@@ -152,33 +152,106 @@ async def test_pools_not_interchangeable_start_pods_and_say_why(tiny_model_dir: 
         assert out.status["prefill"]["flippedReplicas"] == out.status["decode"]["flippedReplicas"] == 0
 
 
-async def test_flipped_pods_stay_counted_after_flips_are_turned_off() -> None:
-    """A pod flipped to prefill while flips were on; then `roleFlips: false`: the pod still counts in prefill
-    (its Deployment runs one less, the status shows it), no flip is made, and when prefill shrinks the flipped
-    pod is the one removed."""
-    flipped = pod("demo-decode-x", "prefill", flipped_from="decode", ip=None)
-    flipped["metadata"]["ownerReferences"] = [naming.owner_reference(naming.Owner("demo", "ns1", "uid-demo"))]
-    kube = PodKube([pod("demo-prefill-a", "prefill", ip=None), flipped, pod("demo-decode-a", "decode", ip=None)],
-                   {"prefill": 1, "decode": 1})
+class RollingKube(PodKube):
+    """PodKube whose Deployments, while `rolling`, have one replica short of ready (a pod still starting)."""
+
+    rolling = True
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        out = await super().apply(obj)
+        if obj["kind"] == "Deployment" and self.rolling:
+            n = obj["spec"]["replicas"]
+            out = {**out, "status": {"replicas": n, "readyReplicas": n - 1, "updatedReplicas": n}}
+        return out
+
+
+def _flipped(name: str, role: str, source: str, origin: str | None) -> dict[str, Any]:
+    p = pod(name, role, flipped_from=source, ip=None)
+    p["metadata"]["ownerReferences"] = [naming.owner_reference(naming.Owner("demo", "ns1", "uid-demo"))]
+    if origin:
+        p["metadata"]["annotations"][flips.ORIGIN] = origin
+    return p
+
+
+async def test_flipped_pods_are_replaced_after_flips_are_turned_off() -> None:
+    """A pod flipped to prefill while flips were on; then `roleFlips: false`: the pod no longer counts, so the
+    prefill Deployment starts its replacement; the flipped pod keeps serving until that Deployment has every
+    replica ready, then it is drained and removed (a FlippedPodReplaced Event says why). No flip is made."""
+    kube = RollingKube([pod("demo-prefill-a", "prefill", ip=None), _flipped("demo-decode-x", "prefill", "decode", None),
+                        pod("demo-decode-a", "decode", ip=None)], {"prefill": 1, "decode": 1})
     spec = make_spec(roleFlips=False, prefill={"replicas": 2, "minReplicas": 1, "maxReplicas": 4},
                      decode={"replicas": 1, "minReplicas": 1, "maxReplicas": 8})
+    body = make_body(spec=spec, status={"observedGeneration": 1})
     events: list[tuple[str, str, str]] = []
     async with httpx.AsyncClient(trust_env=False) as http:
-        out = await _pass(kube, make_body(spec=spec, status={"observedGeneration": 1}), http, events)
-        assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1}
-        assert (out.status["prefill"]["replicas"], out.status["prefill"]["flippedReplicas"]) == (2, 1)
+        out = await _pass(kube, body, http, events)
+        assert kube.replicas() == {"demo-prefill": 2, "demo-decode": 1}  # the replacement starts
+        assert "demo-decode-x" in kube.pods  # still serving: the replacement is not ready
+        # the status shows what runs: 3 prefill pods, 1 of them flipped
+        assert (out.status["prefill"]["replicas"], out.status["prefill"]["flippedReplicas"]) == (3, 1)
         assert (_cond(out)["status"], _cond(out)["reason"]) == ("False", "Disabled")
 
-        # prefill 2 -> 1 and decode 1 -> 2: flips are off, so the flipped pod is retired (not flipped back)
-        # and the decode Deployment starts a pod
+        kube.rolling = False  # the replacement is Ready: the next pass removes the flipped pod
         kube.calls.clear()
-        spec2 = copy.deepcopy(spec)
-        spec2["prefill"]["replicas"], spec2["decode"]["replicas"] = 1, 2
-        await _pass(kube, make_body(spec=spec2, generation=2, status={"observedGeneration": 1}), http, events)
-    assert ("delete", ("Pod", "demo-decode-x")) in kube.calls
-    assert "demo-prefill-a" in kube.pods
-    assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 2}
+        out = await _pass(kube, body, http, events)
+    assert ("delete", ("Pod", "demo-decode-x")) in kube.calls and "demo-prefill-a" in kube.pods
+    assert kube.replicas() == {"demo-prefill": 2, "demo-decode": 1}
+    assert out.status["prefill"]["flippedReplicas"] == 0
+    (replaced,) = [e for e in events if e[1] == "FlippedPodReplaced"]
+    assert replaced[0] == "Normal" and "demo-decode-x" in replaced[2] and "roleFlips is false" in replaced[2]
     assert not [e for e in events if e[1].startswith("RoleFlip")]
+
+
+def test_a_flipped_pod_is_stale_when_its_template_changed() -> None:
+    """The template a flipped pod was made from is recorded at its first flip; an image upgrade (any change of
+    the pod template but the batch limits, which a flip sets) makes it stale, as flips turned off do."""
+    owner = naming.Owner("demo", "ns1", "uid-demo")
+    base = parse_spec(make_spec())
+    hashes = flips.template_hashes(owner, base, "fp")
+    origin = flips.origin_of("prefill", hashes)
+    assert flips.relabel_patch(owner, "prefill", "decode", "now", origin)["metadata"]["annotations"][flips.ORIGIN] \
+        == origin
+    limits = parse_spec(make_spec(prefill={"replicas": 1, "maxBatchSize": 3}, decode={"replicas": 2,
+                                                                                      "maxBatchTokens": 77}))
+    assert flips.template_hashes(owner, limits, "fp") == hashes
+    upgraded = flips.template_hashes(owner, parse_spec(make_spec(image="ghcr.io/example/pdcluster:0.2.0")), "fp")
+    assert upgraded["prefill"] != hashes["prefill"] and upgraded["decode"] != hashes["decode"]
+
+    current = _flipped("p", "decode", "prefill", origin)
+    assert not flips.stale(current, hashes, flips_blocked=False)
+    assert flips.stale(current, upgraded, flips_blocked=False)
+    assert flips.stale(current, hashes, flips_blocked=True)
+    assert not flips.stale(_flipped("q", "decode", "prefill", None), upgraded, flips_blocked=False)  # unknown: kept
+    assert not flips.stale(pod("r", "decode"), upgraded, flips_blocked=True)  # not flipped
+
+
+async def test_an_upgrade_replaces_flipped_pods_surge_first() -> None:
+    """A decode pod that came from prefill, then the image changes: it is replaced by a pod of the decode
+    Deployment (which the upgrade rolls anyway), removed once that Deployment is rolled out and ready."""
+    owner = naming.Owner("demo", "ns1", "uid-demo")
+    old = flips.template_hashes(owner, parse_spec(make_spec()), render.secret_fingerprint(KEY))
+    kube = RollingKube([pod("demo-prefill-a", "prefill", ip=None), pod("demo-decode-a", "decode", ip=None),
+                        _flipped("demo-prefill-x", "decode", "prefill", flips.origin_of("prefill", old))],
+                       {"prefill": 1, "decode": 1})
+    kube.rolling = False
+    body = make_body(spec=make_spec(prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+                                    decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 8}),
+                     status={"observedGeneration": 1})
+    events: list[tuple[str, str, str]] = []
+    async with httpx.AsyncClient(trust_env=False) as http:
+        await _pass(kube, body, http, events)  # the same template: the flipped pod counts in decode
+        assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1} and "demo-prefill-x" in kube.pods
+        upgraded = copy.deepcopy(body)
+        upgraded["spec"]["image"] = "ghcr.io/example/pdcluster:0.2.0"
+        upgraded["metadata"]["generation"] = 2
+        kube.rolling = True
+        await _pass(kube, upgraded, http, events)
+        assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 2} and "demo-prefill-x" in kube.pods
+        kube.rolling = False
+        await _pass(kube, upgraded, http, events)
+    assert "demo-prefill-x" not in kube.pods
+    assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 2}
+    assert [e[1] for e in events if e[1] == "FlippedPodReplaced"] == ["FlippedPodReplaced"]
 
 
 def test_the_condition_is_a_declared_type_and_exported() -> None:

@@ -197,6 +197,8 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
             meta = kube.pods["demo-prefill-a"]["metadata"]
             assert meta["labels"][naming.ROLE_LABEL] == "decode" and meta["labels"][flips.FLIPPED] == "prefill"
             assert meta["ownerReferences"][0]["kind"] == "PDCluster"
+            # the template it was made from, so a later upgrade replaces it (test_flip_default.py)
+            assert meta["annotations"][flips.ORIGIN].startswith("prefill/")
             assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1}  # no ReplicaSet starts or stops a pod
             patches = [c[1][:2] for c in kube.calls if c[0] == "merge_patch"]
             # the prefill Deployment drops by one right after the relabel (its ReplicaSet must not replace it)

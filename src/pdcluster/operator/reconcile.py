@@ -212,7 +212,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 3. What runs now; 4. desired replicas (the operator is their single writer).
     deps, pools = await _read_pools(ctx, owner)
-    fp = await flip_pods.FlipPass.read(ctx.kube, owner, spec)  # the pools count their flipped pods
+    # the pools count their flipped pods (stale ones, to be replaced, aside); each pool's pod template now
+    fp = await flip_pods.FlipPass.read(ctx.kube, owner, spec, flips.template_hashes(owner, spec, fingerprint))
     sizes, ready = fp.pools(pools.current, pools.ready)
     pools = dataclasses.replace(pools, current=sizes, ready=ready)
     scale = await _scaling_step(ctx, body, owner, spec, old_status, pools, now)
@@ -238,6 +239,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 7. Status.
     after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
+    if any(fp.stale.values()):  # stale flipped pods go once their Deployment runs their replacements ready
+        await _replace_stale(ctx, body, fp, after, key)
     after = fp.count_in(after)  # the pools with their flipped pods
     conditions = st.workload_conditions(after) + scale.conditions + [flips.condition(spec)]
     for c in conditions:
@@ -248,7 +251,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         deployments=after, desired=desired, router_replicas=spec.router.replicas,
         endpoint=naming.endpoint(owner), autoscaler=scale.autoscaler_status, now=now_s,
         layouts={r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in render.WORKER_ROLES},
-        flipped=fp.flipped)
+        flipped=fp.flipped_pods())
     await _patch_status(ctx, body, new_status)
     opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
     if old_status.get("observedGeneration") != generation:
@@ -303,6 +306,16 @@ async def _flip(ctx: Context, body: dict[str, Any], fp: flip_pods.FlipPass, curr
     try:
         return await fp.run(http, current, desired, before_flips, key, now_s,
                             lambda type_, reason, message: ctx.emit(body, type_, reason, message))
+    finally:
+        if ctx.http is None:
+            await http.aclose()
+
+
+async def _replace_stale(ctx: Context, body: dict[str, Any], fp: flip_pods.FlipPass,
+                         deps: dict[str, dict[str, Any] | None], key: bytes | None) -> None:
+    http = ctx.http or httpx.AsyncClient(trust_env=False)
+    try:
+        await fp.replace_stale(http, deps, key, lambda type_, reason, message: ctx.emit(body, type_, reason, message))
     finally:
         if ctx.http is None:
             await http.aclose()
