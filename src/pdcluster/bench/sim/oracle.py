@@ -64,5 +64,6 @@ class ReactiveOracle(Core):
         """See `policies.carry_over`: the state of a first pass, times moved back by its duration."""
         state = State(prefill=_shift_pool(self.state.prefill, duration_s),
                       decode=_shift_pool(self.state.decode, duration_s))
-        return ReactiveOracle(self.core, self.name, start=sizes, burst_s=self.burst_s, state=state,
-                              arrivals=self.arrivals, window_s=self.window_s, interval_s=self.interval_s)
+        return ReactiveOracle(self.core, self.name, start=sizes, burst_s=self.burst_s, state=state, flip=self.flip,
+                              fast_s=self.fast_s, last_obs=self.last_obs,
+                              last_rec=dict(self.last_rec), arrivals=self.arrivals, window_s=self.window_s, interval_s=self.interval_s)
