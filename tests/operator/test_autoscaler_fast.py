@@ -21,11 +21,18 @@ def test_backlog_need_is_the_arrivals_the_growth_shows_plus_the_backlog_in_a_win
     # 3 ready serve 15 req/s; the queue grew 40 -> 100 in 15 s: arrivals 19 req/s, 3.8 instances, and the
     # backlog of 100 (20 instance-seconds) in 120 s one sixth more
     need = rules.backlog_need(100.0, 40.0, 15.0, 3, WORK, 5.0, 120.0)
-    assert need == pytest.approx(3 + WORK * 60 / 15 + 100 * WORK / 120)
+    assert need == pytest.approx(max(4.0, 3 + WORK * 60 / 15 + 100 * WORK / 120))
+    assert rules.backlog_need(250.0, 40.0, 15.0, 3, WORK, 5.0, 120.0) == pytest.approx(
+        3 + WORK * 210 / 15 + 250 * WORK / 120)
     # empty at the scrape before (a burst's first seconds): the growth is an upper bound of the arrivals,
     # and the backlog already waits past the target
     assert rules.backlog_need(100.0, 0.0, 15.0, 3, WORK, 5.0, 120.0) == pytest.approx(
         3 + WORK * 100 / 15 + 100 * WORK / 120)
+
+
+def test_a_growing_queue_is_at_least_one_instance_short() -> None:
+    # a slow growth still says the ready pool is short: one more at least
+    assert rules.backlog_need(100.0, 99.0, 15.0, 3, WORK, 5.0, 120.0) == 4.0
 
 
 @pytest.mark.parametrize(("now", "before"), [
@@ -107,3 +114,19 @@ def test_without_a_ttft_target_or_a_window_seen_it_never_acts() -> None:
     pol = policy(slo_ttft_seconds=5.0)
     assert fast.fast_decide(pol, asc.State(), None, g, asc.PoolView(3, 3), asc.PoolView(1, 1), 45.0) is None
     assert fast.fast_decide(pol, asc.State(), LAST, {}, asc.PoolView(3, 3), asc.PoolView(1, 1), 45.0) is None
+
+
+def test_gauges_that_may_predate_the_pools_new_instances_are_not_read() -> None:
+    # synthetic seed 13, cold: 2 -> 4 prefill ordered at 520 s, ready at 580 s; the scrapes of 564 and 576 s
+    # show the queue growing in front of the 2 old instances, which read as a need of 8
+    assert rules.gauges_predate(580.0, 580.0, 12.0) and rules.gauges_predate(580.0, 600.0, 12.0)
+    assert not rules.gauges_predate(580.0, 604.0, 12.0) and not rules.gauges_predate(None, 600.0, 12.0)
+    pol = policy(slo_ttft_seconds=5.0, max_up_step=4)
+    changed = asc.State(prefill=asc.PoolState(last_change=520.0))
+    g = gauges(250.0, 40.0)
+    # the fast path notes the change ready (as `decide` does) and leaves the pool alone for two scrapes
+    assert fast.fast_decide(pol, changed, LAST, g, asc.PoolView(4, 4), asc.PoolView(1, 1), 580.0) is None
+    assert fast.fast_decide(pol, changed, LAST, g, asc.PoolView(4, 4), asc.PoolView(1, 1), 610.0) is None
+    seen = asc.State(prefill=asc.PoolState(last_change=520.0, ready_at=580.0))  # as decide noted it
+    d = fast.fast_decide(pol, seen, LAST, g, asc.PoolView(4, 4), asc.PoolView(1, 1), 610.0)
+    assert d is not None and d.prefill.desired == 8 and d.state.prefill.ready_at == 580.0

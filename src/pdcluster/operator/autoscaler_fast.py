@@ -59,16 +59,17 @@ def fast_decide(policy: asc.Policy, state: asc.State, last: asc.Observation | No
         g, v = gauges.get(r), views[r]
         pool_states[r] = slo_guard.note_ready(pool_states[r], v, now)
         work = slo_guard.work(policy, last, pool_states[r], r)
-        fresh = g is not None and g.seconds is not None and rules.gauges_predate(pool_states[r].ready_at, now, g.seconds)
-        needs[r] = None if g is None or fresh else rules.backlog_need(g.queue_now, g.queue_before, g.seconds, v.ready, work,
-                                                             target, policy.window_seconds)
+        fresh = g is not None and g.seconds is not None \
+            and rules.gauges_predate(pool_states[r].ready_at, now, g.seconds)
+        needs[r] = None if g is None or fresh else rules.backlog_need(
+            g.queue_now, g.queue_before, g.seconds, v.ready, work, target, policy.window_seconds)
         desired = v.current
         n = needs[r]
         if n is not None and math.ceil(n - 1e-9) > v.current:
             desired = policy.bounds.clamp(r, min(math.ceil(n - 1e-9), v.current + policy.max_up_step))
         grows = desired > v.current
-        out[r] = asc.PoolDecision(v.current, (recommended or {}).get(r), desired, asc.SLO_GUARD if grows else asc.STEADY, None, "unknown",
-                                  slo_breached=grows)
+        out[r] = asc.PoolDecision(v.current, (recommended or {}).get(r), desired,
+                                  asc.SLO_GUARD if grows else asc.STEADY, None, "unknown", slo_breached=grows)
     if not any(out[r].desired > out[r].current for r in asc.POOLS):
         return None
     limited_by: list[str] = []

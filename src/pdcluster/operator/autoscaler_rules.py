@@ -185,22 +185,22 @@ def backlog_need(queue_now: float | None, queue_before: float | None, seconds: f
     While its queue is never empty the ready pool serves `ready/work` requests/s (`work`: one request's
     instance-seconds at the formula's capacity), so arrivals run at `ready/work + Δq/Δt`: keeping up takes
     `ready + work·Δq/Δt` instances, and working off the backlog now within `horizon` (a window, as
-    `backlog_clears`) `queue·work/horizon` more. "Waits longer than the target": the ready pool needs
-    `queue·work/ready` seconds for the backlog alone, a lower bound of what its last request waits. A queue
-    empty at the scrape before (a burst's first seconds) gives an upper bound of the arrivals (the pool was
-    not busy all along): the backlog already waits past the target, so the pool acts on it. A queue that
-    shrinks or stays is left to the windowed decision. An instant gauge needs no window: this is what a loop
-    every few seconds can read without waiting for a rate over a window to fill."""
+    `backlog_clears`) `queue·work/horizon` more; at least one more than the ready pool, which the growing
+    queue shows is short. "Waits longer than the target": the ready pool needs `queue·work/ready` seconds
+    for the backlog alone, a lower bound of what its last request waits. A queue empty at the scrape before
+    (a burst's first seconds) gives an upper bound of the arrivals (the pool was not busy all along). A queue
+    that shrinks or stays is left to the windowed decision. An instant gauge needs no window: this is what
+    a loop every few seconds can read without waiting for a rate over a window to fill."""
     if queue_now is None or queue_before is None or seconds is None or work is None or target is None \
             or horizon is None:
         return None
     if not all(math.isfinite(v) for v in (queue_now, queue_before, seconds, work, target, horizon)):
         return None
-    if seconds <= 0 or work <= 0 or horizon <= 0 or ready < 1:
+    if seconds <= 0 or work <= 0 or horizon <= 0 or ready < 1 or queue_before < 0 or queue_now <= queue_before:
         return None
-    if queue_before < 0 or queue_now <= queue_before or queue_now * work / ready <= target:
+    if queue_now * work / ready <= target:
         return None
-    return ready + work * (queue_now - queue_before) / seconds + queue_now * work / horizon
+    return max(ready + 1.0, ready + work * (queue_now - queue_before) / seconds + queue_now * work / horizon)
 
 
 def gauges_predate(ready_at: float | None, now: float, scrape_seconds: float) -> bool:

@@ -49,6 +49,7 @@ class ReactiveOracle(Core):
     arrivals: Arrivals = field(default_factory=lambda: Arrivals([], [0], [0]))
     window_s: float = ORACLE_WINDOW_S
     interval_s: float = ORACLE_INTERVAL_S
+    known_outputs: bool = True  # O from the arrivals' output lengths (else as the cluster measured it)
 
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
         n, prompt, output = self.arrivals.between(inp.now - self.window_s, inp.now)
@@ -57,7 +58,7 @@ class ReactiveOracle(Core):
             rate = n / self.window_s
             obs = replace(obs, request_rate=rate, peak_request_rate=rate,
                           mean_input_tokens=prompt / n if n else obs.mean_input_tokens,
-                          mean_output_tokens=output / n if n else obs.mean_output_tokens)
+                          mean_output_tokens=output / n if n and self.known_outputs else obs.mean_output_tokens)
         return super().decide(replace(inp, observation=obs))
 
     def carried(self, duration_s: float, sizes: tuple[int, int]) -> ReactiveOracle:
