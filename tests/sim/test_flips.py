@@ -1,5 +1,6 @@
 """Role flips in the simulator: a worker drains, keeps its weights and serves the other role flip_s
-later; `pdcluster` (flips on, the product's default) takes a short pool's growth from the other pool's slack."""
+later; `pdcluster` (flips on, the product's default) takes a short pool's growth from the other pool's
+slack, `pdcluster-no-flips` starts pods for it."""
 
 from __future__ import annotations
 
