@@ -37,7 +37,8 @@ def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
     if obs is not None and ttft is not None and ttft_target is not None and not rules.breached(observed, target) \
             and rules.breached(ttft, ttft_target):
         w = wait(obs, "decode")[0]
-        if w is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
+        q = rules.queue_in_front(obs.decode_queue_mean, obs.decode_queue_now)
+        if w is not None and rules.guard_applies(q, obs.request_rate, ttft_target):
             out["decode"] = (min(ttft, ttft_target + w), ttft_target)
     return out
 
@@ -117,7 +118,9 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
     broken = traffic and rules.breached(observed, target)
     mean, rate = queue_mean(obs, role), (obs.request_rate if obs else None)
     instant = queue_now(obs, role)
-    curable = broken and rules.guard_applies(mean, rate, target)
+    # decode judges its breach by the queue building now too (rules.queue_in_front); prefill by the mean
+    curable = broken and rules.guard_applies(rules.queue_in_front(mean, instant) if role == "decode" else mean,
+                                             rate, target)
     latest = mean if instant is None else instant
     news = not changed_within_window(policy, ps, view, now) \
         or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)
