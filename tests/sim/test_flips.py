@@ -17,12 +17,14 @@ from pdcluster.bench.trace import Request, Trace
 M = ServiceModel()
 
 
-def shift_trace(minutes: float = 16.0) -> Trace:
+def shift_trace(minutes: float = 20.0) -> Trace:
     rows = synth.generate_shift(seed=2, minutes=minutes, rate=4.0)
     return tr.parse_trace("".join(json.dumps(r) + "\n" for r in rows), "shift")
 
 
 def test_flips_serve_a_shift_from_prefill_to_decode_sooner_and_cheaper():
+    # 20 minutes (the turn at 10): over 16, the decode guard (rules.queue_in_front) grows decode by a pod
+    # before prefill's formula leaves it a worker to flip
     trace, slo = shift_trace(), SLO()
     runs = {}
     for name in ("pdcluster", "pdcluster-no-flips"):
