@@ -2,8 +2,9 @@
 
 A pool grows past the formula (reason `SLOBreached`) when its percentile is broken *and* a queue in front
 of it explains the breach, still there at the window's end, and the breach is news (see `fires`). The
-decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`). Pure: the autoscaler
-core's types come from `autoscaler.py`, which imports this module.
+decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`); decode's queue is the
+window's mean or, while it builds, the queue at the window's end (`rules.queue_in_front`), prefill's the
+mean. Pure: the autoscaler core's types come from `autoscaler.py`, which imports this module.
 """
 
 from __future__ import annotations
