@@ -18,6 +18,9 @@ observation (I, O, the prefix-hit rate: minutes-scale quantities).
   pool's last change: `decide` then waits for its rollout, the guard counts its window from it, and
   scale-down stabilization starts afresh.
 - Without a TTFT target (`spec.autoscaling.slo.ttftSeconds`) it never acts.
+
+The operator does not run it yet: `pdcluster simulate --fast-path S` evaluates it, off by default because it
+lost points on held-out traces (docs/benchmarks/autoscaler.md, "The fast path").
 """
 
 from __future__ import annotations
