@@ -4,8 +4,8 @@
         [--json OUT]
 
 Both engines serve the same random Llama, built with transformers from a config (hidden 512, 8 layers, 8 heads
-over 4 KV heads, MLP 1376, the demo tokenizer's 8,826-token vocabulary, 4,096 positions; fp32 on CPU, bf16 on
-CUDA), over their OpenAI HTTP API on loopback:
+over 4 KV heads, MLP 1376, the demo tokenizer's 8,826-token vocabulary, 4,096 positions; an fp32 checkpoint on
+CPU, which vLLM computes in bf16, its CPU default; bf16 on CUDA), over their OpenAI HTTP API on loopback:
 
 * one server each (`pdcluster serve`, vLLM's `vllm.entrypoints.openai.api_server`), both started once, loaded
   one at a time in interleaved rounds (pdcluster, vLLM, pdcluster, ...): served **decode tok/s** at batch 1 and
@@ -250,6 +250,13 @@ def warm(url: str, vocab: int) -> dict[str, float]:
     return {}
 
 
+def thawed(url: str, proc: subprocess.Popen[bytes], vocab: int) -> dict[str, float]:
+    """A router just thawed has missed its health polls while frozen and reports its workers unhealthy until the
+    next poll: wait until its /cluster says every worker is healthy again, then warm up."""
+    wait_ready(url, proc, "/cluster")
+    return warm(url, vocab)
+
+
 def summary(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     rows = []
     for key in samples["pdcluster"]:
@@ -321,8 +328,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 procs[e] = up(e, model, ports[e], max(1, a.threads // 2), tmp / f"up-{e}.log")
                 wait_ready(f"http://127.0.0.1:{ports[e]}", procs[e], "/cluster")
                 warm(f"http://127.0.0.1:{ports[e]}", vocab)  # also the NIXL / KV-transfer connections
-            pd = {e: (procs[e], lambda rng, e=e: warm(f"http://127.0.0.1:{ports[e]}", vocab) if rng is None
-                      else disagg_round(f"http://127.0.0.1:{ports[e]}", rng, vocab)) for e in ENGINES}
+            pd = {e: (procs[e], lambda rng, e=e: thawed(f"http://127.0.0.1:{ports[e]}", procs[e], vocab)
+                      if rng is None else disagg_round(f"http://127.0.0.1:{ports[e]}", rng, vocab)) for e in ENGINES}
             idle_pd = interleaved(pd, a.rounds, a.seed + 1, samples)
     finally:
         for p in procs.values():

@@ -4,7 +4,7 @@ controller owner references, pods go Ready (kwok), status and conditions follow,
 from __future__ import annotations
 
 import yaml
-from pdc_e2e import EXAMPLE, ROLES, Kube, Operator, deployments, wait_ready, wait_until
+from pdc_e2e import EXAMPLE, ROLES, Kube, Operator, condition, deployments, wait_ready, wait_until
 
 
 def test_apply_cpu_example(kube: Kube, operator: Operator, namespace: str, diag: list[str]):
@@ -48,6 +48,11 @@ def test_apply_cpu_example(kube: Kube, operator: Operator, namespace: str, diag:
         assert st[role]["readyReplicas"] == deps[role]["spec"]["replicas"], (role, st[role])
     assert st.get("endpoint"), st
     assert st["observedGeneration"] == pdc["metadata"]["generation"]
+    # role flips are the default and the example's pools are interchangeable (test_09: a case where they are not)
+    assert pdc["spec"]["roleFlips"] is True  # the CRD's default, the example sets none
+    flips = condition(pdc, "RoleFlips") or {}
+    assert (flips.get("status"), flips.get("reason")) == ("True", "PoolsInterchangeable"), flips
+    assert flips.get("observedGeneration") == pdc["metadata"]["generation"], flips
 
     # printer columns
     table = kube.run("get", "pdc", name, "-n", namespace).stdout.splitlines()

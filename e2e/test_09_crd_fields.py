@@ -6,7 +6,7 @@ names are refused (CEL and schema); `spec.image` may be omitted; `kubectl explai
 from __future__ import annotations
 
 import pytest
-from pdc_e2e import Kube, example_pdc, wait_until
+from pdc_e2e import Kube, condition, example_pdc, wait_until
 
 from pdcluster.operator import models
 
@@ -54,6 +54,13 @@ def test_pod_options_reach_the_pods(kube: Kube, operator, namespace: str):
     assert dep["spec"]["template"]["metadata"]["annotations"]["team"] == "llm"
     prefill = kube.get("deployment", "opts-prefill", namespace)
     assert "priorityClassName" not in prefill["spec"]["template"]["spec"]
+    # a flipped pod would keep decode's env, affinity and priority in the prefill pool: no role flips, and the
+    # RoleFlips condition says why (the operator starts pods instead)
+    flips = wait_until("the RoleFlips condition", lambda: condition(kube.get("pdc", "opts", namespace),
+                                                                    "RoleFlips"), timeout=60)
+    assert (flips["status"], flips["reason"]) == ("False", "PodSpecsDiffer"), flips
+    assert all(f in flips["message"] for f in ("env", "affinity", "priorityClassName")), flips
+    assert "PodSpecsDiffer" in kube.run("describe", "pdc", "opts", "-n", namespace).stdout
 
 
 def test_explain_and_printer_columns(kube: Kube, helm_release: dict[str, str], namespace: str):

@@ -155,3 +155,16 @@ def test_the_declared_ttft_target_reaches_the_router() -> None:
     assert router_opts({"autoscaling": {"slo": {"ttftSeconds": 2.5}}}).ttft_slo == 2.5
     up = launcher.router_cmd(_parse(launcher, ["--ttft-slo", "1.5"]), ["http://p:1"], ["http://d:2"])
     assert RouterOptions.from_args(_parse(router_cli, _after(up, "router"))).ttft_slo == 1.5
+
+
+def test_role_flips_are_on_by_default_in_up_and_in_the_crd() -> None:
+    """`spec.roleFlips` and `up --autoscale`'s `--role-flips` are one knob: on unless turned off, and `up`
+    names why it cannot flip where the operator's RoleFlips condition would (engine, tensor-parallel sizes)."""
+    crd = yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    up = _parse(launcher, [])
+    assert models.PDClusterSpec.model_fields["roleFlips"].default is True is spec["roleFlips"]["default"]
+    assert up.role_flips is True and launcher.role_flips_off(up, vllm=False) is None
+    assert launcher.role_flips_off(_parse(launcher, ["--no-role-flips"]), vllm=False) == "--no-role-flips"
+    assert "vllm" in (launcher.role_flips_off(up, vllm=True) or "")
+    assert "--decode-tp 2" in (launcher.role_flips_off(_parse(launcher, ["--decode-tp", "2"]), vllm=False) or "")

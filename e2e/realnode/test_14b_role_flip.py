@@ -1,17 +1,21 @@
-"""Real-node scenario: a role flip under steady traffic (issue 37 item 3). With `spec.roleFlips`, editing the
-example from prefill 2 / decode 1 to prefill 1 / decode 2 moves a running prefill worker to the decode pool:
-the operator asks the worker (`POST /internal/role`), relabels its pod (the router's headless Services follow)
-and lowers the prefill Deployment, so no pod starts and none stops; the flipped pod serves decode traffic
-without a restart. Then decode 2 -> 1 removes the flipped pod first. No client request may fail, and the
-flip's Event shows in `kubectl describe pdc`."""
+"""Real-node scenario: role flips under steady traffic (issue 37 item 3). Flips are the operator's default
+(the spec sets no `roleFlips`; the example's pools are interchangeable, so the `RoleFlips` condition is True):
+editing the example from prefill 2 / decode 1 to prefill 1 / decode 2 moves a running prefill worker to the
+decode pool: the operator asks the worker (`POST /internal/role`), relabels its pod (the router's headless
+Services follow) and lowers the prefill Deployment, so no pod starts and none stops; the flipped pod serves
+decode traffic without a restart. `roleFlips: false` then replaces the flipped pod, surge first (a decode
+Deployment pod starts, then the flipped pod is drained and removed); with the field removed the default flips
+again (a decode pod to prefill), and prefill 2 -> 1 removes that flipped pod first. No client request may
+fail, and the flips' Events and the condition show in `kubectl describe pdc`."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import yaml
 from node_e2e import Traffic, assert_route_to, dump, http_json, http_text, pods, port_forward, ready
-from pdc_e2e import Kube, wait_until
+from pdc_e2e import EXAMPLE, Kube, condition, wait_until
 
 FLIPPED = "pdcluster.dev/flipped-from"
 
@@ -57,11 +61,22 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
     try:
         # the bounds too: test_14 (the autoscaler) leaves its own minReplicas/maxReplicas on the example, and a
         # replicas outside them is refused by the CRD even with autoscaling off
-        _patch(kube, app_ns, name, '{"roleFlips":true,"autoscaling":{"enabled":false},'
-                                   '"prefill":{"replicas":2,"minReplicas":1,"maxReplicas":2},'
-                                   '"decode":{"replicas":1,"minReplicas":1,"maxReplicas":2}}')
+        # no `roleFlips` in the example or in any patch here: the CRD's default (true) is what flips
+        assert "roleFlips" not in yaml.safe_load(EXAMPLE.read_text())["spec"]
+        assert (kube.get("pdc", name, app_ns) or {})["spec"].get("roleFlips") is True  # defaulted by the API server
+        # 300m CPU a worker (the example asks 500m): the replacement of a flipped pod starts before it goes (a
+        # fourth worker), and four must fit the node's 2 CPUs. The same for both pools: they stay interchangeable.
+        res = '"resources":{"requests":{"cpu":"300m","memory":"1Gi"},"limits":{"memory":"2Gi"}}'
+        _patch(kube, app_ns, name, '{"autoscaling":{"enabled":false},'
+                                   f'"prefill":{{"replicas":2,"minReplicas":1,"maxReplicas":2,{res}}},'
+                                   f'"decode":{{"replicas":1,"minReplicas":1,"maxReplicas":2,{res}}}}}')
         before = wait_until("2 prefill and 1 decode pods Ready", lambda: _all_ready(kube, app_ns, name, (2, 1)),
                             timeout=420, interval=2)
+        pdc = wait_until("the RoleFlips condition of this generation", lambda: (d := kube.get("pdc", name, app_ns))
+                         and (c := condition(d, "RoleFlips")) and c.get("observedGeneration")
+                         == d["metadata"]["generation"] and d, timeout=60)
+        flips_cond = condition(pdc, "RoleFlips") or {}
+        assert (flips_cond["status"], flips_cond["reason"]) == ("True", "PoolsInterchangeable"), flips_cond
         uids = {p["metadata"]["uid"] for p in before}
         restarts = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"] for p in before}
         with port_forward(kube, app_ns, f"svc/{name}-router", 8000) as port:
@@ -88,14 +103,43 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
                            timeout=120, interval=1)
                 described = kube.run("describe", "pdc", name, "-n", app_ns).stdout
                 assert "RoleFlip" in described and flipped["metadata"]["name"] in described, described[-3000:]
+                assert "PoolsInterchangeable" in described, described[-3000:]  # the condition, where users look
+                # the status counts the flipped pod in decode (the pass that flipped wrote it; a later pass keeps it)
+                wait_until("status.decode: 2 replicas, 1 of them flipped", lambda: (
+                    ((kube.get("pdc", name, app_ns) or {}).get("status") or {}).get("decode") or {}).get(
+                    "flippedReplicas") == 1, timeout=60)
+                status = (kube.get("pdc", name, app_ns) or {})["status"]
+                assert (status["decode"]["replicas"], status["prefill"]["flippedReplicas"]) == (2, 0), status
                 ok_after_flip = traffic.ok
 
-                # decode 2 -> 1: the flipped pod goes first; the Deployment's decode pod stays
-                _patch(kube, app_ns, name, '{"decode":{"replicas":1}}')
-                wait_until("the flipped pod removed", lambda: flipped["metadata"]["uid"] not in {
-                    p["metadata"]["uid"] for p in _workers(kube, app_ns, name, "decode")}, timeout=180, interval=2)
+                # roleFlips: false turns flips off and replaces the flipped pod, surge first: a pod of the decode
+                # Deployment starts, then the flipped pod is drained and removed
+                t1 = time.monotonic()
+                _patch(kube, app_ns, name, '{"roleFlips":false}')
+                replaced = wait_until("the flipped pod replaced by a decode Deployment pod", lambda: (
+                    ps := _all_ready(kube, app_ns, name, (1, 2))) and flipped["metadata"]["uid"] not in {
+                    p["metadata"]["uid"] for p in ps} and ps, timeout=300, interval=2)
+                assert not [p for p in replaced if FLIPPED in p["metadata"]["labels"]], _names(replaced)
+                assert len({p["metadata"]["uid"] for p in replaced} - uids) == 1, _names(replaced)  # one pod started
+                print(f"roleFlips false: the flipped pod replaced {time.monotonic() - t1:.0f} s after the edit")
+                described = kube.run("describe", "pdc", name, "-n", app_ns).stdout
+                assert "FlippedPodReplaced" in described and "Disabled" in described, described[-3000:]
+                wait_until("traffic after the replacement", lambda: traffic.ok > ok_after_flip + 3, timeout=120)
+
+                # the field removed: the default (true) flips again. prefill 1 -> 2 and decode 2 -> 1 moves a
+                # decode pod to prefill; then prefill 2 -> 1 removes that flipped pod first
+                ok_before_back = traffic.ok
+                _patch(kube, app_ns, name, '{"roleFlips":null,"prefill":{"replicas":2},"decode":{"replicas":1}}')
+                back = wait_until("2 prefill and 1 decode pods Ready", lambda: _all_ready(kube, app_ns, name, (2, 1)),
+                                  timeout=180, interval=1)
+                (flipped_back,) = [p for p in back if FLIPPED in p["metadata"]["labels"]]
+                assert flipped_back["metadata"]["labels"][FLIPPED] == "decode"
+                assert {p["metadata"]["uid"] for p in back} == {p["metadata"]["uid"] for p in replaced}  # no pod started
+                _patch(kube, app_ns, name, '{"prefill":{"replicas":1}}')
+                wait_until("the flipped pod removed", lambda: flipped_back["metadata"]["uid"] not in {
+                    p["metadata"]["uid"] for p in _workers(kube, app_ns, name, "prefill")}, timeout=180, interval=2)
                 assert _sizes(kube, app_ns, name) == (1, 1)
-                wait_until("traffic after the scale-down", lambda: traffic.ok > ok_after_flip + 3, timeout=120)
+                wait_until("traffic after the scale-down", lambda: traffic.ok > ok_before_back + 3, timeout=120)
         print(f"traffic: {traffic.ok} completions, {len(traffic.failures)} failures")
         assert traffic.ok > 10
         assert not traffic.failures, traffic.failures[:10]
@@ -106,6 +150,3 @@ def test_role_flip_under_traffic(kube: Kube, app_ns: str, example_name: str):
     except BaseException:
         print(dump(kube, app_ns))
         raise
-    finally:  # leave the example as test_15 expects it
-        kube.run("patch", "pdc", name, "-n", app_ns, "--type=merge", "-p", '{"spec":{"roleFlips":false}}',
-                 check=False)

@@ -34,7 +34,8 @@ def test_trace_replay_against_a_server(fake_server, tmp_path):
     rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert all(r["input_tokens"] + r["output_tokens"] <= 32 for r in rows)
     sent = [p for p in s.behaviour.prompts if isinstance(p, list) and len(p) > 8][-6:]
-    assert [len(p) for p in sent] == [r["input_tokens"] for r in rows]
+    # sent 50 ms apart (200 ms at speedup 4), so on a loaded machine they may reach the server out of order
+    assert sorted(len(p) for p in sent) == sorted(r["input_tokens"] for r in rows)
     # every request names hash id 0 first: their prompts share that block's tokens
     k = min(len(p) for p in sent) // 2
     assert len({tuple(p[:k]) for p in sent}) == 1

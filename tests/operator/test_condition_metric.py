@@ -53,7 +53,7 @@ async def test_conditions_of_a_static_pdcluster_are_exported() -> None:
     assert exported("static") == written(out)
     assert exported("static") == {"Ready": "False", "Progressing": "True", "Degraded": "False",
                                   "MetricsAvailable": "Unknown", "ScalingLimited": "False",
-                                  "SLOMet": "Unknown", "KVTransferDegraded": "Unknown"}
+                                  "SLOMet": "Unknown", "KVTransferDegraded": "Unknown", "RoleFlips": "True"}
     assert gauge("static", "MetricsAvailable", "Unknown") == 1.0
     assert gauge("static", "MetricsAvailable", "True") == 0.0
     assert gauge("static", "MetricsAvailable", "False") == 0.0

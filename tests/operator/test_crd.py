@@ -16,7 +16,7 @@ from pdcluster.operator import crd, models
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "pdcluster.yaml"
-EXAMPLES = [ROOT / "examples" / "pdcluster.yaml", ROOT / "examples" / "pdcluster-cpu.yaml"]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def _version() -> dict[str, Any]:

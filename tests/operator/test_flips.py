@@ -1,4 +1,5 @@
-"""Issue 37 item 3, the operator's side: role flips carried out on pods (`spec.roleFlips`). The pure rules
+"""Issue 37 item 3, the operator's side: role flips carried out on pods (`spec.roleFlips`, on by default;
+test_flip_default.py covers the default and why flips are off). The pure rules
 (how many flips, what the Deployments run, which pods, the relabel), the autoscaler's flip as cause `flip`,
 and a reconcile pass against a recording Kubernetes API with a real worker (tiny model) behind the pod:
 the worker is asked, the pod relabelled and owned by the PDCluster, the Deployments sized so no ReplicaSet
@@ -49,8 +50,8 @@ def pod(name: str, role: str, *, ready: bool = True, ip: str | None = "10.0.0.1"
 # ------------------------------------------------------------------ pure rules
 def test_flips_need_the_switch_the_engine_and_one_layout() -> None:
     assert flips.incompatible(spec()) is None
-    assert "roleFlips" in (flips.incompatible(parse_spec(make_spec())) or "")
-    assert "layouts" in (flips.incompatible(spec(decode={"replicas": 1, "tensorParallelSize": 2})) or "")
+    assert "roleFlips" in (flips.incompatible(parse_spec(make_spec(roleFlips=False))) or "")
+    assert "tensorParallelSize" in (flips.incompatible(spec(decode={"replicas": 1, "tensorParallelSize": 2})) or "")
     assert "resources" in (flips.incompatible(spec(decode={"replicas": 1, "resources": {
         "requests": {"cpu": "3"}}})) or "")
 
@@ -63,7 +64,8 @@ def test_how_many_flips_a_pass_makes() -> None:
     assert flips.order(s, {"prefill": 1, "decode": 3}, {"prefill": 3, "decode": 1}) == flips.Order("decode", "prefill", 2)
     assert flips.order(s, {"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2}) is None  # both grow
     assert flips.order(s, {"prefill": None, "decode": 1}, {"prefill": 0, "decode": 2}) is None  # nothing runs yet
-    assert flips.order(parse_spec(make_spec()), {"prefill": 3, "decode": 1}, {"prefill": 2, "decode": 2}) is None
+    off = parse_spec(make_spec(roleFlips=False))
+    assert flips.order(off, {"prefill": 3, "decode": 1}, {"prefill": 2, "decode": 2}) is None
 
 
 def test_failed_flips_start_pods_and_the_source_keeps_what_it_did_not_give() -> None:
@@ -165,9 +167,10 @@ class PodKube:
 @pytest.mark.timeout(180)
 async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_model_dir: Path) -> None:
     """With autoscaling off, prefill 2 -> 1 and decode 1 -> 2 in one edit is a flip, not a pod stopped and
-    one started: the worker (real, tiny model) serves as decode, its pod carries the decode labels and the
-    PDCluster as owner, prefill's Deployment runs 1 and decode's 1 (+ the flipped pod), and a RoleFlip Event
-    says so. Decode back to 1 then removes the flipped pod first, drained, and the Deployments keep theirs."""
+    one started, with no `roleFlips` in the spec (the default): the worker (real, tiny model) serves as decode,
+    its pod carries the decode labels and the PDCluster as owner, prefill's Deployment runs 1 and decode's 1
+    (+ the flipped pod), and a RoleFlip Event says so. Decode back to 1 then removes the flipped pod first,
+    drained, and the Deployments keep theirs."""
     app, _ = make_worker(tiny_model_dir, "prefill", secret=KEY)
     with serve(app) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -180,7 +183,7 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
         async with httpx.AsyncClient(trust_env=False) as http:
             ctx = rec.Context(kube=kube, emit=lambda body, t, reason, msg: events.append((t, reason, msg)),  # type: ignore[arg-type]
                               now=lambda: 1_800_000_000.0, http=http)
-            body = make_body(spec=make_spec(roleFlips=True, prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+            body = make_body(spec=make_spec(prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
                                             decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 8}),
                              status={"observedGeneration": 1})
             before = opmetrics.REGISTRY.get_sample_value("pdcluster_operator_reconciles_total",
@@ -194,6 +197,8 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
             meta = kube.pods["demo-prefill-a"]["metadata"]
             assert meta["labels"][naming.ROLE_LABEL] == "decode" and meta["labels"][flips.FLIPPED] == "prefill"
             assert meta["ownerReferences"][0]["kind"] == "PDCluster"
+            # the template it was made from, so a later upgrade replaces it (test_flip_default.py)
+            assert meta["annotations"][flips.ORIGIN].startswith("prefill/")
             assert kube.replicas() == {"demo-prefill": 1, "demo-decode": 1}  # no ReplicaSet starts or stops a pod
             patches = [c[1][:2] for c in kube.calls if c[0] == "merge_patch"]
             # the prefill Deployment drops by one right after the relabel (its ReplicaSet must not replace it)
@@ -207,7 +212,10 @@ async def test_reconcile_flips_a_pod_the_spec_moves_and_retires_it_first(tiny_mo
             # the status counts the flipped pod in decode: 2 of 2 ready, the PDCluster Ready
             status = out.status or {}
             assert (status["decode"]["replicas"], status["decode"]["readyReplicas"]) == (2, 2), status["decode"]
+            assert (status["decode"]["flippedReplicas"], status["prefill"]["flippedReplicas"]) == (1, 0)
             assert [c["status"] for c in status["conditions"] if c["type"] == "Ready"] == ["True"]
+            (cond,) = [c for c in status["conditions"] if c["type"] == "RoleFlips"]
+            assert (cond["status"], cond["reason"], cond["observedGeneration"]) == ("True", "PoolsInterchangeable", 1)
 
             # The next pass, nothing changes: the flipped pod counts in decode, the Deployments stay.
             kube.calls.clear()

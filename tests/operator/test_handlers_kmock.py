@@ -46,10 +46,11 @@ async def test_create_applies_children_and_writes_status(k8s: Any, kubeconfig: A
     st = _status(k8s)
     assert st["observedGeneration"] == 1
     assert st["endpoint"] == "http://demo-router.ns1.svc:8000"
-    assert st["prefill"] == {"replicas": 0, "readyReplicas": 0, "desiredReplicas": 1, "tensorParallelSize": 1, "gpus": 0}
+    assert st["prefill"] == {"replicas": 0, "readyReplicas": 0, "desiredReplicas": 1, "tensorParallelSize": 1, "gpus": 0,
+                             "flippedReplicas": 0}
     assert st["decode"]["desiredReplicas"] == 2 and st["ratio"] == 2.0
     assert {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded", "MetricsAvailable",
-                                                     "ScalingLimited", "SLOMet", "KVTransferDegraded"}
+                                                     "ScalingLimited", "SLOMet", "KVTransferDegraded", "RoleFlips"}
     assert _cond(st, "Ready")["status"] == "False"
     assert _cond(st, "Degraded")["status"] == "False"
     # The status went through the status subresource.

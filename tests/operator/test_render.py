@@ -184,7 +184,7 @@ def test_network_policy_can_be_disabled() -> None:
     assert not [o for o in objs if o["kind"] == "NetworkPolicy"]
 
 
-@pytest.mark.parametrize("name", ["pdcluster.yaml", "pdcluster-cpu.yaml"])
+@pytest.mark.parametrize("name", ["pdcluster.yaml", "pdcluster-cpu.yaml", "pdcluster-vllm.yaml"])
 def test_examples_render(name: str) -> None:
     doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / name).read_text())
     spec = parse_spec(doc["spec"])
@@ -209,3 +209,20 @@ def test_integrity_reaches_the_workers_only_when_not_the_default() -> None:
     bad["kvTransfer"] = {"integrity": "none"}
     with pytest.raises(Exception, match="integrity"):
         parse_spec(bad)
+
+
+def test_vllm_example_keeps_the_users_vllm_deployment() -> None:
+    """examples/pdcluster-vllm.yaml maps a plain `vllm serve` Deployment: the pods run the user's image and model
+    name, their flags after the operator's, and the KV connector the operator adds."""
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "pdcluster-vllm.yaml").read_text())
+    spec = parse_spec(doc["spec"])
+    owner = naming.Owner(doc["metadata"]["name"], "demo", "uid")
+    deps = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in render.render_children(
+        owner, spec, {"prefill": 1, "decode": 2}, FP) if d["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        c = deps[role]["spec"]["template"]["spec"]["containers"][0]
+        argv = [*c.get("command", []), *c.get("args", [])]
+        assert c["image"] == "vllm/vllm-openai:v0.11.0"
+        assert argv[argv.index("--served-model-name") + 1] == "llama-3.1-8b-instruct"
+        assert argv[-3:] == ["--enable-prefix-caching", "--kv-cache-dtype", "fp8"]
+        assert '"kv_buffer_device":"cuda"' in argv[argv.index("--kv-transfer-config") + 1]

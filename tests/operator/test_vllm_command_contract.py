@@ -60,3 +60,14 @@ def test_up_commands_parse_with_vllm(tmp_path: Path) -> None:
     args = argparse.Namespace(host="127.0.0.1", prefill_tp=1, decode_tp=1, max_model_len=512, threads=1)
     got = _parse(vllm_workers.worker_cmd(args, tmp_path / "tiny", "prefill", 18001))
     assert got["served_model_name"] == ["tiny"] and got["port"] == 18001 and got["max_model_len"] == 512
+
+
+def test_vllm_example_commands_parse_with_vllm() -> None:
+    """examples/pdcluster-vllm.yaml's pools (the user's own flags in engineArgs) render commands vLLM accepts."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "pdcluster-vllm.yaml").read_text())
+    spec = parse_spec(doc["spec"])
+    got = _parse(render_vllm.vllm_command(spec, "decode", "/models/llama-3.1-8b-instruct"))
+    assert got["served_model_name"] == ["llama-3.1-8b-instruct"] and got["max_num_seqs"] == 128
+    assert got["max_model_len"] == 16384 and "'cuda'" in got["kv_transfer_config"]

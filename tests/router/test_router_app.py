@@ -163,3 +163,31 @@ def test_a_bomb_through_the_router_is_400_and_the_pool_stays_whole(router: str) 
     workers = httpx.get(f"{router}/cluster", timeout=10).json()["decode"]
     assert workers and all(w["healthy"] for w in workers)
     assert httpx.post(f"{router}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_models_listing_survives_a_worker_that_cannot_answer_it_now() -> None:
+    """A healthy worker busy past the listing's timeout (or restarting its HTTP side) made /v1/models a 503
+    while the same worker served completions: the router answers the last listing a worker gave instead."""
+    calls: list[int] = []
+    spy = FastAPI()
+
+    @spy.get("/internal/load")
+    async def load() -> JSONResponse:
+        return JSONResponse({"ready": True, "free_blocks": 1, "total_blocks": 1})
+
+    @spy.get("/v1/models")
+    async def models() -> JSONResponse:
+        calls.append(1)
+        if len(calls) > 1:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    with serve(spy) as worker:
+        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
+            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
+        with serve(build_router_app(state)) as url:
+            _wait_healthy(url)
+            first = httpx.get(f"{url}/v1/models", timeout=10)
+            second = httpx.get(f"{url}/v1/models", timeout=10)
+    assert len(calls) == 2  # the worker was asked both times
+    assert first.status_code == second.status_code == 200 and second.json() == first.json()

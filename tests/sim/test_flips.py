@@ -1,5 +1,6 @@
 """Role flips in the simulator: a worker drains, keeps its weights and serves the other role flip_s
-later; the `pdcluster-flip` policy takes a short pool's growth from the other pool's slack."""
+later; `pdcluster` (flips on, the product's default) takes a short pool's growth from the other pool's
+slack, `pdcluster-no-flips` starts pods for it."""
 
 from __future__ import annotations
 
@@ -16,20 +17,23 @@ from pdcluster.bench.trace import Request, Trace
 M = ServiceModel()
 
 
-def shift_trace(minutes: float = 16.0) -> Trace:
+def shift_trace(minutes: float = 20.0) -> Trace:
     rows = synth.generate_shift(seed=2, minutes=minutes, rate=4.0)
     return tr.parse_trace("".join(json.dumps(r) + "\n" for r in rows), "shift")
 
 
 def test_flips_serve_a_shift_from_prefill_to_decode_sooner_and_cheaper():
+    # 20 minutes (the turn at 10): over 16, the decode guard (rules.queue_in_front) grows decode by a pod
+    # before prefill's formula leaves it a worker to flip
     trace, slo = shift_trace(), SLO()
     runs = {}
-    for name in ("pdcluster", "pdcluster-flip"):
+    for name in ("pdcluster", "pdcluster-no-flips"):
         p = pol.make(name, M.prefill_tps, M.decode_tps, trace=trace, slo=slo)
         runs[name] = (simulate(trace, M, p), p)
-    flipped, plain = runs["pdcluster-flip"][0], runs["pdcluster"][0]
+    flipped, plain = runs["pdcluster"][0], runs["pdcluster-no-flips"][0]
     assert flipped.flips >= 1 and plain.flips == 0
-    assert "RoleFlip" in runs["pdcluster-flip"][1].decisions
+    assert "RoleFlip" in runs["pdcluster"][1].decisions
+    assert "RoleFlip" not in runs["pdcluster-no-flips"][1].decisions
     s_flip, s_plain = policy_summary(flipped, slo), policy_summary(plain, slo)
     assert s_flip["slo_attainment"] >= s_plain["slo_attainment"]
     assert s_flip["instance_hours"] <= s_plain["instance_hours"]

@@ -13,8 +13,8 @@ first and starts pods only for what is left.
   (metrics or capacity unknown) has no slack; the other pool ends at min(its desired, current - flips);
 - flips = min(short, slack), fewer if `spec.autoscaling.ratio` would not hold after them.
 
-`pdcluster simulate`'s `pdcluster-flip` policy acts on this decision; the operator carries it out on pods
-with `spec.roleFlips` (`applied` here, then operator/flips.py and flip_pods.py).
+`pdcluster simulate`'s `pdcluster` policy acts on this decision (`pdcluster-no-flips` does not); the operator
+carries it out on pods with `spec.roleFlips` (`applied` here, then operator/flips.py and flip_pods.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A pool grows past the formula (reason `SLOBreached`) when its percentile is broken *and* a queue in front
 of it explains the breach, still there at the window's end, and the breach is news (see `fires`). The
-decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`). Pure: the autoscaler
-core's types come from `autoscaler.py`, which imports this module.
+decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`); decode's queue is the
+window's mean or, while it builds, the queue at the window's end (`rules.queue_in_front`), prefill's the
+mean. Pure: the autoscaler core's types come from `autoscaler.py`, which imports this module.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
     if obs is not None and ttft is not None and ttft_target is not None and not rules.breached(observed, target) \
             and rules.breached(ttft, ttft_target):
         w = wait(obs, "decode")[0]
-        if w is not None and rules.guard_applies(obs.decode_queue_mean, obs.request_rate, ttft_target):
+        q = rules.queue_in_front(obs.decode_queue_mean, obs.decode_queue_now)
+        if w is not None and rules.guard_applies(q, obs.request_rate, ttft_target):
             out["decode"] = (min(ttft, ttft_target + w), ttft_target)
     return out
 
@@ -117,7 +119,9 @@ def guard(policy: Policy, obs: Observation | None, ps: PoolState, view: PoolView
     broken = traffic and rules.breached(observed, target)
     mean, rate = queue_mean(obs, role), (obs.request_rate if obs else None)
     instant = queue_now(obs, role)
-    curable = broken and rules.guard_applies(mean, rate, target)
+    # decode judges its breach by the queue building now too (rules.queue_in_front); prefill by the mean
+    curable = broken and rules.guard_applies(rules.queue_in_front(mean, instant) if role == "decode" else mean,
+                                             rate, target)
     latest = mean if instant is None else instant
     news = not changed_within_window(policy, ps, view, now) \
         or (rules.backlog_outgrew(view.current, view.ready, rules.queue_wait(latest, rate), target)

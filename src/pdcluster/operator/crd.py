@@ -126,10 +126,14 @@ def _pool_status(role: str) -> dict[str, Any]:
         },
     }
     if role != "router":
+        out["description"] = f"Replicas of the {role} pool: its Deployment's pods and the flipped pods it holds."
         out["properties"].update(
             tensorParallelSize={"type": "integer", "description": "Ranks (GPUs on a GPU pool) of one pod."},
             gpus={"type": "integer", "description": "GPUs the pool's pods hold: replicas x GPUs per pod "
-                  "(0 on CPU)."})
+                  "(0 on CPU)."},
+            flippedReplicas={"type": "integer", "description": "Pods of this pool that came from the other "
+                             "pool by a role flip (counted in replicas; owned by the PDCluster, not the "
+                             "Deployment)."})
     return out
 
 
@@ -159,7 +163,7 @@ def _status_schema() -> dict[str, Any]:
             "conditions": {
                 "type": "array",
                 "description": "Ready, Progressing, Degraded, MetricsAvailable, ScalingLimited, SLOMet, "
-                               "KVTransferDegraded.",
+                               "KVTransferDegraded, RoleFlips.",
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from pdcluster.operator import drain, flips, naming
+from pdcluster.operator import status as st
 from pdcluster.operator.models import WORKER_PORT, PDClusterSpec
 from pdcluster.worker.transfer.secret import internal_headers  # stdlib only: no torch in the operator
 
@@ -52,9 +53,11 @@ async def pool_pods(kube: Any, owner: naming.Owner) -> dict[str, list[dict[str, 
 
 
 async def carry_out(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, spec: PDClusterSpec, o: flips.Order,
-                    pods: list[dict[str, Any]], secret: bytes | None, now_s: str, emit: EmitFn) -> int:
+                    pods: list[dict[str, Any]], secret: bytes | None, now_s: str, emit: EmitFn,
+                    hashes: dict[str, str] | None = None) -> int:
     """Flip up to `o.count` of the source pool's `pods`; how many flipped (relabelled: the router and the
-    Services follow the label). A worker that answers anything but its new role is left as it is."""
+    Services follow the label). A worker that answers anything but its new role is left as it is. `hashes`:
+    each pool's pod template now (`flips.template_hash`), recorded on a pod at its first flip."""
     chosen = flips.pick_flippers(pods, o.count)
     answers = await asyncio.gather(*(ask_worker(p, o.target, spec, http, secret) for p in chosen))
     done = 0
@@ -66,8 +69,9 @@ async def carry_out(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, spe
                  f"the {o.target} pool starts a pod instead")
             continue
         owned = not flips.is_flipped(pod)  # its ReplicaSet's: that one would replace it
-        await kube.merge_patch("v1", "Pod", owner.namespace, name, flips.relabel_patch(owner, o.source, o.target,
-                                                                                      now_s))
+        origin = flips.origin_of(o.source, hashes) if owned and hashes and o.source in hashes else None
+        await kube.merge_patch("v1", "Pod", owner.namespace, name,
+                               flips.relabel_patch(owner, o.source, o.target, now_s, origin))
         done += 1
         if owned:  # at once, not at the end of the pass: a replacement its ReplicaSet made meanwhile goes again
             await shrink_deployment(kube, owner, o.source)
@@ -111,24 +115,38 @@ async def retire(kube: Any, http: httpx.AsyncClient, owner: naming.Owner, pods: 
 
 class FlipPass:
     """One reconcile pass's role flips: the pools as flips leave them, the flips to make, the flipped pods
-    to retire first. Only with `spec.roleFlips` (else the pass is what it always was)."""
+    to retire first, the stale flipped pods to replace. Flips are made only where the pools are
+    interchangeable (`flips.blocked`); the pods are read on every pass all the same, so that pods flipped
+    before `spec.roleFlips` was turned off (or before the pools stopped being interchangeable, or before the
+    template they came from changed) are replaced by pods of their pool's Deployment (`flips.stale`)."""
 
     def __init__(self, kube: Any, owner: naming.Owner, spec: PDClusterSpec,
-                 pods: dict[str, list[dict[str, Any]]]) -> None:
+                 pods: dict[str, list[dict[str, Any]]], hashes: dict[str, str] | None = None) -> None:
         self.kube, self.owner, self.spec, self.pods = kube, owner, spec, pods
-        self.flipped = flips.flipped_counts(pods)
+        self.hashes = hashes or {}
+        self._count()
+
+    def _count(self) -> None:
+        """`stale`: each pool's flipped pods to replace; `flipped`: those it keeps (counted in its size; a
+        Deployment runs its pool less these)."""
+        off = flips.blocked(self.spec) is not None
+        self.stale = {r: [p for p in self.pods.get(r, []) if flips.stale(p, self.hashes, off)] for r in flips.ROLES}
+        gone = {r: {p["metadata"]["name"] for p in self.stale[r]} for r in flips.ROLES}
+        self.kept = {r: [p for p in self.pods.get(r, []) if p["metadata"]["name"] not in gone[r]]
+                     for r in flips.ROLES}
+        self.flipped = flips.flipped_counts(self.kept)
 
     @classmethod
-    async def read(cls, kube: Any, owner: naming.Owner, spec: PDClusterSpec) -> FlipPass | None:
-        if not spec.roleFlips:
-            return None
-        return cls(kube, owner, spec, await pool_pods(kube, owner))
+    async def read(cls, kube: Any, owner: naming.Owner, spec: PDClusterSpec,
+                   hashes: dict[str, str] | None = None) -> FlipPass:
+        return cls(kube, owner, spec, await pool_pods(kube, owner), hashes)
 
     def pools(self, current: dict[str, int | None], ready: dict[str, int]
               ) -> tuple[dict[str, int | None], dict[str, int]]:
-        """Each pool's size and ready count with its flipped pods (which no Deployment counts)."""
+        """Each pool's size and ready count with the flipped pods it keeps (which no Deployment counts; the
+        stale ones are on their way out, like the surplus pods of a rolling update)."""
         cur = {r: (None if c is None else c + self.flipped[r]) for r, c in current.items()}
-        rdy = {r: ready[r] + sum(1 for p in self.pods[r] if flips.is_flipped(p) and drain._ready(p))
+        rdy = {r: ready[r] + sum(1 for p in self.kept[r] if flips.is_flipped(p) and drain._ready(p))
                for r in ready}
         return cur, rdy
 
@@ -140,10 +158,11 @@ class FlipPass:
         o = flips.order(self.spec, current, desired)
         if o is None:
             return desired, current
-        done = await carry_out(self.kube, http, self.owner, self.spec, o, self.pods[o.source], secret, now_s, emit)
+        done = await carry_out(self.kube, http, self.owner, self.spec, o, self.kept[o.source], secret, now_s, emit,
+                               self.hashes)
         if done:
             self.pods = await pool_pods(self.kube, self.owner)  # the relabelled pods moved pools
-            self.flipped = flips.flipped_counts(self.pods)
+            self._count()
         sizes = flips.settle(desired, current, o, done,
                              None if before_flips is None else before_flips[o.source])
         after = dict(current)
@@ -153,10 +172,28 @@ class FlipPass:
 
     async def retire(self, http: httpx.AsyncClient, role: str, count: int, secret: bytes | None) -> int:
         """The shrinking pool loses its flipped pods first; how many of `count` that was."""
-        gone = await retire(self.kube, http, self.owner, self.pods[role], count, secret)
+        gone = await retire(self.kube, http, self.owner, self.kept[role], count, secret)
         self.pods[role] = [p for p in self.pods[role] if p["metadata"]["name"] not in gone]
-        self.flipped[role] -= len(gone)
+        self._count()
         return len(gone)
+
+    async def replace_stale(self, http: httpx.AsyncClient, deps: dict[str, dict[str, Any] | None],
+                            secret: bytes | None, emit: EmitFn) -> list[str]:
+        """Remove (drained first) the stale flipped pods of each pool whose Deployment has rolled out every
+        replica ready: it runs their replacements (it was applied with them counted out). The names gone."""
+        gone: list[str] = []
+        why = flips.incompatible(self.spec) or "the pool it came from has a new pod template"
+        for r in flips.ROLES:
+            if not self.stale[r] or st.rollout_state(deps.get(r))[0]:
+                continue  # none, or its replacements are not all ready yet: it keeps serving meanwhile
+            names = await retire(self.kube, http, self.owner, self.stale[r], len(self.stale[r]), secret)
+            for name in names:
+                emit("Normal", "FlippedPodReplaced", f"{r} pod {name} (flipped) replaced by a pod of "
+                     f"{naming.child_name(self.owner, r)}: {why}")
+            self.pods[r] = [p for p in self.pods[r] if p["metadata"]["name"] not in names]
+            gone += names
+        self._count()
+        return gone
 
     def count_in(self, deps: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any] | None]:
         """The Deployments as the status shows the pools: each with the flipped pods its pool holds (so a pool
@@ -173,3 +210,7 @@ class FlipPass:
             status["readyReplicas"] = int(status.get("readyReplicas") or 0) + sum(1 for p in ps if drain._ready(p))
             out[r] = dep
         return out
+
+    def flipped_pods(self) -> dict[str, int]:
+        """Each pool's flipped pods, stale ones included (status.<pool>.flippedReplicas)."""
+        return flips.flipped_counts(self.pods)

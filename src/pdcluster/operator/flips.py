@@ -1,4 +1,7 @@
-"""Pure: role flips carried out by the operator (`spec.roleFlips`; docs/operator.md, "Role flips").
+"""Pure: role flips carried out by the operator (`spec.roleFlips`, on by default; docs/operator.md).
+
+Flips are used wherever the pools' pods are interchangeable (`blocked` says why not: the RoleFlips condition);
+elsewhere a growing pool starts pods, as it always does for what flips cannot cover.
 
 A flip moves a running worker pod from one pool to the other: the worker is told its new role
 (`POST /internal/role`, worker/server/role_flip.py), then the pod is relabelled (`pdcluster.dev/role`,
@@ -10,7 +13,11 @@ garbage collected with it). Each pool's size is then its Deployment's pods plus 
 - the pool sizes the operator decides (`desired`) count flipped pods; a Deployment's `spec.replicas` is
   `desired - flipped pods of that role` (the old pool's drops by one right after the relabel, so its
   ReplicaSet keeps no replacement, and the new pool starts no pod for what the flip brought);
-- flipped pods are the first removed when their pool shrinks (drained, then deleted: no ReplicaSet owns them).
+- flipped pods are the first removed when their pool shrinks (drained, then deleted: no ReplicaSet owns them);
+- a flipped pod that a pod of its pool would not be now (`stale`: flips turned off, pools no longer
+  interchangeable, or the template it came from changed, e.g. an image upgrade) is replaced: it no longer
+  counts, so its pool's Deployment starts a pod for it, and once that Deployment has every replica ready the
+  flipped pod is drained and removed (a rolling update's surge, one pod at a time per pass).
 
 How many flips a pass makes: the growing pool's growth, at most what the other pool gives up (the autoscaler's
 `autoscaler_flip.plan` already shrank it by its slack; with autoscaling off, the spec's sizes); fewer if the
@@ -19,16 +26,20 @@ worker cannot finish what it holds in time (the growing pool then starts pods fo
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.operator import naming
+from pdcluster.operator import naming, render
+from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 
 ROLES = naming.WORKER_ROLES
 FLIPPED = "pdcluster.dev/flipped-from"  # label on a flipped pod: the pool it came from
 FLIPPED_AT = "pdcluster.dev/flipped-at"  # annotation: when
+ORIGIN = "pdcluster.dev/flipped-template"  # annotation: "<pool>/<template_hash>" the pod was made from
 COMPONENT_LABEL = "app.kubernetes.io/component"
 LLMD_ROLE_LABEL = "llm-d.ai/role"
 FLIP_CAUSE = "flip"
@@ -47,21 +58,67 @@ def other(role: str) -> str:
     return "decode" if role == "prefill" else "prefill"
 
 
-def incompatible(spec: PDClusterSpec) -> str | None:
-    """Why the pools' pods cannot swap roles (None: they can). A flipped pod keeps its pod spec: same engine
-    flags except the role and batch limits (which the flip sets), same resources, image and layout."""
+@dataclass(frozen=True)
+class Blocked:
+    """Why the pools' pods cannot swap roles: the RoleFlips condition's reason (CamelCase) and message."""
+
+    reason: str
+    message: str
+
+
+# what a flipped pod keeps from its old pool besides image, resources and layout: the pool fields that shape
+# how its process runs or where it may be placed (podAnnotations and imagePullSecrets do neither once it runs)
+POD_FIELDS = ("engineArgs", "env", "affinity", "priorityClassName")
+PODS_START = "a growing pool starts pods"
+
+
+def blocked(spec: PDClusterSpec) -> Blocked | None:
+    """Why flips are off for this spec (None: the pools' pods are interchangeable, flips are used). A flipped
+    pod keeps its pod spec: same engine flags except the role and batch limits (which the flip sets), same
+    resources, image, layout and pod options."""
     if not spec.roleFlips:
-        return "spec.roleFlips is false"
+        return Blocked("Disabled", f"spec.roleFlips is false: {PODS_START}")
     if spec.engine != "pdcluster":
-        return f"engine {spec.engine} has no role flip"
+        return Blocked("EngineUnsupported", f"engine {spec.engine}: its workers cannot change role without a "
+                       f"restart; {PODS_START}")
     p, d = spec.prefill, spec.decode
-    if p.tensorParallelSize != d.tensorParallelSize or spec.gpus_per_pod("prefill") != spec.gpus_per_pod("decode"):
-        return "the pools' tensor-parallel layouts differ"
+    layout = {r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in ROLES}
+    if layout["prefill"] != layout["decode"]:
+        (tp_p, g_p), (tp_d, g_d) = layout["prefill"], layout["decode"]
+        return Blocked("LayoutsDiffer", f"prefill runs tensorParallelSize {tp_p} ({g_p} GPUs per pod), decode "
+                       f"{tp_d} ({g_d}): {PODS_START}")
     if p.resources.model_dump() != d.resources.model_dump():
-        return "the pools' resources differ"
-    if spec.pool_image("prefill") != spec.pool_image("decode"):
-        return "the pools' images differ"
+        return Blocked("ResourcesDiffer", f"spec.prefill.resources and spec.decode.resources differ: {PODS_START}")
+    if (ip := spec.pool_image("prefill")) != (id_ := spec.pool_image("decode")):
+        return Blocked("ImagesDiffer", f"prefill image {ip}, decode image {id_}: {PODS_START}")
+    differ = [f for f in POD_FIELDS if _dump(getattr(p, f)) != _dump(getattr(d, f))]
+    if differ:
+        return Blocked("PodSpecsDiffer", f"spec.prefill and spec.decode differ in {', '.join(differ)}: "
+                       f"{PODS_START}")
     return None
+
+
+def _dump(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_dump(x) for x in v]
+    return v.model_dump() if hasattr(v, "model_dump") else v
+
+
+def incompatible(spec: PDClusterSpec) -> str | None:
+    """Why the pools' pods cannot swap roles (None: they can): `blocked`'s message."""
+    b = blocked(spec)
+    return None if b is None else b.message
+
+
+def condition(spec: PDClusterSpec) -> dict[str, Any]:
+    """The RoleFlips condition: True while a pool grows by flips first, False with the reason it cannot."""
+    b = blocked(spec)
+    if b is None:
+        return st.condition("RoleFlips", True, "PoolsInterchangeable",
+                            "a growing pool first takes running workers of the other pool (a role flip, no "
+                            "restart) where that pool shrinks or, with autoscaling, has slack; pods start for "
+                            "the rest")
+    return st.condition("RoleFlips", False, b.reason, b.message)
 
 
 def order(spec: PDClusterSpec, current: Mapping[str, int | None], desired: Mapping[str, int]) -> Order | None:
@@ -105,12 +162,51 @@ def flipped_counts(pods_by_role: Mapping[str, list[dict[str, Any]]]) -> dict[str
     return {r: sum(1 for p in pods_by_role.get(r, []) if is_flipped(p)) for r in ROLES}
 
 
-def relabel_patch(owner: naming.Owner, source: str, target: str, now: str) -> dict[str, Any]:
+def relabel_patch(owner: naming.Owner, source: str, target: str, now: str,
+                  origin: str | None = None) -> dict[str, Any]:
     """The merge patch of a pod that now serves `target`: its role labels, where it came from, and the
-    PDCluster as its controller (the old ReplicaSet's reference goes: nothing adopts it or replaces it)."""
+    PDCluster as its controller (the old ReplicaSet's reference goes: nothing adopts it or replaces it);
+    `origin` (`origin_of`, on a pod's first flip only): the pod template it was made from."""
     labels = {naming.ROLE_LABEL: target, COMPONENT_LABEL: target, LLMD_ROLE_LABEL: target, FLIPPED: source}
-    return {"metadata": {"labels": labels, "annotations": {FLIPPED_AT: now},
+    annotations = {FLIPPED_AT: now, **({ORIGIN: origin} if origin else {})}
+    return {"metadata": {"labels": labels, "annotations": annotations,
                          "ownerReferences": [naming.owner_reference(owner)]}}
+
+
+def template_hash(deployment: Mapping[str, Any]) -> str:
+    """A short hash of a rendered Deployment's pod template (what its pods are made from)."""
+    raw = json.dumps(deployment["spec"]["template"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def template_hashes(owner: naming.Owner, spec: PDClusterSpec, kv_secret_fingerprint: str) -> dict[str, str]:
+    """Each worker pool's pod template now, less the batch limits (a flip sets a worker's to its new pool's,
+    so a change of them makes no flipped pod stale)."""
+    def no_limits(pool: Any) -> Any:
+        return pool.model_copy(update={"maxBatchSize": 1, "maxBatchTokens": 1})
+
+    neutral = spec.model_copy(update={"prefill": no_limits(spec.prefill), "decode": no_limits(spec.decode)})
+    return {r: template_hash(render.render_worker_deployment(owner, neutral, r, 1, kv_secret_fingerprint))
+            for r in ROLES}
+
+
+def origin_of(role: str, hashes: Mapping[str, str]) -> str:
+    """The ORIGIN annotation of a pod of `role`'s Deployment flipped now: its pool and that pool's template."""
+    return f"{role}/{hashes[role]}"
+
+
+def stale(pod: Mapping[str, Any], hashes: Mapping[str, str], flips_blocked: bool) -> bool:
+    """A flipped pod that a pod of its pool would not be now, so it is replaced (a pod of its pool's Deployment
+    starts first, then it is drained and removed): flips are off or the pools stopped being interchangeable,
+    or the template of the pool it came from changed since its flip (an image upgrade, a new KV setting).
+    A flipped pod without ORIGIN (flipped by an operator before it) counts as current."""
+    if not is_flipped(pod):
+        return False
+    if flips_blocked:
+        return True
+    origin = ((pod.get("metadata") or {}).get("annotations") or {}).get(ORIGIN) or ""
+    role, _, h = origin.partition("/")
+    return role in hashes and bool(h) and hashes[role] != h
 
 
 def pick_flippers(pods: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:

@@ -377,11 +377,12 @@ class PDClusterSpec(SpecModel):
     router: Router = Field(default_factory=Router, description="The OpenAI-compatible router.")
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="The prefill/decode autoscaler.")
     roleFlips: bool = Field(
-        default=False,
+        default=True,
         description="Grow a pool by moving running workers from the other pool (a role flip: no restart, the "
         "weights stay loaded) when the other pool shrinks or, with autoscaling, has replicas above its need; "
-        "pods start only for the rest. Needs the engine pdcluster and both pools in the same layout "
-        "(tensorParallelSize, resources, image).")
+        "pods start only for the rest. Used where the pools' pods are interchangeable: engine pdcluster and "
+        "the same tensorParallelSize, resources, image, engineArgs, env, affinity and priorityClassName; "
+        "elsewhere pods start, and the RoleFlips condition says why. false: pools grow by starting pods only.")
     networkPolicy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="The NetworkPolicy around the workers.")
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="Applied to worker pods.")

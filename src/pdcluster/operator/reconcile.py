@@ -212,15 +212,13 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 3. What runs now; 4. desired replicas (the operator is their single writer).
     deps, pools = await _read_pools(ctx, owner)
-    fp = await flip_pods.FlipPass.read(ctx.kube, owner, spec)  # spec.roleFlips: pools count flipped pods
-    if fp is not None:
-        sizes, ready = fp.pools(pools.current, pools.ready)
-        pools = dataclasses.replace(pools, current=sizes, ready=ready)
+    # the pools count their flipped pods (stale ones, to be replaced, aside); each pool's pod template now
+    fp = await flip_pods.FlipPass.read(ctx.kube, owner, spec, flips.template_hashes(owner, spec, fingerprint))
+    sizes, ready = fp.pools(pools.current, pools.ready)
+    pools = dataclasses.replace(pools, current=sizes, ready=ready)
     scale = await _scaling_step(ctx, body, owner, spec, old_status, pools, now)
-    desired = scale.desired
-    current = pools.current
-    if fp is not None:  # 4b. role flips: workers move pools before any pod starts or stops
-        desired, current = await _flip(ctx, body, fp, current, desired, scale.before_flips, key, now_s)
+    # 4b. role flips (where the pools are interchangeable): workers move pools before any pod starts or stops
+    desired, current = await _flip(ctx, body, fp, pools.current, scale.desired, scale.before_flips, key, now_s)
 
     # 5. Graceful scale-down: drain the victims before lowering the count (flipped pods go first).
     for r in render.WORKER_ROLES:
@@ -232,7 +230,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 6. Apply every child (a Deployment runs its pool less the flipped pods it holds).
     try:
-        replicas = desired if fp is None else flips.deployment_replicas(desired, fp.flipped)
+        replicas = flips.deployment_replicas(desired, fp.flipped)
         applied = await _apply_children(ctx, owner, spec, replicas, fingerprint)
     except ApiError as e:
         if e.retryable or e.namespace_terminating:
@@ -241,9 +239,10 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
 
     # 7. Status.
     after = {r: applied.get(("Deployment", naming.child_name(owner, r))) or deps[r] for r in render.ROLES}
-    if fp is not None:
-        after = fp.count_in(after)  # the pools with their flipped pods
-    conditions = st.workload_conditions(after) + scale.conditions
+    if any(fp.stale.values()):  # stale flipped pods go once their Deployment runs their replacements ready
+        await _replace_stale(ctx, body, fp, after, key)
+    after = fp.count_in(after)  # the pools with their flipped pods
+    conditions = st.workload_conditions(after) + scale.conditions + [flips.condition(spec)]
     for c in conditions:
         if c["type"] == "Degraded":
             _emit_on_change(ctx, body, "Degraded", "True", c, "Warning", c["reason"])
@@ -251,7 +250,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> Outcome:
         generation=generation, old_conditions=old_status.get("conditions"), conditions=conditions,
         deployments=after, desired=desired, router_replicas=spec.router.replicas,
         endpoint=naming.endpoint(owner), autoscaler=scale.autoscaler_status, now=now_s,
-        layouts={r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in render.WORKER_ROLES})
+        layouts={r: (spec.pool(r).tensorParallelSize, spec.gpus_per_pod(r)) for r in render.WORKER_ROLES},
+        flipped=fp.flipped_pods())
     await _patch_status(ctx, body, new_status)
     opmetrics.set_conditions(owner.namespace, owner.name, new_status["conditions"])
     if old_status.get("observedGeneration") != generation:
@@ -311,9 +311,19 @@ async def _flip(ctx: Context, body: dict[str, Any], fp: flip_pods.FlipPass, curr
             await http.aclose()
 
 
-async def _retire_flipped(ctx: Context, fp: flip_pods.FlipPass | None, role: str, count: int,
+async def _replace_stale(ctx: Context, body: dict[str, Any], fp: flip_pods.FlipPass,
+                         deps: dict[str, dict[str, Any] | None], key: bytes | None) -> None:
+    http = ctx.http or httpx.AsyncClient(trust_env=False)
+    try:
+        await fp.replace_stale(http, deps, key, lambda type_, reason, message: ctx.emit(body, type_, reason, message))
+    finally:
+        if ctx.http is None:
+            await http.aclose()
+
+
+async def _retire_flipped(ctx: Context, fp: flip_pods.FlipPass, role: str, count: int,
                           key: bytes | None) -> int:
-    if fp is None or not fp.flipped.get(role):
+    if not fp.flipped.get(role):
         return 0
     http = ctx.http or httpx.AsyncClient(trust_env=False)
     try:

@@ -12,7 +12,7 @@ from pdcluster.operator.autoscaler import Decision, PoolDecision, PoolState, Sta
 from pdcluster.operator.autoscaler_rules import MAX_NEED_SAMPLES
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MetricsAvailable", "ScalingLimited", "SLOMet",
-                   "KVTransferDegraded")
+                   "KVTransferDegraded", "RoleFlips")
 
 
 def fmt_time(epoch: float) -> str:
@@ -95,14 +95,16 @@ def rollout_state(dep: dict[str, Any] | None) -> tuple[bool, bool, str]:
 
 
 def pool_status(dep: dict[str, Any] | None, desired: int,
-                layout: tuple[int, int] | None = None) -> dict[str, int]:
-    """Replicas of a pool; for a worker pool also its `layout` (TP size, GPUs per pod) and the GPUs its
-    pods hold (replicas x GPUs per pod: 0 on CPU)."""
+                layout: tuple[int, int] | None = None, flipped: int | None = None) -> dict[str, int]:
+    """Replicas of a pool; for a worker pool also its `layout` (TP size, GPUs per pod), the GPUs its
+    pods hold (replicas x GPUs per pod: 0 on CPU) and how many of its pods came by a role flip."""
     _, replicas, ready = deployment_replicas(dep)
     out = {"replicas": replicas, "readyReplicas": ready, "desiredReplicas": int(desired)}
     if layout is not None:
         tp, gpus_per_pod = layout
         out.update(tensorParallelSize=int(tp), gpus=replicas * int(gpus_per_pod))
+    if flipped is not None:
+        out["flippedReplicas"] = int(flipped)
     return out
 
 
@@ -116,15 +118,19 @@ def pdcluster_status(*, generation: int | None, old_conditions: list[dict[str, A
                      conditions: list[dict[str, Any]], deployments: dict[str, dict[str, Any] | None],
                      desired: dict[str, int], router_replicas: int, endpoint: str,
                      autoscaler: dict[str, Any] | None, now: str,
-                     layouts: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+                     layouts: dict[str, tuple[int, int]] | None = None,
+                     flipped: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The PDCluster's whole status after a pass (`now` RFC 3339; an empty `autoscaler` is left out;
-    `layouts`: (TP size, GPUs per pod) of each worker pool)."""
-    layouts = layouts or {}
+    `layouts`: (TP size, GPUs per pod) of each worker pool; `flipped`: each worker pool's pods that came
+    from the other pool by a role flip)."""
+    layouts, flipped = layouts or {}, flipped or {}
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(old_conditions, conditions, now, generation),
-        "prefill": pool_status(deployments["prefill"], desired["prefill"], layouts.get("prefill")),
-        "decode": pool_status(deployments["decode"], desired["decode"], layouts.get("decode")),
+        "prefill": pool_status(deployments["prefill"], desired["prefill"], layouts.get("prefill"),
+                               flipped.get("prefill")),
+        "decode": pool_status(deployments["decode"], desired["decode"], layouts.get("decode"),
+                              flipped.get("decode")),
         "router": pool_status(deployments["router"], router_replicas),
         "ratio": ratio(desired["prefill"], desired["decode"]),
         "endpoint": endpoint,

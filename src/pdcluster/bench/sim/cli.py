@@ -65,7 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batch", type=cli_args.positive_int, default=None, help="decode batch limit (default 32)")
     p.add_argument("--pod-start", type=cli_args.non_negative_float, default=ServiceModel.pod_start_s, help="pod start delay, s")
     p.add_argument("--flip-time", type=cli_args.non_negative_float, default=ServiceModel.flip_s,
-                   help="seconds a drained worker takes to serve its other role (policy pdcluster-flip; default 5)")
+                   help="seconds a drained worker takes to serve its other role (role flips: every policy built on the "
+                   "operator's decide but pdcluster-no-flips; default 5)")
+    p.add_argument("--fast-path", type=cli_args.non_negative_float, default=0.0, metavar="SECONDS",
+                   help="run the autoscaler's fast scale-up path on the queue gauges every SECONDS between its "
+                   "decisions (operator/autoscaler_fast.py; default 0: off)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
@@ -101,10 +105,10 @@ def _model(args: argparse.Namespace) -> ServiceModel:
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
-               headroom: float = 1.5, log: bool = False) -> RunResult:
+               headroom: float = 1.5, log: bool = False, fast_s: float = 0.0) -> RunResult:
     """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
     starts from (the hour before looked like this one; see policies.carry_over)."""
-    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom)
+    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom, fast_s=fast_s)
     if primed:
         first = simulate(trace, model, policy)
         policy = pol.carry_over(policy, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
@@ -114,7 +118,7 @@ def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed
 
 
 def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
-            headroom: float = 1.5, log: bool = False) -> tuple[dict, dict[str, RunResult]]:
+            headroom: float = 1.5, log: bool = False, fast_s: float = 0.0) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 
@@ -132,7 +136,7 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             s = pol.make(name, model.prefill_tps, model.decode_tps)
             runs[name] = static(s.prefill, s.decode)
         else:
-            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log)
+            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log, fast_s)
     feasible = feasibility(trace, model, slo).feasible
     summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom,
-                              log=args.decisions)
+                              log=args.decisions, fast_s=args.fast_path)
     for name, r in runs.items():
         if r.decision_log:
             write_decisions(args.out / f"decisions-{name}.csv", r.decision_log)
@@ -180,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                   "decode_capacity": model.decode_tps, "decode_batch": model.decode_batch,
                   "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
-                  "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom,
+                  "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom, "fast_path_s": args.fast_path,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))

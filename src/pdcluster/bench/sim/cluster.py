@@ -33,9 +33,11 @@ from pdcluster.bench.sim import aggregation
 from pdcluster.bench.sim.model import ServiceModel
 from pdcluster.bench.sim.observe import Counters, PolicyInput, Sampler
 from pdcluster.bench.trace import Trace
+from pdcluster.operator.autoscaler import PoolView
 
 ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
-LOCAL_DONE = aggregation.LOCAL_DONE
+LOCAL_DONE = aggregation.LOCAL_DONE  # 7
+FAST = 8  # the fast scale-up path between two ticks
 
 
 class Instance:
@@ -106,6 +108,7 @@ class Cluster:
         self.m, self.policy = model, policy
         # a policy may decide more often than the operator's 30 s (the reactive oracle)
         self.interval_s, self.window_s = getattr(policy, "interval_s", interval_s), window_s
+        self.fast_s = float(getattr(policy, "fast_s", 0.0) or 0.0)  # the fast path's period (0: none)
         self.horizon = trace.duration_s
         n = len(self.reqs)
         self.first: list[float | None] = [None] * n
@@ -291,6 +294,28 @@ class Cluster:
         if now + self.interval_s <= self.horizon:
             self.push(now + self.interval_s, TICK)
 
+    def fast_tick(self, now: float) -> None:
+        """The fast path (`operator/autoscaler_fast.py`) between two ticks: the queue gauges as last sampled."""
+        k = round(now / self.interval_s)
+        if abs(now - k * self.interval_s) > 1e-6:  # a tick at the same moment decides on its own
+            p, d = self.pools["prefill"], self.pools["decode"]
+            views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
+            want = self.policy.fast(now, self.sampler.gauges(), *views)
+            if want is not None:
+                to_prefill, to_decode = getattr(self.policy, "pending_flips", (0, 0))
+                if to_prefill:
+                    self.flip("decode", "prefill", to_prefill, now)
+                if to_decode:
+                    self.flip("prefill", "decode", to_decode, now)
+                for role, n in zip(("prefill", "decode"), want, strict=True):
+                    if n != self.pools[role].desired:
+                        self.scale_events += 1
+                        self.set_size(role, n, now)
+                self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(),
+                                      self.timeline[-1][5] if self.timeline else 0.0))
+        if now + self.fast_s <= self.horizon:
+            self.push(now + self.fast_s, FAST)
+
     # ---- main loop --------------------------------------------------------------------------------
     def run(self) -> RunResult:
         p0, d0 = self.policy.initial()
@@ -307,6 +332,8 @@ class Cluster:
         self.push(0.0, SAMPLE)
         if self.interval_s <= self.horizon:
             self.push(self.interval_s, TICK)
+        if 0 < self.fast_s <= self.horizon:
+            self.push(self.fast_s, FAST)
         self.loop()
         return self.result()
 
@@ -351,6 +378,8 @@ class Cluster:
                 aggregation.local_done(self, a, b, now)  # type: ignore[arg-type]
             elif kind == TICK:
                 self.tick(now)
+            elif kind == FAST:
+                self.fast_tick(now)
             elif kind == SAMPLE:
                 self.sampler.record_queues(now, len(self.pqueue) - self.phead, len(self.dqueue) - self.dhead)
                 if now + self.sampler.step_s <= self.horizon:

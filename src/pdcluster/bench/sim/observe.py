@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdcluster.operator.autoscaler import Observation
+from pdcluster.operator.autoscaler_fast import Gauges
 from pdcluster.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
 
@@ -153,6 +154,14 @@ class Sampler:
             prefill_queue_now=float(self.pq[-1]) if self.pq else None,
             decode_queue_now=float(self.dq[-1]) if self.dq else None,
         )
+
+    def gauges(self) -> dict[str, Gauges]:
+        """Each pool's queue gauge at the last two samples (the fast path's view: a scrape late at most)."""
+        if len(self.qtimes) < 2:
+            return {}
+        dt = self.qtimes[-1] - self.qtimes[-2]
+        return {"prefill": Gauges(float(self.pq[-1]), float(self.pq[-2]), dt),
+                "decode": Gauges(float(self.dq[-1]), float(self.dq[-2]), dt)}
 
     def utilisation(self, now: float, role: str, reporting: int, capacity: float) -> float | None:
         """Pool throughput over the window as a share of its reporting instances' capacity (HPA's view)."""

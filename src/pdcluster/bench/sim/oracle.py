@@ -1,11 +1,12 @@
 """`reactive-oracle`: the operator's core fed the true arrival rate the moment it changes.
 
 A computed bound on what better observation could give `pdcluster`: the same `decide` (same headroom,
-stabilization, step limits, SLO guard, burst memory) and the same pod start, but instead of a Prometheus
-window of 120 s scraped every 30 s it sees, every `interval_s` (10 s), the requests that arrived in the
-last `window_s` (10 s, the burst window): their rate, mean prompt and output lengths (the output lengths
-are known at arrival: more than any real scaler sees) and that rate as the peak. Everything else
-(latencies, queues, throughput, prefix hits) is what the cluster measured. It never looks ahead: a burst
+stabilization, step limits, SLO guard, burst memory, role flips) and the same pod start, but instead of a
+Prometheus window of 120 s scraped every 30 s it sees, every `interval_s` (10 s), the requests that arrived
+in the last `window_s` (10 s, the burst window): their rate, mean prompt and output lengths (the output
+lengths are known at arrival: more than any real scaler sees; `known_outputs=False` reads O as the cluster
+measured it instead) and that rate as the peak. Everything else (latencies, queues, throughput, prefix
+hits) is what the cluster measured. It never looks ahead: a burst
 is seen as it starts, and the pods it asks for are ready `pod_start_s` later, as for every policy.
 """
 
@@ -49,6 +50,7 @@ class ReactiveOracle(Core):
     arrivals: Arrivals = field(default_factory=lambda: Arrivals([], [0], [0]))
     window_s: float = ORACLE_WINDOW_S
     interval_s: float = ORACLE_INTERVAL_S
+    known_outputs: bool = True  # O from the arrivals' output lengths (else as the cluster measured it)
 
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
         n, prompt, output = self.arrivals.between(inp.now - self.window_s, inp.now)
@@ -57,12 +59,14 @@ class ReactiveOracle(Core):
             rate = n / self.window_s
             obs = replace(obs, request_rate=rate, peak_request_rate=rate,
                           mean_input_tokens=prompt / n if n else obs.mean_input_tokens,
-                          mean_output_tokens=output / n if n else obs.mean_output_tokens)
+                          mean_output_tokens=output / n if n and self.known_outputs else obs.mean_output_tokens)
         return super().decide(replace(inp, observation=obs))
 
     def carried(self, duration_s: float, sizes: tuple[int, int]) -> ReactiveOracle:
         """See `policies.carry_over`: the state of a first pass, times moved back by its duration."""
         state = State(prefill=_shift_pool(self.state.prefill, duration_s),
                       decode=_shift_pool(self.state.decode, duration_s))
-        return ReactiveOracle(self.core, self.name, start=sizes, burst_s=self.burst_s, state=state,
-                              arrivals=self.arrivals, window_s=self.window_s, interval_s=self.interval_s)
+        return ReactiveOracle(self.core, self.name, start=sizes, burst_s=self.burst_s, state=state, flip=self.flip,
+                              fast_s=self.fast_s, last_obs=self.last_obs, last_rec=dict(self.last_rec),
+                              arrivals=self.arrivals, window_s=self.window_s, interval_s=self.interval_s,
+                              known_outputs=self.known_outputs)

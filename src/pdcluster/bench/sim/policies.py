@@ -3,16 +3,17 @@
 - `pdcluster`: the operator's own core, `pdcluster.operator.autoscaler.decide`, with its State carried
   from tick to tick (stabilization windows, step limits, rollout waits, learned capacities), the
   spec's capacities (what `pdcluster profile` writes into spec.autoscaling.capacity), the SLO guard
-  (spec.autoscaling.slo = the simulation's SLO), the peak λ over `burstWindowSeconds` and the prefix-hit
-  discount: the defaults a PDCluster gets.
-- `pdcluster-no-prefix`: the same without the prefix-hit discount of I (not in the default set: to show
-  what the discount is worth on a trace with prefix reuse).
-- `reactive-oracle`: the same core fed the true arrival rate every 10 s (`oracle.py`): a bound, not a
-  policy one could run (it needs the trace).
-- `pdcluster-flip`: the same core taking a short pool's growth from the other pool's slack by role flips
-  (`operator/autoscaler_flip.py`; `ServiceModel.flip_s`); not in the default set (the operator does not
-  flip roles yet).
-- `no-headroom`: the same core at headroom 1.0.
+  (spec.autoscaling.slo = the simulation's SLO), the peak λ over `burstWindowSeconds`, the prefix-hit
+  discount and role flips (`spec.roleFlips`, on by default wherever the pools are compatible): a short
+  pool takes its growth from the other pool's slack by flips first (`operator/autoscaler_flip.py`;
+  `ServiceModel.flip_s`): the defaults a PDCluster gets.
+- `pdcluster-no-flips`: the same with `spec.roleFlips: false` (or pools a flip cannot join: another
+  engine, model or layout): every size change is a pod start or a pod stop.
+- `pdcluster-no-prefix`: the same as `pdcluster` without the prefix-hit discount of I (not in the default
+  set: to show what the discount is worth on a trace with prefix reuse).
+- `reactive-oracle`: the same core (flips included) fed the true arrival rate every 10 s (`oracle.py`): a
+  bound, not a policy one could run (it needs the trace).
+- `no-headroom`: the same core (flips included) at headroom 1.0.
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
   a 300 s scale-down stabilization (the highest recommendation in the window) and the same step limits.
@@ -28,13 +29,15 @@ from pdcluster.bench.sim import decisions
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
-from pdcluster.operator import autoscaler_explain, autoscaler_flip
+from pdcluster.operator import autoscaler_explain, autoscaler_fast, autoscaler_flip
+from pdcluster.operator.autoscaler import Decision, Observation, PoolView, State, decide
 from pdcluster.operator.autoscaler import Policy as CorePolicy
-from pdcluster.operator.autoscaler import PoolView, State, decide
+from pdcluster.operator.autoscaler_fast import Gauges
 from pdcluster.operator.planner import Bounds, plan
 
-NAMES = ("pdcluster", "reactive-oracle", "no-headroom", "independent", "static-1:1", "static-best")
-EXTRA = ("pdcluster-no-prefix", "pdcluster-flip")
+NAMES = ("pdcluster", "pdcluster-no-flips", "reactive-oracle", "no-headroom", "independent", "static-1:1",
+         "static-best")
+EXTRA = ("pdcluster-no-prefix",)
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
 WINDOW_S = 120.0  # spec.autoscaling.windowSeconds' default, the Sampler's window (Policy.from_spec sets it)
 
@@ -69,6 +72,9 @@ class Core:
     pending_flips: tuple[int, int] = (0, 0)  # (decode -> prefill, prefill -> decode) of the last decision
     steps: dict[str, int] = field(default_factory=dict)  # "role:cause" -> pool size changes (autoscaler_explain)
     log: list[dict] | None = None  # per-tick decision rows (`decisions.py`), when asked for
+    fast_s: float = 0.0  # period of the fast scale-up path on queue gauges (`operator/autoscaler_fast.py`); 0: off
+    last_obs: Observation | None = None  # the last windowed observation (the fast path's work per request)
+    last_rec: dict[str, int | None] = field(default_factory=dict)  # the last decision's recommendation per pool
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
@@ -78,12 +84,20 @@ class Core:
         views = (PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
                  PoolView(inp.decode_current, inp.decode_ready, since=0.0))
         d = decide(core, self.state, inp.observation, *views, inp.now)
+        if inp.observation is not None:
+            self.last_obs = inp.observation
+        self.last_rec = {"prefill": d.prefill.recommended, "decode": d.decode.recommended}
         if self.log is not None:
             self.log.append(decisions.row(inp.now, inp.observation, *views, d))
+        return self._apply(d, core)
+
+    def _apply(self, d: Decision, core: CorePolicy) -> tuple[int, int]:
+        """Take the decision: its state, its reason, its flips (with `flip`), the steps by cause; the sizes."""
         self.state = d.state
         self.decisions.append(d.reason)
         causes = autoscaler_explain.causes(d)
         sizes = (d.prefill.desired, d.decode.desired)
+        self.pending_flips = (0, 0)
         if self.flip:
             fp = autoscaler_flip.plan(d, core)
             self.pending_flips = (fp.to_prefill, fp.to_decode)
@@ -91,11 +105,25 @@ class Core:
                 self.decisions[-1] = autoscaler_flip.FLIP
                 causes = {"prefill": "flip", "decode": "flip"}
             sizes = (fp.prefill, fp.decode)
-        for role, n, cur in (("prefill", sizes[0], inp.prefill_current), ("decode", sizes[1], inp.decode_current)):
+        for role, n, cur in (("prefill", sizes[0], d.prefill.current), ("decode", sizes[1], d.decode.current)):
             if n != cur:
                 key = f"{role}:{causes[role]}"
                 self.steps[key] = self.steps.get(key, 0) + 1
         return sizes
+
+    def fast(self, now: float, gauges: dict[str, Gauges], prefill: PoolView, decode: PoolView) -> tuple[int, int] | None:
+        """The fast path between two decisions: new sizes, or None to leave the pools as they are."""
+        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        d = autoscaler_fast.fast_decide(core, self.state, self.last_obs, gauges, prefill, decode, now, self.last_rec)
+        self.pending_flips = (0, 0)
+        if d is None:
+            return None
+        if self.log is not None:
+            row = decisions.row(now, None, prefill, decode, d)
+            for role, g in gauges.items():
+                row[f"{role}_queue_now"] = g.queue_now
+            self.log.append(row)
+        return self._apply(d, core)
 
 
 def _shift_pool(ps, dt: float):
@@ -118,7 +146,8 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
     if isinstance(policy, Core):
         state = State(prefill=_shift_pool(policy.state.prefill, duration_s),
                       decode=_shift_pool(policy.state.decode, duration_s))
-        return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state, flip=policy.flip)
+        return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state, flip=policy.flip,
+                    fast_s=policy.fast_s, last_obs=policy.last_obs, last_rec=dict(policy.last_rec))
     if isinstance(policy, Independent):
         hist = {r: [(t - duration_s, n) for t, n in h] for r, h in policy.history.items()}
         return Independent(policy.bounds, policy.target, policy.tolerance, policy.stabilization_s,
@@ -186,6 +215,16 @@ def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: fl
 
 
 def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
+         trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5, fast_s: float = 0.0):
+    """A policy by name (`_make`); the policies built on the operator's core run the fast path on queue
+    gauges every `fast_s` seconds between their decisions (`operator/autoscaler_fast.py`; 0: never)."""
+    policy = _make(name, prefill_tps, decode_tps, bounds, trace, slo, headroom)
+    if isinstance(policy, Core):
+        policy.fast_s = fast_s
+    return policy
+
+
+def _make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
          trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5):
     """A policy by name; with `trace`, autoscaled policies start warm (see `warm_start`); with `slo`, the
     operator's core guards it (spec.autoscaling.slo); `headroom` is the pdcluster policies'."""
@@ -194,22 +233,21 @@ def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None
     def start(h: float) -> tuple[int, int] | None:
         return warm_start(trace, prefill_tps, decode_tps, h) if trace is not None else None
 
-    if name == "pdcluster":
-        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), "pdcluster", start(headroom))
+    if name in ("pdcluster", "pdcluster-no-flips"):
+        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom),
+                    flip=name == "pdcluster")
     if name == "pdcluster-no-prefix":
         return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo, use_prefix_hits=False),
-                    "pdcluster-no-prefix", start(headroom))
-    if name == "pdcluster-flip":
-        return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom), flip=True)
+                    "pdcluster-no-prefix", start(headroom), flip=True)
     if name == "reactive-oracle":
         from pdcluster.bench.sim.oracle import Arrivals, ReactiveOracle  # oracle builds on Core
 
         if trace is None:  # a name check (cli validates names before reading the trace)
-            return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name)
+            return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, flip=True)
         return ReactiveOracle(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), name, start(headroom),
-                              arrivals=Arrivals.of(trace))
+                              flip=True, arrivals=Arrivals.of(trace))
     if name == "no-headroom":
-        return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0))
+        return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0), flip=True)
     if name == "independent":
         return Independent(bounds, start=start(1.5))
     if name.startswith("static-") and ":" in name:

@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scale-down-stabilization", type=types.non_negative_float, default=300.0, metavar="S",
       help="with --autoscale: a pool shrinks only after it was oversized this long (default: %(default)s s, "
            "the CRD's)")
+    a("--role-flips", action=argparse.BooleanOptionalAction, default=True,
+      help="with --autoscale: grow a pool by moving a running worker of the other pool (a role flip, no restart) "
+           "where both pools run the same tensor-parallel size, before starting one (the CRD's spec.roleFlips; "
+           "default: %(default)s)")
     a("--tool-call-parser", choices=list(PARSERS), default=None,
       help='passed to the router and every worker: parse tool calls out of the text for tool_choice "auto" '
            '(hermes: <tool_call>{json}</tool_call> blocks); default none, "auto" is refused')
@@ -199,6 +203,17 @@ def autoscale_policy(args: argparse.Namespace) -> Any:
                   decode_join_seconds=getattr(args, "decode_join_seconds", None))
 
 
+def role_flips_off(args: argparse.Namespace, vllm: bool) -> str | None:
+    """Why `up --autoscale` grows a pool only by starting workers (None: it flips first, the default)."""
+    if not getattr(args, "role_flips", True):
+        return "--no-role-flips"
+    if vllm:
+        return "engine vllm: its workers cannot change role without a restart"
+    if int(args.prefill_tp or 1) != int(args.decode_tp or 1):
+        return f"--prefill-tp {args.prefill_tp} != --decode-tp {args.decode_tp}"
+    return None
+
+
 class _Stop(Exception):
     pass
 
@@ -284,9 +299,11 @@ def run(args: argparse.Namespace) -> int:
                                                                       ("decode", decode_urls))
                        for i, url in enumerate(urls)}
             # flips where a worker of one pool can serve the other as it is (same TP; vLLM's switch is not wired)
-            same_layout = int(args.prefill_tp or 1) == int(args.decode_tp or 1) and not vllm
+            why_not = role_flips_off(args, vllm)
+            if why_not:
+                print(f"  autoscale: role flips off ({why_not}): a growing pool starts workers", flush=True)
             scaler = Autoscaler(router, sup, workers, autoscale_policy(args), interval=args.autoscale_interval,
-                                secret=env["PDCLUSTER_KV_SECRET"].encode(), flips=same_layout)
+                                secret=env["PDCLUSTER_KV_SECRET"].encode(), flips=why_not is None)
         while True:
             for e in sup.poll():
                 print(f"  {e}", flush=True)

@@ -86,7 +86,10 @@ class RouterState:
         self.max_body_bytes = max_body_bytes
         # Calls to workers' public routes (/v1/models) go without the internal bearer token: it belongs to
         # authenticated /internal/* calls only (Flow's and Pool's clients).
-        self.public_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        # A dead worker refuses at once (connect 2 s); a live one busy with a long step on shared cores may take
+        # seconds to answer even a listing (2 s in all made /v1/models 503 under load on the CI box).
+        self.public_client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0))
+        self.models_answer: dict[str, Any] | None = None  # the last /v1/models a worker gave (see models())
         self.flow = Flow(pool, options)
         self.flow.tool_call_parser = tool_call_parser
         # 0 on the command line: no bound
@@ -264,11 +267,17 @@ def build_router_app(state: RouterState, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         st = _state(request)
-        for w in [w for w in st.pool.workers.values() if w.healthy]:
+        healthy = [w for w in st.pool.workers.values() if w.healthy]
+        for w in healthy:
             with contextlib.suppress(Exception):
                 r = await st.public_client.get(f"{w.url}/v1/models", headers=credentials(request))
                 if r.status_code == 200:
-                    return JSONResponse(r.json())
+                    st.models_answer = r.json()
+                    return JSONResponse(st.models_answer)
+        if healthy and st.models_answer is not None:
+            # healthy workers that could not answer a listing now (busy, restarting their HTTP side) still serve
+            # the model they listed: what it is changes only with a rollout, which a worker then answers
+            return JSONResponse(st.models_answer)
         raise errors.unavailable("no healthy workers behind the router", code="no_workers")
 
     async def to_worker(request: Request, method: str, path: str, body: dict[str, Any] | None = None) -> Response:
