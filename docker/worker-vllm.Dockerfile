@@ -50,7 +50,7 @@ RUN cd /tmp && /opt/pdcluster/bin/python /tmp/nixl-progress-delay.py && rm /tmp/
 RUN groupadd --gid 65532 pdcluster \
  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
-    VLLM_NO_USAGE_STATS=1 PDCLUSTER_NIXL_PTHR_DELAY_US=10000 NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    VLLM_NO_USAGE_STATS=1 NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp
 USER 65532:65532
 EXPOSE 8000 5600

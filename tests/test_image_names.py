@@ -61,3 +61,14 @@ def test_the_operator_defaults_vllm_pools_to_the_worker_vllm_image():
     assert "docker/operator.Dockerfile" in kind and "docker/worker.Dockerfile" in kind
     assert not re.search(r"ghcr\.io/pdcluster", "\n".join(
         p.read_text() for p in [*ROOT.glob("examples/*.yaml"), *ROOT.glob("docker/*"), ROOT / "docs/e2e.md"]))
+
+
+def test_nixl_progress_delay_has_one_default():
+    """The vLLM environments' rewritten NIXL agent (docker/nixl-progress-delay.py) and our engine's agents read
+    one knob, PDCLUSTER_NIXL_PROGRESS_DELAY_US, with one default."""
+    from pdcluster.worker.transfer import nixl_agent
+
+    text = (ROOT / "docker/nixl-progress-delay.py").read_text()
+    assert f'DEFAULT_US = "{nixl_agent.PROGRESS_DELAY_US}"' in text
+    assert "PDCLUSTER_NIXL_PROGRESS_DELAY_US" in text and "PDCLUSTER_NIXL_PROGRESS_DELAY_US" in (
+        ROOT / "src/pdcluster/worker/transfer/nixl_agent.py").read_text()
