@@ -279,7 +279,13 @@ class Cluster:
             prefill_utilisation=self.sampler.utilisation(now, "prefill", p.reporting(), self.m.prefill_tps),
             decode_utilisation=self.sampler.utilisation(now, "decode", d.reporting(), self.m.decode_tps),
         )
-        want = self.policy.decide(inp)
+        self.apply(self.policy.decide(inp), now,
+                   inp.observation.request_rate or 0.0 if inp.observation else 0.0)
+        if now + self.interval_s <= self.horizon:
+            self.push(now + self.interval_s, TICK)
+
+    def apply(self, want: tuple[int, int], now: float, rate: float) -> None:
+        """Carry out a decision: the flips the policy chose first, then the pools' new sizes; one timeline row."""
         to_prefill, to_decode = getattr(self.policy, "pending_flips", (0, 0))
         if to_prefill:
             self.flip("decode", "prefill", to_prefill, now)
@@ -289,10 +295,8 @@ class Cluster:
             if n != self.pools[role].desired:
                 self.scale_events += 1
                 self.set_size(role, n, now)
-        self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(),
-                              inp.observation.request_rate or 0.0 if inp.observation else 0.0))
-        if now + self.interval_s <= self.horizon:
-            self.push(now + self.interval_s, TICK)
+        p, d = self.pools["prefill"], self.pools["decode"]
+        self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(), rate))
 
     def fast_tick(self, now: float) -> None:
         """The fast path (`operator/autoscaler_fast.py`) between two ticks: the queue gauges as last sampled."""
@@ -302,17 +306,7 @@ class Cluster:
             views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
             want = self.policy.fast(now, self.sampler.gauges(), *views)
             if want is not None:
-                to_prefill, to_decode = getattr(self.policy, "pending_flips", (0, 0))
-                if to_prefill:
-                    self.flip("decode", "prefill", to_prefill, now)
-                if to_decode:
-                    self.flip("prefill", "decode", to_decode, now)
-                for role, n in zip(("prefill", "decode"), want, strict=True):
-                    if n != self.pools[role].desired:
-                        self.scale_events += 1
-                        self.set_size(role, n, now)
-                self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(),
-                                      self.timeline[-1][5] if self.timeline else 0.0))
+                self.apply(want, now, self.timeline[-1][5] if self.timeline else 0.0)
         if now + self.fast_s <= self.horizon:
             self.push(now + self.fast_s, FAST)
 
