@@ -1,7 +1,7 @@
 """A vLLM decode worker dying mid-stream, for real: `pdcluster up --engine vllm` with one prefill and two decode
 workers (three vLLM servers, ~15 GiB: the most this suite keeps alive at once, each with 1 GiB of KV). A long
-greedy stream goes prefill -> decode; at its Nth token the decode worker the router's own in-flight accounting
-names is frozen (SIGSTOP) and then killed with its engine (SIGKILL on its process group, as a pod dies). The
+greedy stream goes prefill -> decode; at its Nth token both decode workers are frozen (SIGSTOP) and the one the
+router's own in-flight accounting names is killed with its engine (SIGKILL on its process group, as a pod dies). The
 client's stream goes on without a break and ends equal to one plain vLLM server's answer: no token missing,
 none twice; the router counts one resume, as for our engine.
 
@@ -52,7 +52,8 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
     want_text, want_ids = ref["choices"][0]["text"], ref["choices"][0]["token_ids"]
     assert len(want_ids) == MAX_TOKENS
     pids = _ports_to_pids(up3)
-    before = httpx.get(f"{router}/cluster", timeout=10).json()["router"]
+    snap = httpx.get(f"{router}/cluster", timeout=10).json()
+    before, decode_urls = snap["router"], [w["url"] for w in snap["decode"]]
 
     text, tokens, finish, usage, killed = "", 0, None, None, None
     with httpx.stream("POST", f"{router}/v1/completions", timeout=600,
@@ -70,17 +71,21 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
                 tokens += 1  # vLLM streams one token per event
                 finish = ch.get("finish_reason") or finish
             if killed is None and tokens >= FREEZE_AT:
-                # the decode worker holding this stream, by the router's own accounting
-                decode = httpx.get(f"{router}/cluster", timeout=10).json()["decode"]
-                busy = [w for w in decode if w["in_flight"] == 1]
-                assert len(busy) == 1 and sum(w["in_flight"] for w in decode) == 1, decode
-                pid = pids[int(busy[0]["url"].rsplit(":", 1)[1])]
-                os.killpg(os.getpgid(pid), signal.SIGSTOP)  # frozen mid-stream, its socket still open
+                # Both decode workers frozen at once, on the token event (no further token can be made: a fast
+                # worker could otherwise finish the stream while the test asks), then the one holding this
+                # stream by the router's own accounting, which cannot change while they are frozen.
+                groups = {u: os.getpgid(pids[int(u.rsplit(":", 1)[1])]) for u in decode_urls}
+                for g in groups.values():
+                    os.killpg(g, signal.SIGSTOP)
                 frozen = httpx.get(f"{router}/cluster", timeout=10).json()
-                assert [w["in_flight"] for w in frozen["decode"] if w["url"] == busy[0]["url"]] == [1]
+                busy = [w["url"] for w in frozen["decode"] if w["in_flight"] == 1]
+                assert len(busy) == 1 and sum(w["in_flight"] for w in frozen["decode"]) == 1, frozen["decode"]
                 assert frozen["router"]["resumes"] == before["resumes"]
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-                killed = busy[0]["url"]
+                os.killpg(groups[busy[0]], signal.SIGKILL)
+                for u, g in groups.items():
+                    if u != busy[0]:
+                        os.killpg(g, signal.SIGCONT)
+                killed = busy[0]
     assert killed is not None
     assert text == want_text  # nothing missing, nothing twice
     assert finish == "length"
