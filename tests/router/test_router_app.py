@@ -4,6 +4,7 @@ internal bearer token only on `/internal/*` calls."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -111,6 +112,17 @@ def test_router_body_cap_holds_for_chunked_bodies(router: str) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
 
 
+@contextlib.contextmanager
+def _router_over(worker_app: FastAPI) -> Iterator[str]:
+    """A router over one decode worker served by `worker_app`, once it sees that worker healthy: its URL."""
+    with serve(worker_app) as worker:
+        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
+            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
+        with serve(build_router_app(state)) as url:
+            _wait_healthy(url)
+            yield url
+
+
 def test_internal_token_only_on_internal_routes() -> None:
     seen: dict[str, list[str | None]] = {}
     spy = FastAPI()
@@ -125,12 +137,8 @@ def test_internal_token_only_on_internal_routes() -> None:
         seen.setdefault("/v1/models", []).append(request.headers.get("authorization"))
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
-    with serve(spy) as worker:
-        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
-            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
-        with serve(build_router_app(state)) as url:
-            _wait_healthy(url)
-            assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "fake"
+    with _router_over(spy) as url:
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "fake"
     assert seen["/internal/load"] and all(h == f"Bearer {TOKEN}" for h in seen["/internal/load"])
     assert seen["/v1/models"] == [None], "the router leaked its internal token to a public route"
 
@@ -182,12 +190,8 @@ def test_models_listing_survives_a_worker_that_cannot_answer_it_now() -> None:
             return JSONResponse({"error": {"message": "busy"}}, status_code=503)
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
-    with serve(spy) as worker:
-        state = RouterState(Pool(decode_urls=[worker], interval=0.2, secret=SECRET), RouterOptions(
-            max_queue_depth=0, disaggregation_threshold=0, request_timeout=30, max_retries=1))
-        with serve(build_router_app(state)) as url:
-            _wait_healthy(url)
-            first = httpx.get(f"{url}/v1/models", timeout=10)
-            second = httpx.get(f"{url}/v1/models", timeout=10)
+    with _router_over(spy) as url:
+        first = httpx.get(f"{url}/v1/models", timeout=10)
+        second = httpx.get(f"{url}/v1/models", timeout=10)
     assert len(calls) == 2  # the worker was asked both times
     assert first.status_code == second.status_code == 200 and second.json() == first.json()

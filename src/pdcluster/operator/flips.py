@@ -26,8 +26,6 @@ worker cannot finish what it holds in time (the growing pool then starts pods fo
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -175,8 +173,7 @@ def relabel_patch(owner: naming.Owner, source: str, target: str, now: str,
 
 def template_hash(deployment: Mapping[str, Any]) -> str:
     """A short hash of a rendered Deployment's pod template (what its pods are made from)."""
-    raw = json.dumps(deployment["spec"]["template"], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return render._hash(deployment["spec"]["template"])
 
 
 def template_hashes(owner: naming.Owner, spec: PDClusterSpec, kv_secret_fingerprint: str) -> dict[str, str]:
