@@ -224,7 +224,8 @@ class CheckedTraffic:
             self.failures.append(f"{type(e).__name__}: {e}")
 
     def burst(self, n: int) -> bool:
-        """n more requests at once beside the client (checked like its own); True when all are answered."""
+        """n more requests at once beside the client (checked like its own); True once all have ended (so a wait
+        condition can chain it)."""
         with ThreadPoolExecutor(n) as pool:
             list(pool.map(self._check, TRAFFIC[:n]))
         return True
