@@ -64,6 +64,14 @@ class Up:
                 return True
         return False
 
+    def log_tails(self, n: int = 40) -> str:
+        """The last `n` lines of each worker's log (`up` names the folder), for a failure's message."""
+        m = re.search(r"^\s+logs in (\S+)", "".join(self.lines), re.M)
+        if m is None:
+            return "(no log folder in up's output)"
+        return "".join(f"\n--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-n:])
+                       for f in sorted(Path(m.group(1)).glob("*.log")))
+
     def pids(self) -> dict[str, int]:
         return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)", "".join(self.lines), re.M)}
 

@@ -63,7 +63,7 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
-            assert "error" not in ev, ev
+            assert "error" not in ev, f"{ev} after {tokens} tokens (killed: {killed}){up3.log_tails()}"
             usage = ev.get("usage") or usage
             for ch in ev["choices"]:
                 assert ch.get("token_ids") is None  # the router's own request for token ids stays hidden

@@ -95,7 +95,9 @@ def vllm_series(t: float, now: float):
     for name, samples in (
             ("vllm:prompt_tokens", [(["vdemo", "prefill", w], n * IN / 2) for w in ("p0", "p1")]),
             ("vllm:generation_tokens", [(["vdemo", "decode", w], n * OUT / 2) for w in ("d0", "d1")]),
-            ("vllm:prefix_cache_hits", [(["vdemo", "prefill", w], HIT * n * IN / 2) for w in ("p0", "p1")])):
+            ("vllm:prefix_cache_hits", [(["vdemo", "prefill", w], HIT * n * IN / 2) for w in ("p0", "p1")]),
+            # NIXL reads happen on the decode side: 1 in 20 fails
+            ("vllm:nixl_num_failed_transfers", [(["vdemo", "decode", w], 0.05 * n / 2) for w in ("d0", "d1")])):
         c = CounterMetricFamily(name.removesuffix("_total"), name, labels=labels)
         for lv, v in samples:
             c.add_metric(lv, v, timestamp=now)
@@ -111,6 +113,10 @@ def vllm_series(t: float, now: float):
         h.add_metric(["vdemo", "decode", w], [(str(le), share * n / 2) for le, share in TTFT] + [("+Inf", n / 2)],
                      sum_value=n / 2, timestamp=now)
     yield h
+    x = HistogramMetricFamily("vllm:nixl_xfer_time_seconds", "nixl", labels=labels)
+    for w in ("d0", "d1"):
+        x.add_metric(["vdemo", "decode", w], [("+Inf", 0.95 * n / 2)], sum_value=0.01 * n, timestamp=now)
+    yield x
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +248,8 @@ def test_vllm_workers_read_through_the_same_contract(prometheus: str) -> None:
     assert o.prefix_hit_rate == pytest.approx(HIT, rel=0.05)
     assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)  # vLLM's histogram, the router having none here
     assert o.decode_join_seconds is None  # vLLM exports no join series: the term is left out
+    assert o.kv_transfers_per_second == pytest.approx(0.95 * RATE, rel=0.1)  # KVTransferDegraded's inputs
+    assert o.kv_transfer_failures_per_second == pytest.approx(0.05 * RATE, rel=0.1)
     # read as our engine, the same cluster has no worker series: nothing per instance is invented
     o = source.observe("vdemo", window_seconds=WINDOW)
     assert o.prefill_tokens_per_instance is None and o.decode_tokens_per_instance is None

@@ -50,7 +50,8 @@ def test_vllm_cpu_pods_run_the_openai_server_with_the_nixl_connector() -> None:
         assert _flag(cmd, "--model") == "/models/llama3"
         assert _flag(cmd, "--port") == "8000" and _flag(cmd, "--host") == "0.0.0.0"
         assert json.loads(_flag(cmd, "--kv-transfer-config")) == {
-            "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute"}  # a failed KV read recomputed, not a 500 inside the stream
         assert _flag(cmd, "--max-model-len") == "4096"
         assert _flag(cmd, "--tensor-parallel-size") == "1"
         assert "--gpu-memory-utilization" not in cmd  # a CPU pool sizes KV from VLLM_CPU_KVCACHE_SPACE

@@ -54,6 +54,7 @@ def test_operator_rendered_commands_parse_with_vllm() -> None:
     assert "NixlConnector" in gpu["kv_transfer_config"] and "'cuda'" in gpu["kv_transfer_config"]
     cpu = _parse(render_vllm.vllm_command(spec, "decode", "/models/llama"))
     assert cpu["block_size"] is None and cpu["tensor_parallel_size"] == 1 and "'cpu'" in cpu["kv_transfer_config"]
+    assert "kv_load_failure_policy='recompute'" in cpu["kv_transfer_config"]  # vLLM's field, by its own parser
 
 
 def test_up_commands_parse_with_vllm(tmp_path: Path) -> None:

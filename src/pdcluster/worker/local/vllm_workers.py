@@ -10,9 +10,10 @@ reserves cores a small machine does not have). The router in front runs with `--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
+
+from pdcluster.worker.transfer.vllm_connector import kv_transfer_arg
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_VENV = Path.home() / ".cache" / "pdcluster" / "vllm-venv"
@@ -37,13 +38,12 @@ def missing_reason() -> str | None:
 
 def worker_cmd(args: argparse.Namespace, model: Path, role: str, port: int) -> list[str]:
     tp = int(getattr(args, f"{role}_tp", 1) or 1)
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     cmd = [str(vllm_python()), "-m", VLLM_MODULE, "--model", str(model),
            # the name our engine serves a folder under, so clients need not know which engine runs
            "--served-model-name", model.resolve().name,
            # no --block-size: vLLM's CPU attention takes multiples of 32 only, and picks one itself
            "--host", args.host, "--port", str(port),
-           "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
+           "--kv-transfer-config", kv_transfer_arg(on_gpus=False),
            "--tensor-parallel-size", str(tp), "--disable-uvicorn-access-log"]
     max_len = getattr(args, "max_model_len", None)
     return cmd + (["--max-model-len", str(max_len)] if max_len else [])

@@ -311,7 +311,8 @@ class VLLMFlow:
                         yield (out + "\n").encode()
                 if state.done:
                     return
-                failure = "the stream ended without [DONE]"
+                failure = (f"it reported an error: {state.error}" if state.error is not None
+                           else "the stream ended without [DONE]")
             except httpx.HTTPError as e:
                 failure = describe(e)
                 self.pool.mark_failed("decode", d.url, failure)

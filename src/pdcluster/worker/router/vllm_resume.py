@@ -68,6 +68,7 @@ class StreamState:
         self.sent: list[int] = []
         self.finished = False  # a choice's finish_reason went out
         self.done = False  # `data: [DONE]` went out
+        self.error: str | None = None  # the current leg ended with a worker's error event (held back)
         self.head: dict[str, Any] | None = None  # the first event's id, created, model: the stream's identity
         self.resumed = 0  # legs after the first
         self._leg_start = 0  # output tokens in the current leg's prompt
@@ -102,6 +103,8 @@ class StreamState:
             return line, 0
         data = line[6:]
         if data.strip() == "[DONE]":
+            if self.error is not None:  # the end of a broken leg: not the client's
+                return None, 0
             self.done = True
             return line, 0
         if not self.resumed and self.blocker:  # not resumable: relayed as it is, counted by events
@@ -110,6 +113,12 @@ class StreamState:
             ev = json.loads(data)
         except ValueError:
             return line, 0
+        if isinstance(ev, dict) and "error" in ev and _server_error(ev["error"]) and not self.finished:
+            # vLLM ends a request that failed in its engine (a KV read under policy `fail`, a dead engine) with
+            # an error event, then [DONE]: a broken leg like a dead worker's, resumed on another pair.
+            err = ev["error"]
+            self.error = str(err.get("message") if isinstance(err, dict) else err)[:200]
+            return None, 0
         if not isinstance(ev, dict) or "error" in ev:
             return line, 0
         if self.head is None:
@@ -166,6 +175,7 @@ class StreamState:
         the whole prompt's text with the first new token, so the leg starts at the last character boundary and
         the tokens after it, generated again (greedy: the same), are not sent twice."""
         self.resumed += 1
+        self.error = None
         self._leg_start = len(self.sent) if clean is None else clean
         self._skip = len(self.sent) - self._leg_start
 
@@ -184,6 +194,16 @@ class StreamState:
             out.append("")
         out += ["data: [DONE]", ""]
         return out
+
+
+def _server_error(err: Any) -> bool:
+    """An error event the worker's engine raised (5xx or uncoded), not a verdict on the request (4xx)."""
+    if not isinstance(err, dict):
+        return True
+    try:
+        return int(err.get("code") or 500) >= 500
+    except (TypeError, ValueError):
+        return True
 
 
 def _hide_ids(ev: dict[str, Any]) -> None:
