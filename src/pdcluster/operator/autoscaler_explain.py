@@ -8,7 +8,7 @@ is explained per pool by its **cause**, the rule that set the number:
 | `formula` | the need at the mean rate with headroom (`h·λ·work`), or the formula agrees with the size held |
 | `burst` | the peak (burst-window) rate, or a remembered burst holding the pool up |
 | `slo-guard` | an observed percentile over `spec.autoscaling.slo` with a queue in front of the pool |
-| `flip` | workers changing role (`spec.roleFlips`, `autoscaler_flip.applied`): the pool grew or shrank by them |
+| `flip` | workers changing role (`spec.roleFlips`, `autoscaler_flip.applied`, or on a short window: `autoscaler_flip_window`): the pool grew or shrank by them |
 | `bound` | `minReplicas`/`maxReplicas` or `spec.autoscaling.ratio` |
 | `stabilization` | a scale-down held or slowed by `scaleDownStabilizationSeconds` (the window's highest need) |
 | `limit` | `maxScaleUpStep`/`maxScaleDownStep`, `maxTotalReplicas`, or a stalled rollout |
@@ -21,7 +21,7 @@ The causes go to the Scaled Event's message, to `status.autoscaler.lastDecision`
 from __future__ import annotations
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator.autoscaler_flip import FLIP
+from pdcluster.operator.autoscaler_flip import FLIP, FLIP_WINDOW
 from pdcluster.operator.planner import replicas_for
 
 CAUSES = ("formula", "burst", "slo-guard", "flip", "bound", "stabilization", "limit", "hold")
@@ -39,7 +39,7 @@ def _held_by_burst(d: asc.Decision, role: str) -> bool:
 def pool_cause(d: asc.Decision, role: str) -> str:
     p = d.pool(role)
     i = d.inputs
-    if d.reason == FLIP and p.desired != p.current:
+    if d.reason in (FLIP, FLIP_WINDOW) and p.desired != p.current:
         return "flip"
     if p.reason == asc.RATIO_BOUND:
         return "bound"

@@ -19,11 +19,14 @@ carries it out on pods with `spec.roleFlips` (`applied` here, then operator/flip
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from pdcluster.operator import autoscaler as asc
 
 FLIP = "RoleFlip"  # reason of a decision carried out (partly) by flips
+# reason of a flip-only decision on a short window (autoscaler_flip_window)
+FLIP_WINDOW = "RoleFlipShortWindow"
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,10 @@ def slack(other: asc.PoolDecision, min_replicas: int) -> int:
     return max(0, other.current - max(other.recommended, min_replicas))
 
 
-def plan(decision: asc.Decision, policy: asc.Policy) -> FlipPlan:
-    """The decision's sizes, with the short pool's growth taken from the other's slack by flips."""
+def plan(decision: asc.Decision, policy: asc.Policy, keep: Mapping[str, int] | None = None) -> FlipPlan:
+    """The decision's sizes, with the short pool's growth taken from the other's slack by flips. `keep`: per
+    pool, what a trusted short window (autoscaler_flip_window) asks it to keep: no flip takes a worker below
+    it, so a long window that lags a turn of the mix cannot flip back what the short window moved."""
     p, d = decision.prefill, decision.decode
     want_p, want_d = p.desired, d.desired
     for short, other, direction in ((p, d, "to_prefill"), (d, p, "to_decode")):
@@ -55,6 +60,8 @@ def plan(decision: asc.Decision, policy: asc.Policy) -> FlipPlan:
             continue
         lo, _ = policy.bounds.of("decode" if direction == "to_prefill" else "prefill")
         n = min(grow, slack(other, lo))
+        if keep is not None:
+            n = min(n, max(0, other.current - keep["decode" if direction == "to_prefill" else "prefill"]))
         while n > 0:
             other_after = min(other.desired, other.current - n)
             sizes = (short.desired, other_after) if direction == "to_prefill" else (other_after, short.desired)
@@ -69,10 +76,10 @@ def plan(decision: asc.Decision, policy: asc.Policy) -> FlipPlan:
     return FlipPlan(want_p, want_d)
 
 
-def applied(decision: asc.Decision, policy: asc.Policy) -> asc.Decision:
+def applied(decision: asc.Decision, policy: asc.Policy, keep: Mapping[str, int] | None = None) -> asc.Decision:
     """The decision with its flips planned in: each pool's desired size from `plan`, reason `RoleFlip` when
     there is a flip (its pools' cause is then `flip`: autoscaler_explain). Unchanged without flips."""
-    fp = plan(decision, policy)
+    fp = plan(decision, policy, keep)
     if not fp.flips:
         return decision
     return replace(decision, prefill=replace(decision.prefill, desired=fp.prefill),

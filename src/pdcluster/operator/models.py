@@ -330,6 +330,13 @@ class Autoscaling(SpecModel):
         description="How long the replicas a burst needed are kept (bursts recur; pods start too late "
         "for the burst that asked for them).",
     )
+    flipWindowSeconds: int = Field(
+        default=20, ge=0, le=600,
+        description="With role flips: every half of this many seconds (5 at least), read the last "
+        "flipWindowSeconds of request rate, prompt/output lengths and queues, and flip workers toward the "
+        "split they ask for when the window holds at least 30 requests (flips only: no pod is started or "
+        "removed). 0 = off: flips only as decisions on windowSeconds ask.",
+    )
 
     @model_validator(mode="after")
     def _url(self) -> Autoscaling:

@@ -14,11 +14,19 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pdcluster.operator import autoscaler as asc
-from pdcluster.operator import autoscaler_explain, autoscaler_flip, flips, naming, opmetrics, transfer_health
+from pdcluster.operator import (
+    autoscaler_explain,
+    autoscaler_flip,
+    autoscaler_flip_window,
+    flips,
+    naming,
+    opmetrics,
+    transfer_health,
+)
 from pdcluster.operator import status as st
 from pdcluster.operator.models import PDClusterSpec
 from pdcluster.operator.promsource import MetricsUnavailable
@@ -171,8 +179,10 @@ def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Map
 
 
 def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
-             observed: Observed, now: float) -> Step:
-    """One autoscaler evaluation: state from status, decide, and the status/conditions that record it."""
+             observed: Observed, now: float, short: asc.Observation | None = None) -> Step:
+    """One autoscaler evaluation: state from status, decide, and the status/conditions that record it.
+    `short`: the flip window's observation (spec.autoscaling.flipWindowSeconds): no flip of the decision takes a
+    pool below what that window asks it to keep (`autoscaler_flip.plan`)."""
     # what was learned under another tensor-parallel layout is dropped (State.for_layout)
     state = st.autoscaler_state(autoscaler_status).for_layout(
         {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
@@ -184,7 +194,12 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
     before_flips = None
     if flips.incompatible(spec) is None:  # spec.roleFlips: the short pool's growth from the other's slack
         before_flips = {r: decision.pool(r).desired for r in ROLES}
-        decision = autoscaler_flip.applied(decision, policy)
+        keep = None
+        if short is not None and spec.autoscaling.flipWindowSeconds:
+            sn = autoscaler_flip_window.short_needs(policy, decision.state, short,
+                                                    float(spec.autoscaling.flipWindowSeconds))
+            keep = sn.keep if sn is not None else None
+        decision = autoscaler_flip.applied(decision, policy, keep)
     desired = {r: decision.pool(r).desired for r in ROLES}  # within the bounds: decide clamps last
     return Step(
         desired=desired,
@@ -198,9 +213,48 @@ def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler
     )
 
 
+def flip_window_on(spec: PDClusterSpec) -> bool:
+    """The short-window flip step runs: spec.autoscaling.flipWindowSeconds set and the pools can flip."""
+    return bool(spec.autoscaling.flipWindowSeconds) and flips.incompatible(spec) is None
+
+
+def flip_window(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
+                observed: Observed, now: float) -> Step | None:
+    """Between two decisions: flips on the short window `observed` (`autoscaler_flip_window`), or None to hold.
+    The step keeps `lastEvaluationTime` (decide's interval runs on), records its decision as the last one and
+    the pools' changes in the state; the sizes before its flips are the pools as they are (no pod started)."""
+    rec = autoscaler_flip_window.last_recommended(autoscaler_status)
+    if observed.obs is None or not rec:
+        return None
+    state = st.autoscaler_state(autoscaler_status).for_layout(
+        {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
+    views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}
+    policy = asc.Policy.from_spec(spec)
+    d = autoscaler_flip_window.window_flips(policy, state, observed.obs, views["prefill"], views["decode"], now,
+                                            window_seconds=float(spec.autoscaling.flipWindowSeconds),
+                                            recommended=rec)
+    if d is None:
+        return None
+    t = st.fmt_time(now)
+    status = {**autoscaler_status, **st.autoscaler_state_status(d.state), "reason": d.reason,
+              "lastDecision": st.decision_record(d, t)}
+    desired = {r: d.pool(r).desired for r in ROLES}
+    return Step(desired=desired, next_delay=autoscaler_flip_window.period(spec.autoscaling.flipWindowSeconds),
+                autoscaler_status=status, decision=d, before_flips=dict(base),
+                scaled_message=autoscaler_explain.message(d) + window_detail(d))
+
+
+def window_detail(d: asc.Decision) -> str:
+    i = d.inputs
+    return (f" (last {i['flipWindowSeconds']:g} s: rate {_fmt(i['requestRate'], ' req/s')}, "
+            f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
+            f"need prefill {_fmt(i['prefillWindowNeed'])}, decode {_fmt(i['decodeWindowNeed'])})")
+
+
 async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec: PDClusterSpec,
-                  ready: dict[str, int]) -> Observed:
-    """Ask the metrics source (blocking HTTP, so in a thread); never raises."""
+                  ready: dict[str, int], window_seconds: int | None = None) -> Observed:
+    """Ask the metrics source (blocking HTTP, so in a thread); never raises. `window_seconds`: the short
+    window of the flip step (no percentiles, no peak), else the decisions' own."""
     url = spec.autoscaling.prometheusUrl or ""
     try:
         source = source_for(url)
@@ -209,9 +263,12 @@ async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec
         # the workers' series by engine (promsource.SERIES); pdcluster's call stays as it was
         observe = source.observe if spec.engine == "pdcluster" else functools.partial(source.observe,
                                                                                       engine=spec.engine)
-        obs = await asyncio.to_thread(observe, cluster, auto.windowSeconds, ready,
-                                      percentile=auto.slo.percentile if slo_on else None,
-                                      burst_seconds=auto.burstWindowSeconds)
+        if window_seconds is not None:
+            obs = await asyncio.to_thread(observe, cluster, window_seconds, ready)
+        else:
+            obs = await asyncio.to_thread(observe, cluster, auto.windowSeconds, ready,
+                                          percentile=auto.slo.percentile if slo_on else None,
+                                          burst_seconds=auto.burstWindowSeconds)
         return Observed(obs, "QueriesSucceeded", f"Prometheus at {url} answered for pdcluster={cluster}")
     except MetricsUnavailable as e:
         opmetrics.ERRORS.labels("metrics").inc()
@@ -232,10 +289,30 @@ async def step(spec: PDClusterSpec, old_status: Mapping[str, Any], pools: Pools,
     last_eval = last_evaluation(autoscaler_status)
     if not is_due(last_eval, auto.intervalSeconds, now):
         assert last_eval is not None
-        return hold(base, autoscaler_status, last_eval, auto.intervalSeconds, now, resync_seconds)
+        held = hold(base, autoscaler_status, last_eval, auto.intervalSeconds, now, resync_seconds)
+        if not flip_window_on(spec):
+            return held
+        # between decisions, the short-window flip step (its own period: the hold wakes up for it)
+        between = await observe(source_for, cluster, spec, pools.ready, window_seconds=auto.flipWindowSeconds)
+        fw = flip_window(spec, base, pools, autoscaler_status, between, now)
+        delay = min(held.next_delay, autoscaler_flip_window.period(auto.flipWindowSeconds))
+        if fw is None:
+            return replace(held, next_delay=delay)
+        return replace(fw, next_delay=delay)
     observed = await observe(source_for, cluster, spec, pools.ready)
-    out = evaluate(spec, base, pools, autoscaler_status, observed, now)
-    return Step(out.desired, min(resync_seconds, out.next_delay), out.conditions, out.autoscaler_status,
+    short: Observed | None = None
+    if flip_window_on(spec):
+        short = await observe(source_for, cluster, spec, pools.ready, window_seconds=auto.flipWindowSeconds)
+    out = evaluate(spec, base, pools, autoscaler_status, observed, now, short.obs if short else None)
+    delay = min(resync_seconds, out.next_delay)
+    if short is not None and out.decision is not None and not out.decision.changed:
+        # a decision that changes nothing: the flip step on the same tick, as between decisions
+        delay = min(delay, autoscaler_flip_window.period(auto.flipWindowSeconds))
+        fw = flip_window(spec, base, pools, out.autoscaler_status, short, now)
+        if fw is not None:
+            status = {**fw.autoscaler_status, "lastEvaluationTime": out.autoscaler_status["lastEvaluationTime"]}
+            return Step(fw.desired, delay, out.conditions, status, fw.decision, fw.scaled_message, fw.before_flips)
+    return Step(out.desired, delay, out.conditions, out.autoscaler_status,
                 out.decision, out.scaled_message, out.before_flips)
 
 

@@ -31,7 +31,12 @@ from pdcluster.bench.sim.report import (
     trace_summary,
 )
 from pdcluster.bench.sim.search import generous_sizes, static_best
+from pdcluster.operator.autoscaler_flip_window import period as flip_period
+from pdcluster.operator.models import Autoscaling
 from pdcluster.worker.api import cli_args
+
+# simulate's default for --flip-window: the CRD's spec.autoscaling.flipWindowSeconds (declared once, there)
+FLIP_WINDOW_S = float(Autoscaling.model_fields["flipWindowSeconds"].default)
 
 PROG = "pdcluster simulate"
 
@@ -70,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-path", type=cli_args.non_negative_float, default=0.0, metavar="SECONDS",
                    help="run the autoscaler's fast scale-up path on the queue gauges every SECONDS between its "
                    "decisions (operator/autoscaler_fast.py; default 0: off)")
+    p.add_argument("--flip-window", type=cli_args.non_negative_float, default=FLIP_WINDOW_S, metavar="SECONDS",
+                   help="role flips on a SECONDS window of rate and lengths besides the decisions' "
+                   "(spec.autoscaling.flipWindowSeconds, operator/autoscaler_flip_window.py; default "
+                   f"{FLIP_WINDOW_S:g}, the CRD's; 0: off)")
+    p.add_argument("--flip-tick", type=cli_args.non_negative_float, default=None, metavar="SECONDS",
+                   help="run the short-window flip step every SECONDS between decisions (default: half the flip "
+                   "window, 5 s at least, as the operator does; 0: only on the decisions' tick)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
@@ -105,10 +117,12 @@ def _model(args: argparse.Namespace) -> ServiceModel:
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
-               headroom: float = 1.5, log: bool = False, fast_s: float = 0.0) -> RunResult:
+               headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float = 0.0,
+               flip_tick_s: float = 0.0) -> RunResult:
     """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
     starts from (the hour before looked like this one; see policies.carry_over)."""
-    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom, fast_s=fast_s)
+    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom, fast_s=fast_s,
+                      flip_window_s=flip_window_s, flip_tick_s=flip_tick_s)
     if primed:
         first = simulate(trace, model, policy)
         policy = pol.carry_over(policy, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
@@ -118,7 +132,8 @@ def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed
 
 
 def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
-            headroom: float = 1.5, log: bool = False, fast_s: float = 0.0) -> tuple[dict, dict[str, RunResult]]:
+            headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float = 0.0,
+            flip_tick_s: float = 0.0) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 
@@ -136,7 +151,7 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             s = pol.make(name, model.prefill_tps, model.decode_tps)
             runs[name] = static(s.prefill, s.decode)
         else:
-            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log, fast_s)
+            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log, fast_s, flip_window_s, flip_tick_s)
     feasible = feasibility(trace, model, slo).feasible
     summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:
@@ -168,8 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    flip_tick = args.flip_tick if args.flip_tick is not None else flip_period(args.flip_window)
     summaries, runs = run_all(trace, model, slo, names, primed=not args.cold, headroom=args.headroom,
-                              log=args.decisions, fast_s=args.fast_path)
+                              log=args.decisions, fast_s=args.fast_path, flip_window_s=args.flip_window,
+                              flip_tick_s=flip_tick)
     for name, r in runs.items():
         if r.decision_log:
             write_decisions(args.out / f"decisions-{name}.csv", r.decision_log)
@@ -185,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
                   "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
                   "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom, "fast_path_s": args.fast_path,
+                  "flip_window_s": args.flip_window, "flip_tick_s": flip_tick,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))

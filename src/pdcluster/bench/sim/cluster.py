@@ -38,6 +38,7 @@ from pdcluster.operator.autoscaler import PoolView
 ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
 LOCAL_DONE = aggregation.LOCAL_DONE  # 7
 FAST = 8  # the fast scale-up path between two ticks
+FLIPW = 9  # the short-window flip step between two ticks
 
 
 class Instance:
@@ -109,6 +110,10 @@ class Cluster:
         # a policy may decide more often than the operator's 30 s (the reactive oracle)
         self.interval_s, self.window_s = getattr(policy, "interval_s", interval_s), window_s
         self.fast_s = float(getattr(policy, "fast_s", 0.0) or 0.0)  # the fast path's period (0: none)
+        # the short-window flip step (`operator/autoscaler_flip_window.py`): its window, and its period when
+        # shorter than the decisions' (else it runs on their tick)
+        self.flipw_s = float(getattr(policy, "flip_window_s", 0.0) or 0.0)
+        self.flipw_tick_s = float(getattr(policy, "flip_tick_s", 0.0) or 0.0)
         self.horizon = trace.duration_s
         n = len(self.reqs)
         self.first: list[float | None] = [None] * n
@@ -278,6 +283,7 @@ class Cluster:
             decode_current=d.desired, decode_ready=d.ready_count(),
             prefill_utilisation=self.sampler.utilisation(now, "prefill", p.reporting(), self.m.prefill_tps),
             decode_utilisation=self.sampler.utilisation(now, "decode", d.reporting(), self.m.decode_tps),
+            short_observation=self.sampler.short(now, self.flipw_s) if self.flipw_s else None,
         )
         self.apply(self.policy.decide(inp), now,
                    inp.observation.request_rate or 0.0 if inp.observation else 0.0)
@@ -310,6 +316,22 @@ class Cluster:
         if now + self.fast_s <= self.horizon:
             self.push(now + self.fast_s, FAST)
 
+    def flip_tick(self, now: float) -> None:
+        """The short-window flip step between two ticks (a tick at the same moment runs it itself)."""
+        k = round(now / self.interval_s)
+        if abs(now - k * self.interval_s) > 1e-6:
+            for inst in self.pools["decode"].instances:
+                if inst.ended is None:
+                    self.advance(inst, now)
+            self.sampler.record_counters(now, self.c)
+            p, d = self.pools["prefill"], self.pools["decode"]
+            views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
+            want = self.policy.flip_window(now, self.sampler.short(now, self.flipw_s), *views)
+            if want is not None:
+                self.apply(want, now, self.timeline[-1][5] if self.timeline else 0.0)
+        if now + self.flipw_tick_s <= self.horizon:
+            self.push(now + self.flipw_tick_s, FLIPW)
+
     # ---- main loop --------------------------------------------------------------------------------
     def run(self) -> RunResult:
         p0, d0 = self.policy.initial()
@@ -328,6 +350,8 @@ class Cluster:
             self.push(self.interval_s, TICK)
         if 0 < self.fast_s <= self.horizon:
             self.push(self.fast_s, FAST)
+        if self.flipw_s and 0 < self.flipw_tick_s < self.interval_s:
+            self.push(self.flipw_tick_s, FLIPW)
         self.loop()
         return self.result()
 
@@ -374,6 +398,8 @@ class Cluster:
                 self.tick(now)
             elif kind == FAST:
                 self.fast_tick(now)
+            elif kind == FLIPW:
+                self.flip_tick(now)
             elif kind == SAMPLE:
                 self.sampler.record_queues(now, len(self.pqueue) - self.phead, len(self.dqueue) - self.dhead)
                 if now + self.sampler.step_s <= self.horizon:

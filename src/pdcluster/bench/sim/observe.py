@@ -65,6 +65,7 @@ class PolicyInput:
     decode_ready: int
     prefill_utilisation: float | None  # busy share of the reporting instances' capacity over the window
     decode_utilisation: float | None
+    short_observation: Observation | None = None  # the flip window's (`Sampler.short`), when the policy has one
 
 
 @dataclass
@@ -154,6 +155,22 @@ class Sampler:
             prefill_queue_now=float(self.pq[-1]) if self.pq else None,
             decode_queue_now=float(self.dq[-1]) if self.dq else None,
         )
+
+    def short(self, now: float, window_s: float) -> Observation | None:
+        """λ, I, O and the prefix-hit rate over the last `window_s` (the flip window: the operator's `observe`
+        with `spec.autoscaling.flipWindowSeconds`); exact when counters were recorded `window_s` ago."""
+        if len(self.times) < 2:
+            return None
+        j = min(bisect.bisect_left(self.times, now - window_s - 1e-9), len(self.times) - 2)
+        span = self.times[-1] - self.times[j]
+        if span <= 0:
+            return None
+        adm, prompt, prefilled, gen, hits = (b - a for a, b in zip(self.snaps[j], self.snaps[-1], strict=True))
+        return Observation(request_rate=adm / span, mean_input_tokens=prompt / adm if adm else None,
+                           mean_output_tokens=gen / adm if adm else None,
+                           prefix_hit_rate=hits / prefilled if prefilled else None,
+                           prefill_queue_now=float(self.pq[-1]) if self.pq else None,
+                           decode_queue_now=float(self.dq[-1]) if self.dq else None)
 
     def gauges(self) -> dict[str, Gauges]:
         """Each pool's queue gauge at the last two samples (the fast path's view: a scrape late at most)."""

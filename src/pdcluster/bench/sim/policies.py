@@ -29,7 +29,7 @@ from pdcluster.bench.sim import decisions
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
-from pdcluster.operator import autoscaler_explain, autoscaler_fast, autoscaler_flip
+from pdcluster.operator import autoscaler_explain, autoscaler_fast, autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, PoolView, State, decide
 from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler_fast import Gauges
@@ -75,6 +75,10 @@ class Core:
     fast_s: float = 0.0  # period of the fast scale-up path on queue gauges (`operator/autoscaler_fast.py`); 0: off
     last_obs: Observation | None = None  # the last windowed observation (the fast path's work per request)
     last_rec: dict[str, int | None] = field(default_factory=dict)  # the last decision's recommendation per pool
+    # role flips on a short window (`operator/autoscaler_flip_window.py`, spec.autoscaling.flipWindowSeconds;
+    # 0: off): its window, and its period where shorter than the decisions' (0: on their tick, as the operator)
+    flip_window_s: float = 0.0
+    flip_tick_s: float = 0.0
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
@@ -89,9 +93,31 @@ class Core:
         self.last_rec = {"prefill": d.prefill.recommended, "decode": d.decode.recommended}
         if self.log is not None:
             self.log.append(decisions.row(inp.now, inp.observation, *views, d))
+        keep = None
+        if self.flip and self.flip_window_s:
+            sn = autoscaler_flip_window.short_needs(core, d.state, inp.short_observation, self.flip_window_s)
+            keep = sn.keep if sn is not None else None
+        sizes = self._apply(d, core, keep)
+        if d.changed or self.pending_flips != (0, 0):
+            return sizes
+        return self.flip_window(inp.now, inp.short_observation, *views) or sizes
+
+    def flip_window(self, now: float, short: Observation | None, prefill: PoolView,
+                    decode: PoolView) -> tuple[int, int] | None:
+        """The short-window flip step (`autoscaler_flip_window`): new sizes, or None to leave the pools."""
+        self.pending_flips = (0, 0)
+        if not (self.flip and self.flip_window_s):
+            return None
+        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        d = autoscaler_flip_window.window_flips(core, self.state, short, prefill, decode, now,
+                                                window_seconds=self.flip_window_s, recommended=self.last_rec)
+        if d is None:
+            return None
+        if self.log is not None:
+            self.log.append(decisions.row(now, short, prefill, decode, d))
         return self._apply(d, core)
 
-    def _apply(self, d: Decision, core: CorePolicy) -> tuple[int, int]:
+    def _apply(self, d: Decision, core: CorePolicy, keep: dict[str, int] | None = None) -> tuple[int, int]:
         """Take the decision: its state, its reason, its flips (with `flip`), the steps by cause; the sizes."""
         self.state = d.state
         self.decisions.append(d.reason)
@@ -99,10 +125,10 @@ class Core:
         sizes = (d.prefill.desired, d.decode.desired)
         self.pending_flips = (0, 0)
         if self.flip:
-            fp = autoscaler_flip.plan(d, core)
+            fp = autoscaler_flip.plan(d, core, keep)
             self.pending_flips = (fp.to_prefill, fp.to_decode)
             if fp.flips:
-                self.decisions[-1] = autoscaler_flip.FLIP
+                self.decisions[-1] = d.reason if d.reason == autoscaler_flip.FLIP_WINDOW else autoscaler_flip.FLIP
                 causes = {"prefill": "flip", "decode": "flip"}
             sizes = (fp.prefill, fp.decode)
         for role, n, cur in (("prefill", sizes[0], d.prefill.current), ("decode", sizes[1], d.decode.current)):
@@ -147,7 +173,8 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
         state = State(prefill=_shift_pool(policy.state.prefill, duration_s),
                       decode=_shift_pool(policy.state.decode, duration_s))
         return Core(policy.core, policy.name, start=sizes, burst_s=policy.burst_s, state=state, flip=policy.flip,
-                    fast_s=policy.fast_s, last_obs=policy.last_obs, last_rec=dict(policy.last_rec))
+                    fast_s=policy.fast_s, last_obs=policy.last_obs, last_rec=dict(policy.last_rec),
+                    flip_window_s=policy.flip_window_s, flip_tick_s=policy.flip_tick_s)
     if isinstance(policy, Independent):
         hist = {r: [(t - duration_s, n) for t, n in h] for r, h in policy.history.items()}
         return Independent(policy.bounds, policy.target, policy.tolerance, policy.stabilization_s,
@@ -215,12 +242,17 @@ def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: fl
 
 
 def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
-         trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5, fast_s: float = 0.0):
+         trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5, fast_s: float = 0.0,
+         flip_window_s: float = 0.0, flip_tick_s: float = 0.0):
     """A policy by name (`_make`); the policies built on the operator's core run the fast path on queue
-    gauges every `fast_s` seconds between their decisions (`operator/autoscaler_fast.py`; 0: never)."""
+    gauges every `fast_s` seconds between their decisions (`operator/autoscaler_fast.py`; 0: never); those
+    that flip, but the oracle (which sees the mix every 10 s already), flip on a `flip_window_s` window too
+    (`operator/autoscaler_flip_window.py`; 0: never), every `flip_tick_s` (0: on their decisions' tick)."""
     policy = _make(name, prefill_tps, decode_tps, bounds, trace, slo, headroom)
     if isinstance(policy, Core):
         policy.fast_s = fast_s
+        if policy.flip and not hasattr(policy, "arrivals"):
+            policy.flip_window_s, policy.flip_tick_s = flip_window_s, flip_tick_s
     return policy
 
 
