@@ -9,10 +9,13 @@ from pdcluster.operator import autoscaler as asc
 from pdcluster.operator import autoscaler_explain as explain
 from pdcluster.operator import autoscaler_flip as flip
 from pdcluster.operator import autoscaler_flip_window as fw
+from pdcluster.operator import scaling
 from pdcluster.operator import status as st
 from pdcluster.operator.autoscaler_ratio import RatioBounds
+from pdcluster.operator.models import parse_spec
 from pdcluster.operator.planner import Bounds
 
+from .conftest import make_spec
 from .test_autoscaler_guards import obs, policy
 
 W = 20.0  # the flip window
@@ -117,3 +120,57 @@ def test_the_last_decision_in_status_gives_the_recommendations():
     assert fw.last_recommended({"lastDecision": {"prefill": {"recommended": True}, "decode": {"recommended": -1}}}) \
         == {"prefill": None, "decode": None}
     assert fw.period(20) == 10 and fw.period(4) == 5
+
+
+# ---- the operator's step (scaling.py): between decisions and on a decision's tick ---------------------
+
+class WindowSource:
+    """A metrics source answering per window: the decisions' (120 s) and the flip window's (20 s)."""
+
+    def __init__(self, long: asc.Observation, short: asc.Observation) -> None:
+        self.long, self.short, self.windows = long, short, []
+
+    def observe(self, cluster, window_seconds, ready=None, **_):  # noqa: ANN001, ANN003, ANN201
+        self.windows.append(window_seconds)
+        return self.short if window_seconds == 20 else self.long
+
+
+async def test_between_decisions_the_operator_flips_on_the_short_window_and_keeps_decides_clock() -> None:
+    from .test_scaling import NOW, auto_spec, pools
+
+    spec = auto_spec(intervalSeconds=30)  # flipWindowSeconds: 20 by default
+    assert spec.autoscaling.flipWindowSeconds == 20
+    prompt_heavy = asc.Observation(3.0, 6000.0, 20.0)  # 1.5 x 3 x 6000 / 10000 = 2.7 prefill, 1 decode
+    first = await scaling.step(spec, {}, pools(3, 1), NOW - 40, cluster="demo",
+                               source_for=lambda u: WindowSource(prompt_heavy, prompt_heavy), resync_seconds=60)
+    assert first.decision is not None and not first.decision.changed
+    old = {"prefill": {"desiredReplicas": 3}, "decode": {"desiredReplicas": 1}, "autoscaler": first.autoscaler_status}
+    # 10 s after that decision (not due): the last 20 s turned to long outputs -> one prefill worker flips
+    source = WindowSource(prompt_heavy, turned())
+    s = await scaling.step(spec, old, pools(3, 1), NOW - 30, cluster="demo", source_for=lambda u: source,
+                           resync_seconds=60)
+    assert source.windows == [20]  # only the short window was read
+    assert s.decision is not None and s.decision.reason == flip.FLIP_WINDOW
+    assert s.desired == {"prefill": 2, "decode": 2} and s.before_flips == {"prefill": 3, "decode": 1}
+    assert s.scaled_message and s.scaled_message.startswith("prefill 3->2 (flip), decode 1->2 (flip)")
+    assert "last 20 s" in s.scaled_message
+    assert s.autoscaler_status["lastEvaluationTime"] == first.autoscaler_status["lastEvaluationTime"]
+    assert s.autoscaler_status["lastDecision"]["reason"] == "RoleFlipShortWindow"
+    assert s.next_delay == 10  # the step's own period
+    # the next pass, 5 s later with the flip in flight (decode 1 of 2 ready): nothing, and no flip back
+    old2 = {"prefill": {"desiredReplicas": 2}, "decode": {"desiredReplicas": 2}, "autoscaler": s.autoscaler_status}
+    s2 = await scaling.step(spec, old2, pools(2, 2, ready=(2, 1)), NOW - 25, cluster="demo",
+                            source_for=lambda u: WindowSource(prompt_heavy, prompt_heavy), resync_seconds=60)
+    assert s2.decision is None and s2.desired == {"prefill": 2, "decode": 2}
+
+
+async def test_pools_that_cannot_flip_or_a_zero_window_read_no_short_window() -> None:
+    from .test_scaling import NOW, auto_spec, pools
+
+    for spec in (auto_spec(flipWindowSeconds=0), parse_spec(make_spec(
+            roleFlips=False, autoscaling={"enabled": True, "prometheusUrl": "http://prom:9090"}))):
+        source = WindowSource(asc.Observation(4.0, 6000.0, 20.0), turned())
+        old = {"autoscaler": {"lastEvaluationTime": st.fmt_time(NOW - 10)}}
+        s = await scaling.step(spec, old, pools(3, 1), NOW, cluster="demo", source_for=lambda u, s=source: s,
+                               resync_seconds=60)
+        assert source.windows == [] and s.decision is None

@@ -77,7 +77,7 @@ def test_base_starts_from_the_recorded_desired_count_within_the_current_bounds()
 
 
 async def test_not_due_holds_and_wakes_at_the_end_of_the_interval() -> None:
-    spec = auto_spec(intervalSeconds=30)
+    spec = auto_spec(intervalSeconds=30, flipWindowSeconds=0)  # without the short-window flip step
     source = FixedSource(asc.Observation(10.0, 1000.0, 100.0))
     old = {"prefill": {"desiredReplicas": 2}, "decode": {"desiredReplicas": 3},
            "autoscaler": {"lastEvaluationTime": st.fmt_time(NOW - 10), "reason": "Steady"}}
@@ -89,7 +89,7 @@ async def test_not_due_holds_and_wakes_at_the_end_of_the_interval() -> None:
 
 
 async def test_due_evaluates_records_state_and_asks_for_a_scaled_event() -> None:
-    spec = auto_spec()
+    spec = auto_spec(flipWindowSeconds=0)  # the short-window flip step: test_autoscaler_flip_window.py
     # 10 req/s x 2000 in / 10000 -> 1.5*2 = 3 prefill; 10 x 400 out / 2000 -> 1.5*2 = 3 decode
     source = FixedSource(asc.Observation(10.0, 2000.0, 400.0))
     s = await scaling.step(spec, {}, pools(1, 2), NOW, cluster="demo", source_for=lambda u: source,

@@ -305,9 +305,10 @@ async def step(spec: PDClusterSpec, old_status: Mapping[str, Any], pools: Pools,
         short = await observe(source_for, cluster, spec, pools.ready, window_seconds=auto.flipWindowSeconds)
     out = evaluate(spec, base, pools, autoscaler_status, observed, now, short.obs if short else None)
     delay = min(resync_seconds, out.next_delay)
+    if short is not None:  # the flip step's period runs on between decisions
+        delay = min(delay, autoscaler_flip_window.period(auto.flipWindowSeconds))
     if short is not None and out.decision is not None and not out.decision.changed:
         # a decision that changes nothing: the flip step on the same tick, as between decisions
-        delay = min(delay, autoscaler_flip_window.period(auto.flipWindowSeconds))
         fw = flip_window(spec, base, pools, out.autoscaler_status, short, now)
         if fw is not None:
             status = {**fw.autoscaler_status, "lastEvaluationTime": out.autoscaler_status["lastEvaluationTime"]}
