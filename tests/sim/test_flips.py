@@ -32,8 +32,9 @@ def test_flips_serve_a_shift_from_prefill_to_decode_sooner_and_cheaper():
         runs[name] = (simulate(trace, M, p), p)
     flipped, plain = runs["pdcluster"][0], runs["pdcluster-no-flips"][0]
     assert flipped.flips >= 1 and plain.flips == 0
-    assert "RoleFlip" in runs["pdcluster"][1].decisions
-    assert "RoleFlip" not in runs["pdcluster-no-flips"][1].decisions
+    # flips by the decisions (RoleFlip) or by the short-window step between them (RoleFlipShortWindow)
+    assert {"RoleFlip", "RoleFlipShortWindow"} & set(runs["pdcluster"][1].decisions)
+    assert not {"RoleFlip", "RoleFlipShortWindow"} & set(runs["pdcluster-no-flips"][1].decisions)
     s_flip, s_plain = policy_summary(flipped, slo), policy_summary(plain, slo)
     assert s_flip["slo_attainment"] >= s_plain["slo_attainment"]
     assert s_flip["instance_hours"] <= s_plain["instance_hours"]
@@ -77,3 +78,21 @@ def test_a_flip_drains_first_then_serves_after_flip_s_without_a_pod_start():
     assert ready[30.0] == (1, 1)  # draining: no new prompts, not yet decode
     assert ready[60.0] == (1, 2)  # drained by ~36 s, decode from ~41 s: no pod start (600 s)
     assert all(d is not None for d in r.done)
+
+
+def test_the_flip_window_reads_a_turn_of_the_mix_sooner_and_starts_no_pod():
+    # Primed on the 40-minute shift: the measured pass starts decode-heavy (1 prefill, 3 decode) and meets
+    # 6k-token prompts; the flip step (20 s window, every 10 s) moves decode workers to prefill at 10 s, where
+    # the decisions' first tick is at 30 s (docs/benchmarks/autoscaler.md, shift seed 3: 94.72 % -> 96.86 %,
+    # 3.22 -> 3.01 instance-h)
+    rows = synth.generate_shift(seed=3, minutes=40, rate=4.0)
+    trace, slo = tr.parse_trace("".join(json.dumps(r) + "\n" for r in rows), "shift"), SLO()
+    out = {}
+    for w in (0.0, 20.0):
+        p = pol.make("pdcluster", M.prefill_tps, M.decode_tps, trace=trace, slo=slo, flip_window_s=w)
+        first = simulate(trace, M, p)
+        p = pol.carry_over(p, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
+        out[w] = (policy_summary(simulate(trace, M, p), slo), p)
+    off, on = out[0.0][0], out[20.0][0]
+    assert "RoleFlipShortWindow" in out[20.0][1].decisions and "RoleFlipShortWindow" not in out[0.0][1].decisions
+    assert on["slo_attainment"] > off["slo_attainment"] and on["instance_hours"] <= off["instance_hours"] + 1e-9

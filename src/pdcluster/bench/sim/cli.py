@@ -32,11 +32,9 @@ from pdcluster.bench.sim.report import (
 )
 from pdcluster.bench.sim.search import generous_sizes, static_best
 from pdcluster.operator.autoscaler_flip_window import period as flip_period
-from pdcluster.operator.models import Autoscaling
 from pdcluster.worker.api import cli_args
 
-# simulate's default for --flip-window: the CRD's spec.autoscaling.flipWindowSeconds (declared once, there)
-FLIP_WINDOW_S = float(Autoscaling.model_fields["flipWindowSeconds"].default)
+FLIP_WINDOW_S = pol.FLIP_WINDOW_S  # --flip-window's default: the CRD's spec.autoscaling.flipWindowSeconds
 
 PROG = "pdcluster simulate"
 
@@ -117,8 +115,8 @@ def _model(args: argparse.Namespace) -> ServiceModel:
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
-               headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float = 0.0,
-               flip_tick_s: float = 0.0) -> RunResult:
+               headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float | None = None,
+               flip_tick_s: float | None = None) -> RunResult:
     """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
     starts from (the hour before looked like this one; see policies.carry_over)."""
     policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom, fast_s=fast_s,
@@ -132,8 +130,8 @@ def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed
 
 
 def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
-            headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float = 0.0,
-            flip_tick_s: float = 0.0) -> tuple[dict, dict[str, RunResult]]:
+            headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float | None = None,
+            flip_tick_s: float | None = None) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 

@@ -15,6 +15,9 @@
 - Scaling: every `interval_s` the policy sees what Prometheus would show (see `observe.py`) and sets
   the pool sizes. New pods are ready `pod_start_s` later; removed pods that had not started yet are
   cancelled, started ones drain (no new work, finish what they hold) and then stop.
+- The short-window flip step (`operator/autoscaler_flip_window.py`): a policy with `flip_window_s` sees the
+  last `flip_window_s` of rate, lengths and queues at each tick, and every `flip_tick_s` between ticks
+  (counters are then sampled at those moments too, so the window is exact).
 - Role flips (a policy's `pending_flips` after a decision, `operator/autoscaler_flip.py`): the worker
   stops admitting work for its old role, finishes what it holds, then serves the other role `flip_s`
   later (weights kept: no pod start); billed throughout as one instance.

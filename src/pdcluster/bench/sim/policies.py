@@ -6,14 +6,16 @@
   (spec.autoscaling.slo = the simulation's SLO), the peak λ over `burstWindowSeconds`, the prefix-hit
   discount and role flips (`spec.roleFlips`, on by default wherever the pools are compatible): a short
   pool takes its growth from the other pool's slack by flips first (`operator/autoscaler_flip.py`;
-  `ServiceModel.flip_s`): the defaults a PDCluster gets.
+  `ServiceModel.flip_s`), and every 10 s a flip-only step on the last 20 s moves workers toward the split
+  that window asks for (`operator/autoscaler_flip_window.py`, spec.autoscaling.flipWindowSeconds): the
+  defaults a PDCluster gets.
 - `pdcluster-no-flips`: the same with `spec.roleFlips: false` (or pools a flip cannot join: another
   engine, model or layout): every size change is a pod start or a pod stop.
 - `pdcluster-no-prefix`: the same as `pdcluster` without the prefix-hit discount of I (not in the default
   set: to show what the discount is worth on a trace with prefix reuse).
-- `reactive-oracle`: the same core (flips included) fed the true arrival rate every 10 s (`oracle.py`): a
-  bound, not a policy one could run (it needs the trace).
-- `no-headroom`: the same core (flips included) at headroom 1.0.
+- `reactive-oracle`: the same core (flips included; no flip window: it reads the mix every 10 s already) fed
+  the true arrival rate every 10 s (`oracle.py`): a bound, not a policy one could run (it needs the trace).
+- `no-headroom`: the same core (flips and the flip window included) at headroom 1.0.
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
   a 300 s scale-down stabilization (the highest recommendation in the window) and the same step limits.
@@ -33,12 +35,15 @@ from pdcluster.operator import autoscaler_explain, autoscaler_fast, autoscaler_f
 from pdcluster.operator.autoscaler import Decision, Observation, PoolView, State, decide
 from pdcluster.operator.autoscaler import Policy as CorePolicy
 from pdcluster.operator.autoscaler_fast import Gauges
+from pdcluster.operator.models import Autoscaling
 from pdcluster.operator.planner import Bounds, plan
 
 NAMES = ("pdcluster", "pdcluster-no-flips", "reactive-oracle", "no-headroom", "independent", "static-1:1",
          "static-best")
 EXTRA = ("pdcluster-no-prefix",)
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
+# spec.autoscaling.flipWindowSeconds' default: `pdcluster` flips on that short window too (autoscaler_flip_window)
+FLIP_WINDOW_S = float(Autoscaling.model_fields["flipWindowSeconds"].default)
 WINDOW_S = 120.0  # spec.autoscaling.windowSeconds' default, the Sampler's window (Policy.from_spec sets it)
 
 
@@ -243,16 +248,19 @@ def warm_start(trace: Trace, prefill_tps: float, decode_tps: float, headroom: fl
 
 def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None = None,
          trace: Trace | None = None, slo: SLO | None = None, headroom: float = 1.5, fast_s: float = 0.0,
-         flip_window_s: float = 0.0, flip_tick_s: float = 0.0):
+         flip_window_s: float | None = None, flip_tick_s: float | None = None):
     """A policy by name (`_make`); the policies built on the operator's core run the fast path on queue
     gauges every `fast_s` seconds between their decisions (`operator/autoscaler_fast.py`; 0: never); those
-    that flip, but the oracle (which sees the mix every 10 s already), flip on a `flip_window_s` window too
-    (`operator/autoscaler_flip_window.py`; 0: never), every `flip_tick_s` (0: on their decisions' tick)."""
+    that flip, but the oracle (which reads the mix every 10 s already), flip on a `flip_window_s` window
+    too (`operator/autoscaler_flip_window.py`; None: the CRD's flipWindowSeconds, 0: never), every
+    `flip_tick_s` (None: the operator's period, half the window; 0: on their decisions' tick only)."""
     policy = _make(name, prefill_tps, decode_tps, bounds, trace, slo, headroom)
     if isinstance(policy, Core):
         policy.fast_s = fast_s
         if policy.flip and not hasattr(policy, "arrivals"):
-            policy.flip_window_s, policy.flip_tick_s = flip_window_s, flip_tick_s
+            w = FLIP_WINDOW_S if flip_window_s is None else flip_window_s
+            policy.flip_window_s = w
+            policy.flip_tick_s = (autoscaler_flip_window.period(w) if w else 0.0) if flip_tick_s is None else flip_tick_s
     return policy
 
 
