@@ -76,3 +76,21 @@ def test_a_chance_peak_keeps_no_instance_a_fixed_size_does_without(tmp_path, see
     assert main(["simulate", "--trace", str(p), "--out", str(out), "--no-plots", *extra]) == 0
     goal = json.loads((out / "summary.json").read_text())["goal"]
     assert goal["dominated_by"] == []
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_primed_shifts_are_not_dominated_by_the_oracle_with_flips_on_a_short_window(tmp_path, seed):
+    # Primed, the measured pass starts decode-heavy and meets 6k-token prompts: the oracle flips decode
+    # workers to prefill at its first 10 s decision, and `pdcluster` did at its first 30 s one, which left the
+    # oracle better and cheaper (seeds 3 and 4). The flip window (spec.autoscaling.flipWindowSeconds, 20 s
+    # every 10 s) flips at 10 s too; `--flip-window 0` is the run before it.
+    p = tmp_path / "shift.jsonl"
+    assert synth.main(["--out", str(p), "--shape", "shift", "--minutes", "40", "--seed", str(seed)]) == 0
+    goals = {}
+    for w in ("0", "20"):
+        out = tmp_path / f"o{w}"
+        assert main(["simulate", "--trace", str(p), "--out", str(out), "--no-plots", "--flip-window", w]) == 0
+        goals[w] = json.loads((out / "summary.json").read_text())["goal"]
+    assert "reactive-oracle" in goals["0"]["dominated_by"]
+    assert goals["20"]["dominated_by"] == []
+    assert goals["20"]["points_below_reactive_oracle"] < goals["0"]["points_below_reactive_oracle"]
