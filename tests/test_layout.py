@@ -25,14 +25,17 @@ PACKAGES = {  # folder -> import name
 # engine's sharded cache cannot disagree on which KV heads a rank holds.
 # And the operator reads the transfer's and the router's option declarations (stdlib only), so that the spec's
 # defaults are the flags' (one default per knob: a rendered pod and a hand-run process agree).
-ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.secret"),
+# And the operator renders vLLM's connector config from the one declaration `up` uses too (stdlib only).
+ALLOWED = {("pdcluster.operator", "pdcluster.worker.transfer.vllm_connector"),
+           ("pdcluster.operator", "pdcluster.worker.transfer.secret"),
            ("pdcluster.worker.router", "pdcluster.worker.engine.block_hash"),
            ("pdcluster.operator", "pdcluster.worker.engine.parallel.heads"),
            ("pdcluster.operator", "pdcluster.worker.transfer.options"),
            ("pdcluster.operator", "pdcluster.worker.router.options")}
 STDLIB_ONLY = ["src/pdcluster/worker/transfer/secret.py", "src/pdcluster/worker/engine/block_hash.py",
                "src/pdcluster/worker/engine/parallel/heads.py", "src/pdcluster/worker/options.py",
-               "src/pdcluster/worker/transfer/options.py", "src/pdcluster/worker/router/options.py"]
+               "src/pdcluster/worker/transfer/options.py", "src/pdcluster/worker/router/options.py",
+               "src/pdcluster/worker/transfer/vllm_connector.py"]
 
 # (importer prefix, forbidden import prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
