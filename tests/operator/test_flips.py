@@ -78,6 +78,12 @@ def test_failed_flips_start_pods_and_the_source_keeps_what_it_did_not_give() -> 
     # ... it wanted 2 anyway: the pool shrinks to 2 by draining
     assert flips.settle(planned, cur, o, 0, 2) == planned
     assert flips.settle(planned, cur, o, 0, None) == planned  # the spec's sizes: the spec rules
+    # a decision's growth of the target stands (pods for failed flips) ...
+    assert flips.settle(planned, cur, o, 1, 4, 3) == {"prefill": 3, "decode": 3}
+    # ... but a flip-only step (autoscaler_flip_window: the target's size before flips is its size now) starts
+    # no pod for a flip that failed: the target grows by what flipped
+    assert flips.settle(planned, cur, o, 1, 4, 1) == {"prefill": 3, "decode": 2}
+    assert flips.settle(planned, cur, o, 0, 4, 1) == {"prefill": 4, "decode": 1}
     assert flips.deployment_replicas({"prefill": 2, "decode": 3}, {"prefill": 0, "decode": 2}) == \
         {"prefill": 2, "decode": 1}
 

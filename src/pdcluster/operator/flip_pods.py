@@ -164,7 +164,8 @@ class FlipPass:
             self.pods = await pool_pods(self.kube, self.owner)  # the relabelled pods moved pools
             self._count()
         sizes = flips.settle(desired, current, o, done,
-                             None if before_flips is None else before_flips[o.source])
+                             None if before_flips is None else before_flips[o.source],
+                             None if before_flips is None else before_flips[o.target])
         after = dict(current)
         after[o.source] = (current[o.source] or 0) - done
         after[o.target] = (current[o.target] or 0) + done

@@ -135,14 +135,19 @@ def order(spec: PDClusterSpec, current: Mapping[str, int | None], desired: Mappi
 
 
 def settle(desired: Mapping[str, int], current: Mapping[str, int | None], o: Order, done: int,
-           source_without_flips: int | None = None) -> dict[str, int]:
+           source_without_flips: int | None = None, target_without_flips: int | None = None) -> dict[str, int]:
     """The sizes once `done` of `o.count` flips succeeded: the target pool keeps its size (pods start for the
-    flips that failed); the source pool gives up only what flipped, unless it was meant to shrink anyway
-    (`source_without_flips`: the autoscaler's size for it before the flips were planned; None: the spec's)."""
+    flips that failed) unless it was not meant to grow by pods (`target_without_flips`: the autoscaler's size
+    for it before the flips were planned, e.g. its size now for the flip-only step of
+    `autoscaler_flip_window`: it grows by what flipped only); the source pool gives up only what flipped,
+    unless it was meant to shrink anyway (`source_without_flips`: as for the target; None: the spec's)."""
     out = dict(desired)
     if done < o.count and source_without_flips is not None:
         cur = current.get(o.source) or 0
         out[o.source] = max(desired[o.source], min(source_without_flips, cur - done))
+    if done < o.count and target_without_flips is not None:
+        cur = current.get(o.target) or 0
+        out[o.target] = min(desired[o.target], max(target_without_flips, cur + done))
     return out
 
 
