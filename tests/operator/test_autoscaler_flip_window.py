@@ -174,3 +174,22 @@ async def test_pools_that_cannot_flip_or_a_zero_window_read_no_short_window() ->
         s = await scaling.step(spec, old, pools(3, 1), NOW, cluster="demo", source_for=lambda u, s=source: s,
                                resync_seconds=60)
         assert source.windows == [] and s.decision is None
+
+
+async def test_on_a_decisions_tick_that_changes_nothing_the_flip_step_runs_too() -> None:
+    from .test_scaling import NOW, auto_spec, pools
+
+    spec = auto_spec(intervalSeconds=30)
+    prompt_heavy = asc.Observation(3.0, 6000.0, 20.0)
+    first = await scaling.step(spec, {}, pools(3, 1), NOW - 40, cluster="demo",
+                               source_for=lambda u: WindowSource(prompt_heavy, prompt_heavy), resync_seconds=60)
+    old = {"prefill": {"desiredReplicas": 3}, "decode": {"desiredReplicas": 1}, "autoscaler": first.autoscaler_status}
+    source = WindowSource(prompt_heavy, turned())
+    s = await scaling.step(spec, old, pools(3, 1), NOW, cluster="demo", source_for=lambda u: source,
+                           resync_seconds=60)
+    assert sorted(source.windows) == [20, 120]  # the decision's window and the flip window
+    assert s.decision is not None and s.decision.reason == flip.FLIP_WINDOW
+    assert s.desired == {"prefill": 2, "decode": 2}
+    assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)  # the decision was made: due again in 30 s
+    assert {c["type"] for c in s.conditions} >= {"MetricsAvailable", "ScalingLimited", "SLOMet"}
+    assert s.next_delay == 10
