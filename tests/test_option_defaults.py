@@ -168,3 +168,15 @@ def test_role_flips_are_on_by_default_in_up_and_in_the_crd() -> None:
     assert launcher.role_flips_off(_parse(launcher, ["--no-role-flips"]), vllm=False) == "--no-role-flips"
     assert "vllm" in (launcher.role_flips_off(up, vllm=True) or "")
     assert "--decode-tp 2" in (launcher.role_flips_off(_parse(launcher, ["--decode-tp", "2"]), vllm=False) or "")
+
+
+def test_the_flip_window_is_the_crds_in_up() -> None:
+    """`spec.autoscaling.flipWindowSeconds` and `up --autoscale`'s `--flip-window` are one knob with one
+    default (the CRD model's), 0 turning it off in both."""
+    crd = yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    info = models.Autoscaling.model_fields["flipWindowSeconds"]
+    assert _parse(launcher, []).flip_window == info.default == spec["autoscaling"]["properties"][
+        "flipWindowSeconds"]["default"]
+    assert _parse(launcher, ["--flip-window", "0"]).flip_window == 0.0
+    assert models.Autoscaling(flipWindowSeconds=0).flipWindowSeconds == 0

@@ -159,7 +159,7 @@ def _setup(monkeypatch: pytest.MonkeyPatch, policy: Policy) -> tuple[FakeSup, Fa
         return d
 
     monkeypatch.setattr(autoscale, "decide", spy)
-    return sup, cluster, Autoscaler(ROUTER, sup, WORKERS, policy, interval=15), calls
+    return sup, cluster, Autoscaler(ROUTER, sup, WORKERS, policy, interval=15, flip_window=0), calls
 
 
 def _run(cluster: FakeCluster, scaler: Autoscaler, seconds: float) -> list[str]:
@@ -233,7 +233,7 @@ def test_up_autoscale_flips_a_worker_of_the_pool_with_slack(monkeypatch: pytest.
         cluster = FakeCluster(sup, workers)
         monkeypatch.setattr(autoscale.httpx, "get", cluster.get)  # the metrics are simulated; /internal/role is not
         monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
-        scaler = Autoscaler(ROUTER, sup, workers, policy, interval=15, secret=SECRET)
+        scaler = Autoscaler(ROUTER, sup, workers, policy, interval=15, flip_window=0, secret=SECRET)
         cluster.rate = 40.0  # decode: ceil(1.5 x 40 x 50 / 1000) = 3; prefill: ceil(1.5 x 40 x 100 / 10 000) = 1
         events = _run(cluster, scaler, 16.5)
         assert any("flipped prefill-1: prefill -> decode" in e for e in events), events

@@ -20,17 +20,24 @@ Role flips (`flips=True`, where both pools run the same tensor-parallel size): a
 while the other has slack (`autoscaler_flip.applied`) first moves running workers of the other pool by
 `POST /internal/role` (the router follows the role they report), then starts workers for the rest. A flipped
 worker that is stopped is its own pool's again: its process restarts with its `--role`.
+
+With flips, the short-window step of the operator (`autoscaler_flip_window`, `--flip-window`: the CRD's
+`spec.autoscaling.flipWindowSeconds`; 0 = off) runs every half window between decisions and on a decision's
+tick that changes nothing: its observation is the same one over the last `--flip-window` seconds of scrapes
+(`window_observation`), and it only flips running workers (a failed flip starts or stops nothing). A
+decision's own flips keep what that window asks (`autoscaler_flip.applied`'s `keep`), as in the operator.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import httpx
 
-from pdcluster.operator import autoscaler_flip
+from pdcluster.operator import autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
 from pdcluster.operator.autoscaler_rules import join_cost
 from pdcluster.worker.transfer.secret import internal_headers
@@ -112,13 +119,37 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
     )
 
 
+def window_observation(scrapes: Sequence[Scrape], window_seconds: float) -> Observation | None:
+    """The flip window's Observation (pure): `observation` from the newest scrape at least `window_seconds`
+    before the last one to the last, with each pool's queue at the window's end (the last scrape's summed
+    `pdcluster_requests_waiting`). None until the scrapes span the window (or without the router)."""
+    if not scrapes:
+        return None
+    last = scrapes[-1]
+    older = [s for s in scrapes if s.t <= last.t - window_seconds + 1e-9]
+    if not older:
+        return None
+    first = older[-1]
+    between = [s for s in scrapes if s.t >= first.t]
+    waiting = {r: [w for s in between if (w := s.waiting(r)) is not None] for r in POOLS}
+    obs = observation(first, last, waiting)
+    if obs is None:
+        return None
+    return replace(obs, prefill_queue_now=last.waiting("prefill"), decode_queue_now=last.waiting("decode"))
+
+
 def describe(d: Decision, before: dict[str, int]) -> str:
-    """One line in the words of the operator's `Scaled` event."""
+    """One line in the words of the operator's `Scaled` event (for the flip window's step, the inputs it read)."""
     i = d.inputs
 
     def f(v: float | None, unit: str = "") -> str:
         return "-" if v is None else f"{v:.3g}{unit}"
 
+    if d.reason == autoscaler_flip.FLIP_WINDOW:
+        return (f"prefill {before['prefill']}->{d.prefill.desired}, decode {before['decode']}->{d.decode.desired} "
+                f"({d.reason}: last {i['flipWindowSeconds']:g} s: rate {f(i['requestRate'], ' req/s')}, "
+                f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])}, "
+                f"need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}: flips only)")
     return (f"prefill {before['prefill']}->{d.prefill.desired}, decode {before['decode']}->{d.decode.desired} "
             f"({d.reason}: rate {f(i['requestRate'], ' req/s')}, I {f(i['meanInputTokens'])}, "
             f"O {f(i['meanOutputTokens'])}, C_p {f(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
@@ -135,13 +166,17 @@ class Procs(Protocol):  # what the autoscaler needs of the Supervisor
 
 class Autoscaler:
     """Scrapes every `interval / 10` s (the queue samples), decides every `interval` s with `decide`, and
-    starts or stops workers to match. `workers`: process name -> (role, base URL)."""
+    starts or stops workers to match; with flips and a `flip_window` (seconds, 0 = off: `up` passes
+    `--flip-window`) the short-window flip step runs between decisions. `workers`: process name -> (role,
+    base URL)."""
 
     def __init__(self, router: str, sup: Procs, workers: dict[str, tuple[str, str]], policy: Policy,
-                 interval: float = 15.0, *, secret: bytes | None = None, flips: bool = True) -> None:
+                 interval: float = 15.0, *, flip_window: float, secret: bytes | None = None,
+                 flips: bool = True) -> None:
         self.router, self.sup, self.workers, self.policy, self.interval = router, sup, dict(workers), policy, interval
         self.origin = dict(workers)  # each worker's --role: what it is again once stopped
         self.secret, self.flips = secret, flips
+        self.flip_window = float(flip_window) if flips else 0.0
         self.state = State()
         self.started = time.monotonic()
         self.next_scrape = self.started
@@ -149,6 +184,10 @@ class Autoscaler:
         self.first: Scrape | None = None
         self.waiting: dict[str, list[float]] = {r: [] for r in POOLS}
         self.last_reason: str | None = None
+        # the flip window: the scrapes it spans, when its step runs next, and the last decision's recommendation
+        self.recent: list[Scrape] = []
+        self.next_flip = self.started + autoscaler_flip_window.period(self.flip_window) if self.flip_window else 0.0
+        self.last_rec: dict[str, int | None] = {}
 
     def _running(self, role: str) -> list[str]:
         return sorted(n for n, (r, _) in self.workers.items()
@@ -176,34 +215,72 @@ class Autoscaler:
             return []
         self.next_scrape = now + max(0.5, self.interval / 10)
         scrape = self._scrape(now)
+        self._remember(scrape)
         samples = {r: [w] if (w := scrape.waiting(r)) is not None else [] for r in POOLS}
         if self.first is None:
             self.first, self.waiting = scrape, samples
             return []
         for r in POOLS:
             self.waiting[r] += samples[r]
+        short = window_observation(self.recent, self.flip_window) if self.flip_window else None
         if now < self.next_decision:
-            return []
+            return self._flip_step(scrape, short, now) if self.flip_window and now >= self.next_flip else []
         self.next_decision = now + self.interval
         obs = observation(self.first, scrape, self.waiting)
         # This scrape ends one window and starts the next (its queue sample counts in both).
         self.first, self.waiting = scrape, samples
+        current, views = self._views(scrape)
+        d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now)
+        self.state = d.state
+        self.last_rec = {r: d.pool(r).recommended for r in POOLS}
+        if self.flips:  # the short pool's growth from the other's slack, never below what the flip window keeps
+            sn = (autoscaler_flip_window.short_needs(self.policy, d.state, short, self.flip_window)
+                  if self.flip_window else None)
+            d = autoscaler_flip.applied(d, self.policy, sn.keep if sn is not None else None)
+        events = self.apply(d, current)
+        if self.flip_window and not d.changed:  # a decision that changes nothing: the flip step on its tick
+            events += self._flip_step(scrape, short, now)
+        return events
+
+    def _remember(self, scrape: Scrape) -> None:
+        """Keep the scrapes the flip window spans (from the newest one a window old)."""
+        if not self.flip_window:
+            return
+        self.recent.append(scrape)
+        old = [i for i, s in enumerate(self.recent) if s.t <= scrape.t - self.flip_window + 1e-9]
+        if old:
+            del self.recent[:old[-1]]
+
+    def _views(self, scrape: Scrape) -> tuple[dict[str, int], dict[str, PoolView]]:
         # current = the workers we run (the operator's "replicas it last set"); ready = those that answered.
         current = {r: len(self._running(r)) for r in POOLS}
         ready = {r: sum(1 for role, _ in scrape.workers.values() if role == r) for r in POOLS}
-        views = {r: PoolView(current[r], ready[r], since=self.started) for r in POOLS}
-        d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now)
-        self.state = d.state
-        if self.flips:
-            d = autoscaler_flip.applied(d, self.policy)  # the short pool's growth from the other's slack
-        return self.apply(d, current)
+        return current, {r: PoolView(current[r], ready[r], since=self.started) for r in POOLS}
 
-    def apply(self, d: Decision, current: dict[str, int]) -> list[str]:
+    def _flip_step(self, scrape: Scrape, short: Observation | None, now: float) -> list[str]:
+        """The operator's short-window flip step (`autoscaler_flip_window.window_flips`, pure): flips only."""
+        self.next_flip = now + autoscaler_flip_window.period(self.flip_window)
+        if not self.last_rec:  # no decision yet: no recommendation, no slack
+            return []
+        current, views = self._views(scrape)
+        d = autoscaler_flip_window.window_flips(self.policy, self.state, short, views["prefill"], views["decode"],
+                                                now, window_seconds=self.flip_window, recommended=self.last_rec)
+        if d is None:
+            return []
+        self.state = d.state
+        return self.apply(d, current, pods=False)
+
+    def apply(self, d: Decision, current: dict[str, int], pods: bool = True) -> list[str]:
+        """Carry out `d`: flips first, then (`pods`) start or stop workers for the rest; the events. The flip
+        window's step passes `pods=False`: a flip that fails starts no worker and stops none."""
         events: list[str] = []
         if d.changed or d.reason != self.last_reason:
             events.append(f"autoscale: {describe(d, current)}")
         self.last_reason = d.reason
-        events += self._flip({r: d.pool(r).desired for r in POOLS})
+        events += self._flip({r: d.pool(r).desired for r in POOLS},
+                             "starting a worker instead" if pods else "the pools stay as they are")
+        if not pods:
+            return events
         for role in POOLS:
             target, running = d.pool(role).desired, self._running(role)
             names = sorted(n for n, (r, _) in self.workers.items() if r == role)
@@ -218,7 +295,7 @@ class Autoscaler:
                     events.append(f"autoscale: stopped {name}")
         return events
 
-    def _flip(self, target: dict[str, int]) -> list[str]:
+    def _flip(self, target: dict[str, int], on_failure: str) -> list[str]:
         """Move running workers from a pool above its target to one below it; the events."""
         events: list[str] = []
         for to in POOLS:
@@ -235,7 +312,7 @@ class Autoscaler:
                 except httpx.HTTPError as e:
                     ok, said = False, f"{type(e).__name__}: {e}"
                 if not ok:
-                    events.append(f"autoscale: RoleFlipFailed {name}: {said}; starting a worker instead")
+                    events.append(f"autoscale: RoleFlipFailed {name}: {said}; {on_failure}")
                     continue
                 self.workers[name] = (to, url)
                 seconds = said.get("seconds", 0.0) if isinstance(said, dict) else 0.0

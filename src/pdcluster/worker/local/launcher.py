@@ -40,6 +40,13 @@ UP_ROUTER = ("disaggregation_threshold", "max_queue_depth", "request_timeout", "
              "ttft_slo")
 
 
+def crd_flip_window() -> float:
+    """`--flip-window`'s default: the CRD's `spec.autoscaling.flipWindowSeconds` (one default per knob)."""
+    from pdcluster.operator.models import Autoscaling
+
+    return float(Autoscaling.model_fields["flipWindowSeconds"].default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: a built-in demo model)")
@@ -80,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --autoscale: grow a pool by moving a running worker of the other pool (a role flip, no restart) "
            "where both pools run the same tensor-parallel size, before starting one (the CRD's spec.roleFlips; "
            "default: %(default)s)")
+    a("--flip-window", type=types.non_negative_float, default=crd_flip_window(), metavar="SECONDS",
+      help="with --autoscale and role flips: every half of this many seconds (5 at least) between decisions, "
+           "flip workers toward the split the last SECONDS of traffic ask for (flips only; the CRD's "
+           "spec.autoscaling.flipWindowSeconds, default: %(default)s; 0 = off)")
     a("--tool-call-parser", choices=list(PARSERS), default=None,
       help='passed to the router and every worker: parse tool calls out of the text for tool_choice "auto" '
            '(hermes: <tool_call>{json}</tool_call> blocks); default none, "auto" is refused')
@@ -302,8 +313,12 @@ def run(args: argparse.Namespace) -> int:
             why_not = role_flips_off(args, vllm)
             if why_not:
                 print(f"  autoscale: role flips off ({why_not}): a growing pool starts workers", flush=True)
+            elif args.flip_window:
+                print(f"  autoscale: role flips on a {args.flip_window:g} s window between decisions "
+                      f"(--flip-window)", flush=True)
             scaler = Autoscaler(router, sup, workers, autoscale_policy(args), interval=args.autoscale_interval,
-                                secret=env["PDCLUSTER_KV_SECRET"].encode(), flips=why_not is None)
+                                flip_window=args.flip_window, secret=env["PDCLUSTER_KV_SECRET"].encode(),
+                                flips=why_not is None)
         while True:
             for e in sup.poll():
                 print(f"  {e}", flush=True)
