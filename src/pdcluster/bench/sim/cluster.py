@@ -12,12 +12,10 @@
   batch (so a decode shortage shows in TTFT, as it does behind the real router), the rest at the
   batch-size-dependent step time. Decode progress is a fluid model (a per-instance virtual clock), so
   the cost is O(log n) per request event rather than per token.
-- Scaling: every `interval_s` the policy sees what Prometheus would show (see `observe.py`) and sets
-  the pool sizes. New pods are ready `pod_start_s` later; removed pods that had not started yet are
-  cancelled, started ones drain (no new work, finish what they hold) and then stop.
-- The short-window flip step (`operator/autoscaler_flip_window.py`): a policy with `flip_window_s` sees the
-  last `flip_window_s` of rate, lengths and queues at each tick, and every `flip_tick_s` between ticks
-  (counters are then sampled at those moments too, so the window is exact).
+- Scaling: when the policy is asked and what it sees (its ticks, the fast path, the short-window flip
+  step) is `autoscaling.py`; here, what its answer does to the pools. New pods are ready `pod_start_s`
+  later; removed pods that had not started yet are cancelled, started ones drain (no new work, finish what
+  they hold) and then stop.
 - Role flips (a policy's `pending_flips` after a decision, `operator/autoscaler_flip.py`): the worker
   stops admitting work for its old role, finishes what it holds, then serves the other role `flip_s`
   later (weights kept: no pod start); billed throughout as one instance.
@@ -32,16 +30,17 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdcluster.bench.sim import aggregation
+from pdcluster.bench.sim import aggregation, autoscaling
 from pdcluster.bench.sim.model import ServiceModel
-from pdcluster.bench.sim.observe import Counters, PolicyInput, Sampler
+from pdcluster.bench.sim.observe import Counters, Sampler
 from pdcluster.bench.trace import Trace
-from pdcluster.operator.autoscaler import PoolView
 
-ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY, TICK, SAMPLE = range(7)
+ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, POD_READY = range(5)
+TICK = autoscaling.TICK  # 5
+SAMPLE = 6
 LOCAL_DONE = aggregation.LOCAL_DONE  # 7
-FAST = 8  # the fast scale-up path between two ticks
-FLIPW = 9  # the short-window flip step between two ticks
+FAST = autoscaling.FAST  # 8: the fast scale-up path between two ticks
+FLIPW = autoscaling.FLIPW  # 9: the short-window flip step between two ticks
 
 
 class Instance:
@@ -272,69 +271,6 @@ class Cluster:
         self.decode_dispatch(now)
         self.reschedule(d, now)
 
-    # ---- autoscaling ------------------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        for inst in self.pools["decode"].instances:
-            if inst.ended is None:
-                self.advance(inst, now)
-        self.sampler.record_counters(now, self.c)
-        p, d = self.pools["prefill"], self.pools["decode"]
-        inp = PolicyInput(
-            now=now,
-            observation=self.sampler.observation(now, p.reporting(), d.reporting()),
-            prefill_current=p.desired, prefill_ready=p.ready_count(),
-            decode_current=d.desired, decode_ready=d.ready_count(),
-            prefill_utilisation=self.sampler.utilisation(now, "prefill", p.reporting(), self.m.prefill_tps),
-            decode_utilisation=self.sampler.utilisation(now, "decode", d.reporting(), self.m.decode_tps),
-            short_observation=self.sampler.short(now, self.flipw_s) if self.flipw_s else None,
-        )
-        self.apply(self.policy.decide(inp), now,
-                   inp.observation.request_rate or 0.0 if inp.observation else 0.0)
-        if now + self.interval_s <= self.horizon:
-            self.push(now + self.interval_s, TICK)
-
-    def apply(self, want: tuple[int, int], now: float, rate: float) -> None:
-        """Carry out a decision: the flips the policy chose first, then the pools' new sizes; one timeline row."""
-        to_prefill, to_decode = getattr(self.policy, "pending_flips", (0, 0))
-        if to_prefill:
-            self.flip("decode", "prefill", to_prefill, now)
-        if to_decode:
-            self.flip("prefill", "decode", to_decode, now)
-        for role, n in zip(("prefill", "decode"), want, strict=True):
-            if n != self.pools[role].desired:
-                self.scale_events += 1
-                self.set_size(role, n, now)
-        p, d = self.pools["prefill"], self.pools["decode"]
-        self.timeline.append((now, p.desired, d.desired, p.ready_count(), d.ready_count(), rate))
-
-    def fast_tick(self, now: float) -> None:
-        """The fast path (`operator/autoscaler_fast.py`) between two ticks: the queue gauges as last sampled."""
-        k = round(now / self.interval_s)
-        if abs(now - k * self.interval_s) > 1e-6:  # a tick at the same moment decides on its own
-            p, d = self.pools["prefill"], self.pools["decode"]
-            views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
-            want = self.policy.fast(now, self.sampler.gauges(), *views)
-            if want is not None:
-                self.apply(want, now, self.timeline[-1][5] if self.timeline else 0.0)
-        if now + self.fast_s <= self.horizon:
-            self.push(now + self.fast_s, FAST)
-
-    def flip_tick(self, now: float) -> None:
-        """The short-window flip step between two ticks (a tick at the same moment runs it itself)."""
-        k = round(now / self.interval_s)
-        if abs(now - k * self.interval_s) > 1e-6:
-            for inst in self.pools["decode"].instances:
-                if inst.ended is None:
-                    self.advance(inst, now)
-            self.sampler.record_counters(now, self.c)
-            p, d = self.pools["prefill"], self.pools["decode"]
-            views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
-            want = self.policy.flip_window(now, self.sampler.short(now, self.flipw_s), *views)
-            if want is not None:
-                self.apply(want, now, self.timeline[-1][5] if self.timeline else 0.0)
-        if now + self.flipw_tick_s <= self.horizon:
-            self.push(now + self.flipw_tick_s, FLIPW)
-
     # ---- main loop --------------------------------------------------------------------------------
     def run(self) -> RunResult:
         p0, d0 = self.policy.initial()
@@ -349,12 +285,7 @@ class Cluster:
             self.push(r.t, ARRIVAL, None, rid)
         self.sampler.record_counters(0.0, self.c)
         self.push(0.0, SAMPLE)
-        if self.interval_s <= self.horizon:
-            self.push(self.interval_s, TICK)
-        if 0 < self.fast_s <= self.horizon:
-            self.push(self.fast_s, FAST)
-        if self.flipw_s and 0 < self.flipw_tick_s < self.interval_s:
-            self.push(self.flipw_tick_s, FLIPW)
+        autoscaling.start(self)
         self.loop()
         return self.result()
 
@@ -398,11 +329,11 @@ class Cluster:
             elif kind == LOCAL_DONE:
                 aggregation.local_done(self, a, b, now)  # type: ignore[arg-type]
             elif kind == TICK:
-                self.tick(now)
+                autoscaling.tick(self, now)
             elif kind == FAST:
-                self.fast_tick(now)
+                autoscaling.fast_tick(self, now)
             elif kind == FLIPW:
-                self.flip_tick(now)
+                autoscaling.flip_tick(self, now)
             elif kind == SAMPLE:
                 self.sampler.record_queues(now, len(self.pqueue) - self.phead, len(self.dqueue) - self.dhead)
                 if now + self.sampler.step_s <= self.horizon:
