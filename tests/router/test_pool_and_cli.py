@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
@@ -15,10 +16,39 @@ def test_resolve_service_gives_one_url_per_address() -> None:
     assert urls and all(u.startswith("http://") and u.endswith(":8123") for u in urls)
     # the operator renders Service URLs: http://<name>-prefill.<ns>.svc:8000
     assert resolve_service("http://localhost:8124") and all(u.endswith(":8124") for u in resolve_service("http://localhost:8124"))
-    assert resolve_service("no-such-host.invalid:80") == []
     assert parse_service("http://pd-prefill.ns.svc:8000") == ("http", "pd-prefill.ns.svc", 8000)
     assert parse_service("pd-decode") == ("http", "pd-decode", 8000)
     assert parse_service("pd-decode:9000") == ("http", "pd-decode", 9000)
+
+
+def _dns(monkeypatch: pytest.MonkeyPatch, answer: list[str] | int) -> None:
+    """getaddrinfo answering these addresses, or failing with this EAI_* code."""
+    def getaddrinfo(host: str, port: int, *a: object, **kw: object) -> list[tuple]:
+        if isinstance(answer, int):
+            raise socket.gaierror(answer, "test")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answer]
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_dns_server_that_does_not_answer_keeps_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that fails without an answer (EAI_AGAIN: CoreDNS starved on a busy node, seen in e2e) says nothing
+    about the Service: its workers stay. An answer without the address (a headless Service without ready pods:
+    NXDOMAIN) is a worker gone."""
+    pool = Pool(decode_services=["http://pd-decode.ns.svc:8000"])
+    _dns(monkeypatch, ["10.0.0.7", "10.0.0.8"])
+    pool.refresh_services()
+    assert sorted(w.url for w in pool.pool("decode")) == ["http://10.0.0.7:8000", "http://10.0.0.8:8000"]
+    _dns(monkeypatch, socket.EAI_AGAIN)
+    assert resolve_service("http://pd-decode.ns.svc:8000") is None
+    pool.refresh_services()
+    assert len(pool.pool("decode")) == 2
+    _dns(monkeypatch, ["10.0.0.8"])
+    pool.refresh_services()
+    assert [w.url for w in pool.pool("decode")] == ["http://10.0.0.8:8000"]
+    _dns(monkeypatch, socket.EAI_NONAME)
+    assert resolve_service("http://pd-decode.ns.svc:8000") == []
+    pool.refresh_services()
+    assert pool.pool("decode") == []
 
 
 async def test_pool_marks_and_snapshot() -> None:

@@ -100,13 +100,24 @@ def parse_service(spec: str, default_port: int = 8000) -> tuple[str, str, int]:
     return "http", spec, default_port
 
 
-def resolve_service(spec: str, default_port: int = 8000) -> list[str]:
+# getaddrinfo's answers that mean "this name has no address" (a headless Service without ready pods reads
+# NXDOMAIN): its workers left. Any other failure (EAI_AGAIN: the DNS server did not answer in time, as when
+# CoreDNS is starved on a busy node) says nothing about the Service: its workers stay, and the health probes
+# still take out any that are really gone.
+_NO_ADDRESS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def resolve_service(spec: str, default_port: int = 8000) -> list[str] | None:
     """A Service -> worker URLs, one per address: a headless Service's DNS name returns every ready pod's IP,
-    which is how the router discovers (and forgets) workers as pods come and go."""
+    which is how the router discovers (and forgets) workers as pods come and go. None: the lookup failed
+    without an answer (the members are unknown, not gone)."""
     scheme, host, port = parse_service(spec, default_port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
+    except socket.gaierror as e:
+        log.warning("cannot resolve %s: %s", spec, e)
+        return [] if e.errno in _NO_ADDRESS else None
+    except UnicodeError as e:  # a name no DNS server can be asked for
         log.warning("cannot resolve %s: %s", spec, e)
         return []
     addrs = sorted({str(info[4][0]) for info in infos})
@@ -285,7 +296,10 @@ class Pool:
     def refresh_services(self) -> None:
         for role, services in (("prefill", self.prefill_services), ("decode", self.decode_services)):
             for svc in services:
-                urls = set(resolve_service(svc))
+                found = resolve_service(svc)
+                if found is None:  # no answer this round: keep its workers as they are
+                    continue
+                urls = set(found)
                 for url in urls:
                     self._add(url, role, source=svc)
                 for (r, url), w in list(self.workers.items()):
