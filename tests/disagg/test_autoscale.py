@@ -218,6 +218,20 @@ def test_scale_down_waits_for_the_stabilization_window(monkeypatch: pytest.Monke
     assert calls[-1][1].reason == "ScaleDown" and sup.log[2:] == ["-decode-2"]  # one step at a time
 
 
+def flip_rig(monkeypatch: pytest.MonkeyPatch, url: str, secret: bytes, *, flip_window: float
+             ) -> tuple[FakeSup, FakeCluster, Autoscaler]:
+    """Two prefill workers (prefill-1 a real one at `url`, which can flip) and one decode worker running, the
+    metrics simulated on a fake clock, `/internal/role` real."""
+    workers = {**WORKERS, "prefill-1": ("prefill", url)}
+    policy = Policy(bounds=Bounds(1, 3, 1, 3), decode_capacity=1000.0, prefill_capacity=10_000.0)
+    sup = FakeSup({n: FakeProc(True, object() if n in ("prefill-0", "prefill-1", "decode-0") else None)
+                   for n in workers})
+    cluster = FakeCluster(sup, workers)
+    monkeypatch.setattr(autoscale.httpx, "get", cluster.get)  # the metrics are simulated; /internal/role is not
+    monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
+    return sup, cluster, Autoscaler(ROUTER, sup, workers, policy, interval=15, flip_window=flip_window, secret=secret)
+
+
 def test_up_autoscale_flips_a_worker_of_the_pool_with_slack(monkeypatch: pytest.MonkeyPatch,
                                                            tiny_model_dir: Any) -> None:
     """Decode must grow by 2 while prefill runs 2 and needs 1: one prefill worker (a real one, tiny model) is
@@ -226,14 +240,7 @@ def test_up_autoscale_flips_a_worker_of_the_pool_with_slack(monkeypatch: pytest.
 
     app, _ = make_worker(tiny_model_dir, "prefill")
     with serve(app) as url:
-        workers = {**WORKERS, "prefill-1": ("prefill", url)}
-        policy = Policy(bounds=Bounds(1, 3, 1, 3), decode_capacity=1000.0, prefill_capacity=10_000.0)
-        sup = FakeSup({n: FakeProc(True, object() if n in ("prefill-0", "prefill-1", "decode-0") else None)
-                       for n in workers})
-        cluster = FakeCluster(sup, workers)
-        monkeypatch.setattr(autoscale.httpx, "get", cluster.get)  # the metrics are simulated; /internal/role is not
-        monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
-        scaler = Autoscaler(ROUTER, sup, workers, policy, interval=15, flip_window=0, secret=SECRET)
+        sup, cluster, scaler = flip_rig(monkeypatch, url, SECRET, flip_window=0)
         cluster.rate = 40.0  # decode: ceil(1.5 x 40 x 50 / 1000) = 3; prefill: ceil(1.5 x 40 x 100 / 10 000) = 1
         events = _run(cluster, scaler, 16.5)
         assert any("flipped prefill-1: prefill -> decode" in e for e in events), events

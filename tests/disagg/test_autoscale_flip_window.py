@@ -11,11 +11,10 @@ import httpx
 import pytest
 
 from pdcluster.operator.autoscaler import Policy
-from pdcluster.operator.planner import Bounds
 from pdcluster.worker.local import autoscale
 from pdcluster.worker.local.autoscale import Autoscaler, Scrape, window_observation
 
-from .test_autoscale import ROUTER, WORKERS, FakeCluster, FakeProc, FakeSup, _router, _run
+from .test_autoscale import ROUTER, WORKERS, FakeProc, FakeSup, _router, _run, flip_rig
 
 
 def test_the_window_runs_from_the_newest_scrape_a_window_old_with_the_queues_at_its_end() -> None:
@@ -42,14 +41,7 @@ def test_the_flip_window_flips_a_worker_between_decisions(monkeypatch: pytest.Mo
 
     app, _ = make_worker(tiny_model_dir, "prefill")
     with serve(app) as url:
-        workers = {**WORKERS, "prefill-1": ("prefill", url)}
-        policy = Policy(bounds=Bounds(1, 3, 1, 3), decode_capacity=1000.0, prefill_capacity=10_000.0)
-        sup = FakeSup({n: FakeProc(True, object() if n in ("prefill-0", "prefill-1", "decode-0") else None)
-                       for n in workers})
-        cluster = FakeCluster(sup, workers)
-        monkeypatch.setattr(autoscale.httpx, "get", cluster.get)  # the metrics are simulated; /internal/role is not
-        monkeypatch.setattr(autoscale.time, "monotonic", lambda: cluster.t)
-        scaler = Autoscaler(ROUTER, sup, workers, policy, interval=15, flip_window=flip_window, secret=SECRET)
+        sup, cluster, scaler = flip_rig(monkeypatch, url, SECRET, flip_window=flip_window)
         # prefill ceil(1.5 x 40 x 300 / 10 000) = 2, decode ceil(1.5 x 40 x 10 / 1000) = 1: as they run
         cluster.rate, cluster.in_len, cluster.out_len = 40.0, 300.0, 10.0
         events = _run(cluster, scaler, 16.5)  # one decision (t=15), which changes nothing
