@@ -81,3 +81,15 @@ def message(d: asc.Decision) -> str:
     parts = [f"{r} {d.pool(r).current}->{d.pool(r).desired} ({c[r]})" for r in asc.POOLS]
     limits = f"; limited by {', '.join(d.limited_by)}" if d.limited_by else ""
     return f"{', '.join(parts)}: {d.reason}{limits}"
+
+
+def window_inputs(d: asc.Decision) -> str:
+    """What a short-window flip step (`RoleFlipShortWindow`) read: the operator's Scaled Event and `up`'s log."""
+    i = d.inputs
+
+    def f(x: float | None, unit: str = "") -> str:
+        return "n/a" if x is None else f"{x:.4g}{unit}"
+
+    return (f"last {i['flipWindowSeconds']:g} s: rate {f(i['requestRate'], ' req/s')}, "
+            f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])}, "
+            f"need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}")

@@ -100,6 +100,14 @@ def short_needs(policy: asc.Policy, state: asc.State, obs: asc.Observation | Non
     return ShortNeeds(need, short, keep)
 
 
+def keep(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, window_seconds: float
+         ) -> dict[str, int] | None:
+    """What a decision's own flips leave each pool (`autoscaler_flip.plan`'s `keep`): the trusted short
+    window's `keep`; None (no floor) with the window off (0) or not to be trusted."""
+    sn = short_needs(policy, state, obs, window_seconds) if window_seconds else None
+    return sn.keep if sn is not None else None
+
+
 def _fresh(ps: asc.PoolState, now: float, window_seconds: float) -> bool:
     ref = ps.ready_at if ps.ready_at is not None else ps.last_change
     return ref is None or now - ref >= window_seconds - 1e-9

@@ -178,27 +178,29 @@ def scaled_message(decision: asc.Decision, base: Mapping[str, int], desired: Map
             f"headroom {i['headroom']})")
 
 
-def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
-             observed: Observed, now: float, short: asc.Observation | None = None) -> Step:
-    """One autoscaler evaluation: state from status, decide, and the status/conditions that record it.
-    `short`: the flip window's observation (spec.autoscaling.flipWindowSeconds): no flip of the decision takes a
-    pool below what that window asks it to keep (`autoscaler_flip.plan`)."""
+def _inputs(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
+            now: float) -> tuple[asc.State, dict[str, asc.PoolView], asc.Policy]:
+    """What a decision and the flip step start from: the state in status, the pools, the spec's policy."""
     # what was learned under another tensor-parallel layout is dropped (State.for_layout)
     state = st.autoscaler_state(autoscaler_status).for_layout(
         {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
     # A pool with no recorded change waits for its Deployment's first rollout, counted from the
     # Deployment's creation (now, if it is being created in this pass).
     views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}
-    policy = asc.Policy.from_spec(spec)
+    return state, views, asc.Policy.from_spec(spec)
+
+
+def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
+             observed: Observed, now: float, short: asc.Observation | None = None) -> Step:
+    """One autoscaler evaluation: state from status, decide, and the status/conditions that record it.
+    `short`: the flip window's observation (spec.autoscaling.flipWindowSeconds): no flip of the decision takes a
+    pool below what that window asks it to keep (`autoscaler_flip.plan`)."""
+    state, views, policy = _inputs(spec, base, pools, autoscaler_status, now)
     decision = asc.decide(policy, state, observed.obs, views["prefill"], views["decode"], now)
     before_flips = None
     if flips.incompatible(spec) is None:  # spec.roleFlips: the short pool's growth from the other's slack
         before_flips = {r: decision.pool(r).desired for r in ROLES}
-        keep = None
-        if short is not None and spec.autoscaling.flipWindowSeconds:
-            sn = autoscaler_flip_window.short_needs(policy, decision.state, short,
-                                                    float(spec.autoscaling.flipWindowSeconds))
-            keep = sn.keep if sn is not None else None
+        keep = autoscaler_flip_window.keep(policy, decision.state, short, float(spec.autoscaling.flipWindowSeconds))
         decision = autoscaler_flip.applied(decision, policy, keep)
     desired = {r: decision.pool(r).desired for r in ROLES}  # within the bounds: decide clamps last
     return Step(
@@ -226,10 +228,7 @@ def flip_window(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autosca
     rec = autoscaler_flip_window.last_recommended(autoscaler_status)
     if observed.obs is None or not rec:
         return None
-    state = st.autoscaler_state(autoscaler_status).for_layout(
-        {r: spec.pool(r).tensorParallelSize for r in ROLES}, now)
-    views = {r: asc.PoolView(base[r], pools.ready[r], pools.created[r] or now) for r in ROLES}
-    policy = asc.Policy.from_spec(spec)
+    state, views, policy = _inputs(spec, base, pools, autoscaler_status, now)
     d = autoscaler_flip_window.window_flips(policy, state, observed.obs, views["prefill"], views["decode"], now,
                                             window_seconds=float(spec.autoscaling.flipWindowSeconds),
                                             recommended=rec)
@@ -241,14 +240,7 @@ def flip_window(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autosca
     desired = {r: d.pool(r).desired for r in ROLES}
     return Step(desired=desired, next_delay=autoscaler_flip_window.period(spec.autoscaling.flipWindowSeconds),
                 autoscaler_status=status, decision=d, before_flips=dict(base),
-                scaled_message=autoscaler_explain.message(d) + window_detail(d))
-
-
-def window_detail(d: asc.Decision) -> str:
-    i = d.inputs
-    return (f" (last {i['flipWindowSeconds']:g} s: rate {_fmt(i['requestRate'], ' req/s')}, "
-            f"I {_fmt(i['meanInputTokens'])}, O {_fmt(i['meanOutputTokens'])}, "
-            f"need prefill {_fmt(i['prefillWindowNeed'])}, decode {_fmt(i['decodeWindowNeed'])})")
+                scaled_message=f"{autoscaler_explain.message(d)} ({autoscaler_explain.window_inputs(d)})")
 
 
 async def observe(source_for: Callable[[str], MetricsSource], cluster: str, spec: PDClusterSpec,

@@ -88,8 +88,12 @@ class Core:
     def initial(self) -> tuple[int, int]:
         return self.start or (self.core.bounds.min_prefill, self.core.bounds.min_decode)
 
+    def policy(self) -> CorePolicy:
+        """The operator's policy as this core runs it (its burst window)."""
+        return replace(self.core, burst_window_seconds=self.burst_s or None)
+
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
-        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        core = self.policy()
         views = (PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
                  PoolView(inp.decode_current, inp.decode_ready, since=0.0))
         d = decide(core, self.state, inp.observation, *views, inp.now)
@@ -98,10 +102,8 @@ class Core:
         self.last_rec = {"prefill": d.prefill.recommended, "decode": d.decode.recommended}
         if self.log is not None:
             self.log.append(decisions.row(inp.now, inp.observation, *views, d))
-        keep = None
-        if self.flip and self.flip_window_s:
-            sn = autoscaler_flip_window.short_needs(core, d.state, inp.short_observation, self.flip_window_s)
-            keep = sn.keep if sn is not None else None
+        keep = (autoscaler_flip_window.keep(core, d.state, inp.short_observation, self.flip_window_s)
+                if self.flip else None)
         sizes = self._apply(d, core, keep)
         if d.changed or self.pending_flips != (0, 0):
             return sizes
@@ -113,7 +115,7 @@ class Core:
         self.pending_flips = (0, 0)
         if not (self.flip and self.flip_window_s):
             return None
-        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        core = self.policy()
         d = autoscaler_flip_window.window_flips(core, self.state, short, prefill, decode, now,
                                                 window_seconds=self.flip_window_s, recommended=self.last_rec)
         if d is None:
@@ -144,7 +146,7 @@ class Core:
 
     def fast(self, now: float, gauges: dict[str, Gauges], prefill: PoolView, decode: PoolView) -> tuple[int, int] | None:
         """The fast path between two decisions: new sizes, or None to leave the pools as they are."""
-        core = replace(self.core, burst_window_seconds=self.burst_s or None)
+        core = self.policy()
         d = autoscaler_fast.fast_decide(core, self.state, self.last_obs, gauges, prefill, decode, now, self.last_rec)
         self.pending_flips = (0, 0)
         if d is None:

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from pdcluster.operator import autoscaler_flip, autoscaler_flip_window
+from pdcluster.operator import autoscaler_explain, autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
 from pdcluster.operator.autoscaler_rules import join_cost
 from pdcluster.worker.transfer.secret import internal_headers
@@ -147,9 +147,7 @@ def describe(d: Decision, before: dict[str, int]) -> str:
 
     if d.reason == autoscaler_flip.FLIP_WINDOW:
         return (f"prefill {before['prefill']}->{d.prefill.desired}, decode {before['decode']}->{d.decode.desired} "
-                f"({d.reason}: last {i['flipWindowSeconds']:g} s: rate {f(i['requestRate'], ' req/s')}, "
-                f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])}, "
-                f"need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}: flips only)")
+                f"({d.reason}: {autoscaler_explain.window_inputs(d)}: flips only)")
     return (f"prefill {before['prefill']}->{d.prefill.desired}, decode {before['decode']}->{d.decode.desired} "
             f"({d.reason}: rate {f(i['requestRate'], ' req/s')}, I {f(i['meanInputTokens'])}, "
             f"O {f(i['meanOutputTokens'])}, C_p {f(i['prefillCapacity'])} ({i['prefillCapacitySource']}), "
@@ -234,9 +232,8 @@ class Autoscaler:
         self.state = d.state
         self.last_rec = {r: d.pool(r).recommended for r in POOLS}
         if self.flips:  # the short pool's growth from the other's slack, never below what the flip window keeps
-            sn = (autoscaler_flip_window.short_needs(self.policy, d.state, short, self.flip_window)
-                  if self.flip_window else None)
-            d = autoscaler_flip.applied(d, self.policy, sn.keep if sn is not None else None)
+            keep = autoscaler_flip_window.keep(self.policy, d.state, short, self.flip_window)
+            d = autoscaler_flip.applied(d, self.policy, keep)
         events = self.apply(d, current)
         if self.flip_window and not d.changed:  # a decision that changes nothing: the flip step on its tick
             events += self._flip_step(scrape, short, now)
