@@ -249,3 +249,15 @@ def test_up_autoscale_flips_a_worker_of_the_pool_with_slack(monkeypatch: pytest.
         with httpx.Client() as h:
             assert h.get(f"{url}/health").json()["role"] == "decode"  # the same process, now decode
         assert any("RoleFlip" in e for e in events)
+
+
+def test_observation_reads_o_by_completion_from_the_routers_histogram() -> None:
+    """The flip window's O: the mean length of the requests that finished between the scrapes (the router's
+    pdcluster_request_generation_tokens sum / count), beside tokens generated per request admitted."""
+    fin = {"pdcluster_request_generation_tokens_count": 10, "pdcluster_request_generation_tokens_sum": 4_000}
+    first = Scrape(0.0, {**_router(100, 10_000, 2_000), **fin})
+    last = Scrape(10.0, {**_router(140, 14_000, 20_000), "pdcluster_request_generation_tokens_count": 30,
+                         "pdcluster_request_generation_tokens_sum": 22_000})
+    obs = observation(first, last, {})
+    assert obs is not None and obs.mean_output_tokens == 18_000 / 40 and obs.finished_output_tokens == 18_000 / 20
+    assert observation(first, Scrape(10.0, {**_router(140, 14_000, 20_000), **fin}), {}).finished_output_tokens is None

@@ -193,3 +193,20 @@ async def test_on_a_decisions_tick_that_changes_nothing_the_flip_step_runs_too()
     assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)  # the decision was made: due again in 30 s
     assert {c["type"] for c in s.conditions} >= {"MetricsAvailable", "ScalingLimited", "SLOMet"}
     assert s.next_delay == 10
+
+
+def test_o_is_read_by_completion_where_requests_finished_in_the_window():
+    """20 s after a turn toward long answers, tokens generated per request admitted still reads 265 (the answers
+    have barely begun); the requests that finished in the window averaged 900: that is the window's O."""
+    from dataclasses import replace
+
+    lagging = obs(4.0, i=400, o=265)
+    assert flips(o=lagging) is None  # 4 x 265 / 2000 = 0.53 decode: no flip on O by admission
+    d = flips(o=replace(lagging, finished_output_tokens=900.0))
+    assert d is not None and (d.prefill.desired, d.decode.desired) == (2, 2)
+    assert d.inputs["decodeWindowNeed"] == pytest.approx(4 * 900 / 2000)
+    assert d.inputs["meanOutputTokens"] == 265 and d.inputs["finishedOutputTokens"] == 900
+    assert "by completion 900" in explain.window_inputs(d)
+    # the other way: O by admission overshoots while a backlog drains; the finished requests' 900 holds
+    assert fw.short_needs(policy(), asc.State(), replace(obs(4.0, i=400, o=1400), finished_output_tokens=900.0),
+                          W).need["decode"] == pytest.approx(4 * 900 / 2000)

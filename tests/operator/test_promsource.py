@@ -29,6 +29,8 @@ IN, OUT = 2048, 512
 HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix cache
 # TTFT histogram of the router: per request, 60% under 0.5 s, 30% in (0.5, 1], 10% in (1, 5]
 TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
+FIN_RATE, FIN_OUT = 3.0, 768  # requests/s finishing, and their mean length (O by completion)
+VLLM_FIN_OUT = 640
 JOIN = 0.04  # t_join: seconds from a request's KV being complete to its first output on a decode worker
 
 
@@ -66,6 +68,11 @@ class Workload:
         h.add_metric(["demo", "router", "r0"], [(str(le), share * n) for le, share in TTFT] + [("+Inf", n)],
                      sum_value=n, timestamp=now)
         yield h
+        f = HistogramMetricFamily("pdcluster_request_generation_tokens", "finished lengths",
+                                  labels=["pdcluster", "role", "worker"])
+        f.add_metric(["demo", "router", "r0"], [("+Inf", FIN_RATE * t)], sum_value=FIN_RATE * FIN_OUT * t,
+                     timestamp=now)
+        yield f
         j = HistogramMetricFamily("pdcluster_decode_join_seconds", "join", labels=["pdcluster", "role", "worker"])
         for w in ("d0", "d1"):  # each decode worker admits half the requests
             j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2,
@@ -113,6 +120,11 @@ def vllm_series(t: float, now: float):
         h.add_metric(["vdemo", "decode", w], [(str(le), share * n / 2) for le, share in TTFT] + [("+Inf", n / 2)],
                      sum_value=n / 2, timestamp=now)
     yield h
+    f = HistogramMetricFamily("vllm:request_generation_tokens", "finished lengths", labels=labels)
+    for w in ("d0", "d1"):
+        f.add_metric(["vdemo", "decode", w], [("+Inf", FIN_RATE * t / 2)], sum_value=FIN_RATE * VLLM_FIN_OUT * t / 2,
+                     timestamp=now)
+    yield f
     x = HistogramMetricFamily("vllm:nixl_xfer_time_seconds", "nixl", labels=labels)
     for w in ("d0", "d1"):
         x.add_metric(["vdemo", "decode", w], [("+Inf", 0.95 * n / 2)], sum_value=0.01 * n, timestamp=now)
@@ -220,6 +232,8 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.tpot_seconds is None  # no TPOT histogram exported: the guard for decode is skipped
     assert o.peak_request_rate == pytest.approx(RATE, rel=0.2)  # a steady rate: the peak is the mean
     assert o.decode_join_seconds == pytest.approx(JOIN, rel=0.02)  # rate of the sum over rate of the count
+    # O by completion: the mean length of the requests that finished, from the router's histogram
+    assert o.finished_output_tokens == pytest.approx(FIN_OUT, rel=0.02)
     # without the SLO guard or a burst window, those queries are not asked
     o = source.observe("demo", window_seconds=WINDOW, at=at)
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None
@@ -245,6 +259,9 @@ def test_vllm_workers_read_through_the_same_contract(prometheus: str) -> None:
     assert o.decode_tokens_per_instance == pytest.approx(RATE * OUT / 2, rel=0.1)
     assert o.decode_saturated is True and o.prefill_saturated is False
     assert o.decode_queue_mean == pytest.approx(4.0)
+    assert o.decode_queue_now == 4 and o.prefill_queue_now == 0  # vLLM's queue gauge, as for the mean
+    # no router histogram of finished lengths here: vLLM's own, on the decode workers
+    assert o.finished_output_tokens == pytest.approx(VLLM_FIN_OUT, rel=0.02)
     assert o.prefix_hit_rate == pytest.approx(HIT, rel=0.05)
     assert o.ttft_seconds == pytest.approx(3.0, rel=0.1)  # vLLM's histogram, the router having none here
     assert o.decode_join_seconds is None  # vLLM exports no join series: the term is left out

@@ -90,3 +90,21 @@ def test_the_queue_now_is_the_latest_sample():
     o = s.observation(30.0, 1, 1)
     assert o is not None and o.prefill_queue_now == 2.0 and o.decode_queue_now == 3.0
     assert o.prefill_queue_mean == (5 + 9 + 2) / 3
+
+
+def test_o_by_completion_is_the_mean_length_of_the_requests_that_finished():
+    """Counters.finished / finished_tokens (the router's pdcluster_request_generation_tokens): every request
+    that ends is counted once with its whole length, and the windows report their mean."""
+    reqs = [Request(t=0.1 * k, input_tokens=100, output_tokens=o) for k, o in enumerate([1, 50, 400, 7] * 5)]
+    trace = Trace(tuple(reqs), schema="mooncake", source="t")
+    policy = pol.make("static-1:1", 10_000.0, 2_000.0)
+    from pdcluster.bench.sim.cluster import Cluster
+
+    c = Cluster(trace, ServiceModel(), policy)
+    c.run()
+    assert c.c.finished == len(reqs) and c.c.finished_tokens == sum(r.output_tokens for r in reqs)
+    s = Sampler(window_s=120.0)
+    s.record_counters(0.0, Counters())
+    s.record_counters(60.0, c.c)
+    assert s.observation(60.0, 1, 1).finished_output_tokens == pytest.approx((1 + 50 + 400 + 7) / 4)
+    assert s.short(60.0, 60.0).finished_output_tokens == pytest.approx((1 + 50 + 400 + 7) / 4)

@@ -83,6 +83,10 @@ class Observation:
     decode_queue_now: float | None = None
     kv_transfers_per_second: float | None = None  # completed prefill->decode KV transfers (KVTransferDegraded)
     kv_transfer_failures_per_second: float | None = None
+    # mean generated tokens of the requests that finished in the window (the router's
+    # pdcluster_request_generation_tokens sum / count): O by completion, which does not lag a turn of the mix
+    # toward long answers as O by admission does (autoscaler_flip_window)
+    finished_output_tokens: float | None = None
 
 
 @dataclass(frozen=True)

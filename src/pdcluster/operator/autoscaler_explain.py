@@ -91,5 +91,5 @@ def window_inputs(d: asc.Decision) -> str:
         return "n/a" if x is None else f"{x:.4g}{unit}"
 
     return (f"last {i['flipWindowSeconds']:g} s: rate {f(i['requestRate'], ' req/s')}, "
-            f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])}, "
-            f"need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}")
+            f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])} "
+            f"(by completion {f(i.get('finishedOutputTokens'))}), need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}")

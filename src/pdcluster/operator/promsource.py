@@ -8,6 +8,9 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
   ends on a decode worker)
 - I  = rate(pdcluster_prompt_tokens_total) / λ, O = rate(pdcluster_generation_tokens_total) / λ
   (router series first, else prefill/decode workers)
+- O by completion = rate(pdcluster_request_generation_tokens_sum) / rate(..._count): the mean length of the
+  requests that finished in the window (router first, else decode workers; optional: the flip window's O,
+  `autoscaler_flip_window.by_completion`)
 - per-instance throughput: prompt tok/s of role="prefill" (output tok/s of role="decode") divided by the
   number of instances reporting `pdcluster_requests_waiting` for that role
 - saturated: min over the window of sum(pdcluster_requests_waiting{role=...}) > 0, i.e. the queue never
@@ -61,6 +64,7 @@ SERIES: dict[str, dict[str, str | None]] = {
         "requests": "pdcluster_requests_total",
         "prompt_tokens": "pdcluster_prompt_tokens_total",
         "generation_tokens": "pdcluster_generation_tokens_total",
+        "finished_generation_tokens": "pdcluster_request_generation_tokens",  # histogram: _sum / _count
         "waiting": "pdcluster_requests_waiting",
         "prefix_hit_tokens": "pdcluster_prefix_cache_hit_tokens_total",
         "ttft": "pdcluster_time_to_first_token_seconds",
@@ -75,6 +79,7 @@ SERIES: dict[str, dict[str, str | None]] = {
         "requests": "vllm[:_]request_success_total",
         "prompt_tokens": "vllm[:_]prompt_tokens_total",
         "generation_tokens": "vllm[:_]generation_tokens_total",
+        "finished_generation_tokens": "vllm[:_]request_generation_tokens",
         "waiting": "vllm[:_]num_requests_waiting",
         "prefix_hit_tokens": "vllm[:_]prefix_cache_hits_total",
         "ttft": "vllm[:_]time_to_first_token_seconds",
@@ -206,7 +211,7 @@ class PrometheusSource:
             return scalar(f"avg_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
 
         def queue_now(sel: str) -> float | None:
-            return scalar(f"sum(pdcluster_requests_waiting{sel})")
+            return scalar(f"sum({_series(wk['waiting'], sel)})")
 
         def saturated(sel: str) -> bool:
             v = scalar(f"min_over_time(sum({_series(wk['waiting'], sel)})[{w}:{step}])")
@@ -226,6 +231,15 @@ class PrometheusSource:
                 f"max_over_time(sum(rate({_series(ROUTER['requests'], router)}[{b}]))[{w}:{sub}])",
                 f"max_over_time(sum(rate({_series(wk['requests'], decode)}[{b}]))[{w}:{sub}])",
             )
+
+        def finished_mean() -> float | None:
+            for hist, sel in ((ROUTER["finished_generation_tokens"], router),
+                              (wk["finished_generation_tokens"], decode)):
+                count = scalar(f"sum(rate({_series(f'{hist}_count', sel)}[{w}]))")
+                if count:
+                    total = scalar(f"sum(rate({_series(f'{hist}_sum', sel)}[{w}]))")
+                    return total / count if total is not None else None
+            return None
 
         join = None
         if wk["join"] is not None:
@@ -256,6 +270,7 @@ class PrometheusSource:
             peak_request_rate=peak,
             ttft_seconds=quantile("ttft"),
             tpot_seconds=quantile("tpot"),
+            finished_output_tokens=finished_mean(),
             prefill_queue_mean=queue_mean(prefill),
             decode_queue_mean=queue_mean(decode),
             decode_join_seconds=join,

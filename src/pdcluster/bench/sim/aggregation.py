@@ -53,7 +53,7 @@ def local_done(c: Cluster, d: Instance, rid: int, now: float) -> None:
     c.pending_first -= 1
     c.c.generated += 1
     if c.out[rid] == 1:
-        c.done[rid] = now
+        c.finish(rid, now)
         d.n -= 1
         if d.draining and d.n == 0:
             c.retire(d, now)

@@ -248,12 +248,18 @@ class Cluster:
             self.pending_first -= 1
             self.c.generated += 1  # the first token
             if self.out[rid] == 1:
-                self.done[rid] = now
+                self.finish(rid, now)
                 continue
             self.advance(d, now)
             heapq.heappush(d.fin, (d.v + self.out[rid] - 1, rid))
             d.n += 1
             self.reschedule(d, now)
+
+    def finish(self, rid: int, now: float) -> None:
+        """Request `rid` generated its last token (pdcluster_request_generation_tokens observes its length)."""
+        self.done[rid] = now
+        self.c.finished += 1
+        self.c.finished_tokens += self.out[rid]
 
     def decode_done(self, d: Instance, ver: int, now: float) -> None:
         if ver != d.ver or d.ended is not None:
@@ -261,7 +267,7 @@ class Cluster:
         self.advance(d, now)
         while d.fin and d.fin[0][0] <= d.v + 1e-9:
             _, rid = heapq.heappop(d.fin)
-            self.done[rid] = now
+            self.finish(rid, now)
             self.sampler.tpot.append((now, (now - self.first[rid]) / (self.out[rid] - 1)))  # type: ignore[operator]
             d.n -= 1
         if d.n == 0:

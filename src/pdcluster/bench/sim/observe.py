@@ -24,6 +24,8 @@ from pdcluster.operator.autoscaler import Observation
 from pdcluster.operator.autoscaler_fast import Gauges
 from pdcluster.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
+Snapshot = tuple[int, int, int, float, int, int, int]  # Counters' fields, in order
+
 
 @dataclass
 class Counters:
@@ -32,9 +34,12 @@ class Counters:
     prefill_tokens: int = 0  # pdcluster_prompt_tokens_total{role="prefill"} (at prefill start)
     generated: float = 0.0  # pdcluster_generation_tokens_total (fluid: fractional between events)
     prefix_hit_tokens: int = 0  # pdcluster_prefix_cache_hit_tokens_total{role="prefill"}
+    finished: int = 0  # pdcluster_request_generation_tokens_count{role="router"}: requests that ended
+    finished_tokens: int = 0  # ..._sum: their generated tokens
 
-    def snapshot(self) -> tuple[int, int, int, float, int]:
-        return (self.admitted, self.prompt_tokens, self.prefill_tokens, self.generated, self.prefix_hit_tokens)
+    def snapshot(self) -> Snapshot:
+        return (self.admitted, self.prompt_tokens, self.prefill_tokens, self.generated, self.prefix_hit_tokens,
+                self.finished, self.finished_tokens)
 
 
 def histogram_quantile(q: float, buckets: tuple[float, ...], values: list[float]) -> float | None:
@@ -74,7 +79,7 @@ class Sampler:
     burst_s: float = 0.0  # 0 = no peak λ
     percentile: float | None = None  # None = no latency quantiles
     times: list[float] = field(default_factory=list)
-    snaps: list[tuple[int, int, int, float, int]] = field(default_factory=list)
+    snaps: list[Snapshot] = field(default_factory=list)
     admit_times: list[float] = field(default_factory=list)
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (when observed, seconds), in time order
     tpot: list[tuple[float, float]] = field(default_factory=list)
@@ -136,7 +141,7 @@ class Sampler:
         d = self._delta(now)
         if d is None:
             return None  # no series yet: the autoscaler holds (MetricsUnavailable)
-        span, (adm, prompt, prefilled, gen, hits) = d
+        span, (adm, prompt, prefilled, gen, hits, fin, fin_tokens) = d
         rate = adm / span
         return Observation(
             request_rate=rate,
@@ -154,6 +159,7 @@ class Sampler:
             decode_queue_mean=self._queue_mean(now, self.dq),
             prefill_queue_now=float(self.pq[-1]) if self.pq else None,
             decode_queue_now=float(self.dq[-1]) if self.dq else None,
+            finished_output_tokens=fin_tokens / fin if fin else None,
         )
 
     def short(self, now: float, window_s: float) -> Observation | None:
@@ -165,9 +171,11 @@ class Sampler:
         span = self.times[-1] - self.times[j]
         if span <= 0:
             return None
-        adm, prompt, prefilled, gen, hits = (b - a for a, b in zip(self.snaps[j], self.snaps[-1], strict=True))
+        adm, prompt, prefilled, gen, hits, fin, fin_tokens = (
+            b - a for a, b in zip(self.snaps[j], self.snaps[-1], strict=True))
         return Observation(request_rate=adm / span, mean_input_tokens=prompt / adm if adm else None,
                            mean_output_tokens=gen / adm if adm else None,
+                           finished_output_tokens=fin_tokens / fin if fin else None,
                            prefix_hit_rate=hits / prefilled if prefilled else None,
                            prefill_queue_now=float(self.pq[-1]) if self.pq else None,
                            decode_queue_now=float(self.dq[-1]) if self.dq else None)
@@ -185,6 +193,6 @@ class Sampler:
         d = self._delta(now)
         if d is None or not reporting:
             return None
-        span, (_, _, prefilled, gen, _) = d
+        span, (_, _, prefilled, gen, *_) = d
         tokens = prefilled if role == "prefill" else gen
         return min(1.0, tokens / span / (reporting * capacity))

@@ -5,7 +5,8 @@ only the source of the observation differs. In Kubernetes, Prometheus answers Pr
 (`operator/promsource.py`); here the router's and the workers' `/metrics` are scraped directly and the same
 quantities are computed from counter deltas between the first and the last scrape of the window:
 
-- λ = requests/s at the router; I, O = the router's prompt/output tokens per request;
+- λ = requests/s at the router; I, O = the router's prompt/output tokens per request; O by completion = the
+  mean length of the requests that finished (the router's `pdcluster_request_generation_tokens` sum / count);
 - per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
   by how many of them answered;
 - saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window;
@@ -89,6 +90,8 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
     rate = _increase(first.router, last.router, "pdcluster_requests_total") / dt
     prompt = _increase(first.router, last.router, "pdcluster_prompt_tokens_total") / dt
     gen = _increase(first.router, last.router, "pdcluster_generation_tokens_total") / dt
+    finished = _increase(first.router, last.router, "pdcluster_request_generation_tokens_count")
+    finished_tokens = _increase(first.router, last.router, "pdcluster_request_generation_tokens_sum")
 
     def per_instance(role: str) -> float | None:
         now = {n: s for n, (r, s) in last.workers.items() if r == role}
@@ -116,6 +119,7 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         prefill_saturated=bool(waiting.get("prefill")) and min(waiting["prefill"]) > 0,
         decode_saturated=bool(waiting.get("decode")) and min(waiting["decode"]) > 0,
         decode_join_seconds=join(),
+        finished_output_tokens=finished_tokens / finished if finished > 0 else None,
     )
 
 
