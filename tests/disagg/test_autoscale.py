@@ -178,7 +178,8 @@ def test_up_autoscale_applies_the_operators_decision(monkeypatch: pytest.MonkeyP
     cluster.rate = 40.0
     events = _run(cluster, scaler, 16.5)
     assert len(calls) == 1
-    (pol, state, obs, pv, dv, _now), d = calls[0]
+    (pol, state, obs, pv, dv, _now, short_need), d = calls[0]
+    assert short_need is None  # no flip window here: no short need to confirm a scale-up
     assert pol is policy and state == operator_autoscaler.State()
     assert obs.request_rate == pytest.approx(40.0) and obs.mean_output_tokens == pytest.approx(50.0)
     assert (pv.current, dv.current, dv.ready) == (1, 1, 1)

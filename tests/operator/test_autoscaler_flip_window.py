@@ -3,6 +3,8 @@ within every bound `decide` keeps, and never back on the next tick."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdcluster.operator import autoscaler as asc
@@ -198,8 +200,6 @@ async def test_on_a_decisions_tick_that_changes_nothing_the_flip_step_runs_too()
 def test_o_is_read_by_completion_where_requests_finished_in_the_window():
     """20 s after a turn toward long answers, tokens generated per request admitted still reads 265 (the answers
     have barely begun); the requests that finished in the window averaged 900: that is the window's O."""
-    from dataclasses import replace
-
     lagging = obs(4.0, i=400, o=265)
     assert flips(o=lagging) is None  # 4 x 265 / 2000 = 0.53 decode: no flip on O by admission
     d = flips(o=replace(lagging, finished_output_tokens=900.0))
@@ -210,3 +210,27 @@ def test_o_is_read_by_completion_where_requests_finished_in_the_window():
     # the other way: O by admission overshoots while a backlog drains; the finished requests' 900 holds
     assert fw.short_needs(policy(), asc.State(), replace(obs(4.0, i=400, o=1400), finished_output_tokens=900.0),
                           W).need["decode"] == pytest.approx(4 * 900 / 2000)
+
+
+def test_a_formula_scale_up_the_short_window_does_not_ask_for_is_held():
+    """At the turn of shift seed 5 the 120 s window still averages the old prompts (I = 3,158) and asks for
+    more prefill instances; the last 20 s (I = 405) need 0.24 of one: no pod is ordered for a load that left."""
+    pol = policy(prefill_capacity=10_000.0, decode_capacity=2_000.0, bounds=Bounds(1, 8, 1, 8))
+    long_window = obs(6.37, i=3158, o=360)
+    views = (asc.PoolView(2, 2, 0.0), asc.PoolView(4, 4, 0.0))
+    grow = asc.decide(pol, asc.State(), long_window, *views, 960.0)
+    assert grow.prefill.desired == 4 and grow.prefill.reason == asc.SCALE_UP  # ceil(1.5 x 6.37 x 0.3158)
+    short = fw.need(pol, asc.State(), replace(obs(5.95, i=405, o=1009), finished_output_tokens=905.0), W)
+    assert short is not None and short["prefill"] == pytest.approx(5.95 * 405 / 10_000)
+    held = asc.decide(pol, asc.State(), long_window, *views, 960.0, short)
+    assert (held.prefill.desired, held.prefill.reason, held.reason) == (2, asc.UNCONFIRMED, asc.UNCONFIRMED)
+    assert held.state.prefill.last_change is None  # nothing changed: the pool's clocks run on
+    assert held.inputs["prefillShortNeed"] == pytest.approx(1.5 * 5.95 * 405 / 10_000)
+    assert explain.causes(held)["prefill"] == "stabilization"
+    # a short window that asks for the growth too (its need with headroom above the pool) confirms it
+    assert asc.decide(pol, asc.State(), long_window, *views, 960.0, {"prefill": 1.5, "decode": 1.0}).prefill.desired == 4
+    # the SLO guard's growth answers a breach with a queue: never held
+    breach = replace(obs(6.37, i=300, o=360), ttft_seconds=20.0, prefill_queue_mean=30.0, prefill_queue_now=40.0)
+    pol_slo = replace(pol, slo_ttft_seconds=5.0)
+    d = asc.decide(pol_slo, asc.State(), breach, *views, 960.0, {"prefill": 0.1, "decode": 1.0})
+    assert d.prefill.reason == asc.SLO_GUARD and d.prefill.desired > 2

@@ -55,9 +55,11 @@ ROLLOUT = "RolloutInProgress"
 CAPACITY_UNKNOWN = "CapacityUnknown"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 DISABLED = "AutoscalingDisabled"
+# a formula scale-up that the trusted short window does not ask for (`decide`'s `short_need`)
+UNCONFIRMED = "ScaleUpUnconfirmed"
 # RATIO_BOUND ("RatioBound", autoscaler_ratio): a pool moved to keep spec.autoscaling.ratio
 
-_HOLD_PRIORITY = [METRICS_UNAVAILABLE, ROLLOUT, CAPACITY_UNKNOWN, STABILIZING, NO_HEADROOM, STEADY]
+_HOLD_PRIORITY = [METRICS_UNAVAILABLE, ROLLOUT, CAPACITY_UNKNOWN, UNCONFIRMED, STABILIZING, NO_HEADROOM, STEADY]
 
 
 @dataclass(frozen=True)
@@ -273,8 +275,10 @@ def _scale_down(policy: Policy, role: str, ps: PoolState, current: int, target: 
 def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec: int | None, need: float | None,
                    burst_need: float, guard: bool, budget_limited: bool, metrics_ok: bool, now: float,
                    slo: tuple[float | None, float | None] = (None, None),
-                   wait: tuple[float | None, float | None] = (None, None)) -> tuple[int, str, bool, PoolState]:
-    """(desired, reason, rollout stalled, next state) for one pool: the stability rules."""
+                   wait: tuple[float | None, float | None] = (None, None),
+                   confirm: float | None = None) -> tuple[int, str, bool, PoolState]:
+    """(desired, reason, rollout stalled, next state) for one pool: the stability rules. `confirm`: the short
+    window's need with headroom (`decide`'s `short_need`), which a formula scale-up must exceed."""
     current, stalled = view.current, False
     if not metrics_ok:
         return current, METRICS_UNAVAILABLE, False, ps
@@ -307,6 +311,10 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         ps = replace(ps, capacity_scale=cut, slo_breaches=ps.slo_breaches + 1)
     if target > current:
         reason = SLO_GUARD if guard_up and rec <= current else SCALE_UP
+        if reason == SCALE_UP and confirm is not None and replicas_for(confirm) <= current:
+            # the window asks for more than the last flipWindowSeconds do with the same headroom (a turn of the
+            # mix it still averages in): a pod ordered now, ready a pod start later, would serve a load that left
+            return current, UNCONFIRMED, stalled, replace(ps, below_since=None)
         return min(target, current + policy.max_up_step), reason, stalled, replace(ps, below_since=None,
                                                                                      last_change=now)
     desired, reason, ps = _scale_down(policy, role, ps, current, target, load, budget_limited, now)
@@ -314,7 +322,11 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
 
 
 def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolView, decode: PoolView,
-           now: float) -> Decision:
+           now: float, short_need: Mapping[str, float] | None = None) -> Decision:
+    """The decision for both pools from the window `obs`. `short_need`: per pool, the need (instances,
+    unrounded, no headroom) of a trusted short window (`autoscaler_flip_window.short_needs`, with role flips
+    on); with this decision's headroom it must also ask for a formula scale-up, else the pool holds
+    (`ScaleUpUnconfirmed`, cause `stabilization`)."""
     views = {"prefill": prefill, "decode": decode}
     hit = obs.prefix_hit_rate if obs is not None and policy.use_prefix_hits else None
     mean_in = obs.mean_input_tokens if obs else None
@@ -379,8 +391,11 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
             if bursty and (rules.breached(*gslo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
                 burst_need[r] = burst
 
+    confirm: dict[str, float | None] = {r: None for r in POOLS}
     for r in POOLS:
         inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
+        if short_need is not None and (sn := short_need.get(r)) is not None and math.isfinite(sn):
+            confirm[r] = inputs[f"{r}ShortNeed"] = headroom * sn
     raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {
@@ -395,7 +410,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     for r in POOLS:
         desired, reason, stalled, pool_states[r] = _pool_decision(
             policy, r, pool_states[r], views[r], rec[r], need[r], burst_need[r], guard[r], budget_limited,
-            metrics_ok, now, gslo[r], slo_guard.wait(obs, r))
+            metrics_ok, now, gslo[r], slo_guard.wait(obs, r), confirm[r])
         out[r] = PoolDecision(views[r].current, rec[r], policy.bounds.clamp(r, desired), reason, capacity[r],
                               source[r], stalled, slo_breached=rules.breached(*slo[r]))
 

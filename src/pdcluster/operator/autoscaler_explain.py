@@ -10,7 +10,7 @@ is explained per pool by its **cause**, the rule that set the number:
 | `slo-guard` | an observed percentile over `spec.autoscaling.slo` with a queue in front of the pool |
 | `flip` | workers changing role (`spec.roleFlips`, `autoscaler_flip.applied`, or on a short window: `autoscaler_flip_window`): the pool grew or shrank by them |
 | `bound` | `minReplicas`/`maxReplicas` or `spec.autoscaling.ratio` |
-| `stabilization` | a scale-down held or slowed by `scaleDownStabilizationSeconds` (the window's highest need) |
+| `stabilization` | a scale-down held or slowed by `scaleDownStabilizationSeconds` (the window's highest need), or a formula scale-up the trusted short window does not ask for (`ScaleUpUnconfirmed`) |
 | `limit` | `maxScaleUpStep`/`maxScaleDownStep`, `maxTotalReplicas`, or a stalled rollout |
 | `hold` | no decision possible: metrics or capacity unknown, or a rollout in progress |
 
@@ -65,8 +65,8 @@ def pool_cause(d: asc.Decision, role: str) -> str:
         if p.desired > rec:
             return "burst" if _held_by_burst(d, role) else "stabilization"
         return "formula"
-    # held at its size
-    if p.reason in (asc.STABILIZING, asc.NO_HEADROOM):
+    # held at its size (a scale-up the short window did not ask for is held as HPA's scale-up stabilization holds)
+    if p.reason in (asc.STABILIZING, asc.NO_HEADROOM, asc.UNCONFIRMED):
         return "burst" if p.reason == asc.NO_HEADROOM and _held_by_burst(d, role) else "stabilization"
     return "formula"
 

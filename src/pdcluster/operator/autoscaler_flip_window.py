@@ -78,6 +78,17 @@ def last_recommended(autoscaler_status: Mapping[str, Any]) -> dict[str, int | No
     return rec
 
 
+def trusted(obs: asc.Observation | None, window_seconds: float, min_requests: int = MIN_REQUESTS
+            ) -> asc.Observation | None:
+    """The short window `obs` with O by completion (`by_completion`) when it holds enough requests to be
+    trusted (module docstring), else None: the evidence of `short_needs`, and `decide`'s `mix`."""
+    if obs is None or obs.request_rate is None or window_seconds <= 0:
+        return None
+    if obs.request_rate * window_seconds < min_requests:
+        return None
+    return by_completion(obs)
+
+
 def by_completion(obs: asc.Observation) -> asc.Observation:
     """`obs` with O by completion where the window saw requests finish (module docstring, "O")."""
     fin = obs.finished_output_tokens
@@ -99,12 +110,10 @@ def short_needs(policy: asc.Policy, state: asc.State, obs: asc.Observation | Non
                 min_requests: int = MIN_REQUESTS) -> ShortNeeds | None:
     """The needs of the short window `obs`, or None when it cannot be trusted (too few requests, a length or a
     capacity unknown)."""
-    if obs is None or obs.request_rate is None or window_seconds <= 0:
+    obs = trusted(obs, window_seconds, min_requests)
+    if obs is None or obs.request_rate is None:
         return None
     rate = obs.request_rate
-    if rate * window_seconds < min_requests:
-        return None
-    obs = by_completion(obs)
     need: dict[str, float] = {}
     for r in asc.POOLS:
         w = slo_guard.work(policy, obs, state.pool(r), r)
@@ -115,6 +124,14 @@ def short_needs(policy: asc.Policy, state: asc.State, obs: asc.Observation | Non
     short = {r: policy.bounds.clamp(r, replicas_for(need[r])) for r in asc.POOLS}
     keep = {r: max(policy.bounds.of(r)[0], replicas_for(need[r] * (1 + asc.DOWN_TOLERANCE))) for r in asc.POOLS}
     return ShortNeeds(need, short, keep)
+
+
+def need(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, window_seconds: float
+         ) -> dict[str, float] | None:
+    """What a decision's formula scale-up must exceed, with its headroom (`decide`'s `short_need`): the trusted
+    short window's need per pool; None with the window off (0) or not to be trusted."""
+    sn = short_needs(policy, state, obs, window_seconds) if window_seconds else None
+    return sn.need if sn is not None else None
 
 
 def keep(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, window_seconds: float

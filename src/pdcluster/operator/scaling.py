@@ -193,14 +193,18 @@ def _inputs(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_
 def evaluate(spec: PDClusterSpec, base: dict[str, int], pools: Pools, autoscaler_status: Mapping[str, Any],
              observed: Observed, now: float, short: asc.Observation | None = None) -> Step:
     """One autoscaler evaluation: state from status, decide, and the status/conditions that record it.
-    `short`: the flip window's observation (spec.autoscaling.flipWindowSeconds): no flip of the decision takes a
-    pool below what that window asks it to keep (`autoscaler_flip.plan`)."""
+    `short`: the flip window's observation (spec.autoscaling.flipWindowSeconds): its need must confirm a formula
+    scale-up (`decide`'s `short_need`), and no flip of the decision takes a pool below what that window asks it to keep
+    (`autoscaler_flip.plan`)."""
     state, views, policy = _inputs(spec, base, pools, autoscaler_status, now)
-    decision = asc.decide(policy, state, observed.obs, views["prefill"], views["decode"], now)
+    can_flip = flips.incompatible(spec) is None
+    window = float(spec.autoscaling.flipWindowSeconds)
+    short_need = autoscaler_flip_window.need(policy, state, short, window) if can_flip else None
+    decision = asc.decide(policy, state, observed.obs, views["prefill"], views["decode"], now, short_need)
     before_flips = None
-    if flips.incompatible(spec) is None:  # spec.roleFlips: the short pool's growth from the other's slack
+    if can_flip:  # spec.roleFlips: the short pool's growth from the other's slack
         before_flips = {r: decision.pool(r).desired for r in ROLES}
-        keep = autoscaler_flip_window.keep(policy, decision.state, short, float(spec.autoscaling.flipWindowSeconds))
+        keep = autoscaler_flip_window.keep(policy, decision.state, short, window)
         decision = autoscaler_flip.applied(decision, policy, keep)
     desired = {r: decision.pool(r).desired for r in ROLES}  # within the bounds: decide clamps last
     return Step(

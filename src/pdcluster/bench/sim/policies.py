@@ -96,7 +96,9 @@ class Core:
         core = self.policy()
         views = (PoolView(inp.prefill_current, inp.prefill_ready, since=0.0),
                  PoolView(inp.decode_current, inp.decode_ready, since=0.0))
-        d = decide(core, self.state, inp.observation, *views, inp.now)
+        short_need = (autoscaler_flip_window.need(core, self.state, inp.short_observation, self.flip_window_s)
+                      if self.flip else None)
+        d = decide(core, self.state, inp.observation, *views, inp.now, short_need)
         if inp.observation is not None:
             self.last_obs = inp.observation
         self.last_rec = {"prefill": d.prefill.recommended, "decode": d.decode.recommended}

@@ -232,7 +232,8 @@ class Autoscaler:
         # This scrape ends one window and starts the next (its queue sample counts in both).
         self.first, self.waiting = scrape, samples
         current, views = self._views(scrape)
-        d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now)
+        short_need = autoscaler_flip_window.need(self.policy, self.state, short, self.flip_window) if self.flips else None
+        d = decide(self.policy, self.state, obs, views["prefill"], views["decode"], now, short_need)
         self.state = d.state
         self.last_rec = {r: d.pool(r).recommended for r in POOLS}
         if self.flips:  # the short pool's growth from the other's slack, never below what the flip window keeps
