@@ -111,10 +111,19 @@ def test_watch_namespaces_get_roles_not_cluster_roles():
 @needs_helm
 def test_pod_monitor_selects_the_operators_pods_and_relabels_pdcluster_and_role():
     docs = render_chart("--set", "metrics.podMonitor.enabled=true")
-    (pm,) = by_kind(docs, "PodMonitor")
+    monitors = {pm["metadata"]["name"].rsplit("-", 1)[-1]: pm for pm in by_kind(docs, "PodMonitor")}
+    assert set(monitors) == {"workloads", "routers"}
+    # the routers every 5 s (the autoscaler's 10 s peak rate and 20 s flip window), the workers every 15 s
+    role = {k: pm["spec"]["selector"]["matchExpressions"] for k, pm in monitors.items()}
+    assert role == {"routers": [{"key": naming.ROLE_LABEL, "operator": "In", "values": ["router"]}],
+                    "workloads": [{"key": naming.ROLE_LABEL, "operator": "NotIn", "values": ["router"]}]}
+    assert {k: pm["spec"]["podMetricsEndpoints"][0]["interval"] for k, pm in monitors.items()} == {
+        "routers": "5s", "workloads": "15s"}
+    pm = monitors["workloads"]
     assert pm["spec"]["selector"]["matchLabels"] == naming.CHILD_LABELS
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert monitors["routers"]["spec"]["podMetricsEndpoints"][0]["relabelings"] == ep["relabelings"]
     relabel = {r["targetLabel"]: r["sourceLabels"] for r in ep["relabelings"]}
     assert relabel == {"pdcluster": [_prom_meta(naming.INSTANCE_LABEL)], "role": [_prom_meta(naming.ROLE_LABEL)]}
     assert ep["honorLabels"] is True and ep["path"] == "/metrics"
@@ -133,9 +142,9 @@ def test_pod_monitor_selects_the_operators_pods_and_relabels_pdcluster_and_role(
     assert 'pdcluster="{cluster}",role="{role}"' in (ROOT / "src" / "pdcluster" / "operator" / "promsource.py").read_text()
     assert "SEL = 'pdcluster=~\"$pdcluster\"'" in (ROOT / "observability" / "build_dashboard.py").read_text()
     namespaced = render_chart("-f", str(FULL))
-    (pm,) = by_kind(namespaced, "PodMonitor")
-    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["inference", "staging"]}
-    assert pm["metadata"]["labels"]["release"] == "prometheus"
+    for pm in by_kind(namespaced, "PodMonitor"):
+        assert pm["spec"]["namespaceSelector"] == {"matchNames": ["inference", "staging"]}
+        assert pm["metadata"]["labels"]["release"] == "prometheus"
 
 
 # ----------------------------------------------------------------------------------- packaged chart, NOTES

@@ -335,7 +335,8 @@ class Autoscaling(SpecModel):
         description="With role flips: every half of this many seconds (5 at least), read the last "
         "flipWindowSeconds of request rate, prompt/output lengths and queues, and flip workers toward the "
         "split they ask for when the window holds at least 30 requests (flips only: no pod is started or "
-        "removed). 0 = off: flips only as decisions on windowSeconds ask.",
+        "removed); a decision's scale-up that window does not ask for is held. Needs the router scraped "
+        "every 5 s (the chart's PodMonitor does). 0 = off: flips only as decisions on windowSeconds ask.",
     )
 
     @model_validator(mode="after")
