@@ -47,9 +47,10 @@ def test_the_flip_window_flips_a_worker_between_decisions(monkeypatch: pytest.Mo
         events = _run(cluster, scaler, 16.5)  # one decision (t=15), which changes nothing
         assert scaler.last_rec == {"prefill": 2, "decode": 1} and not any("RoleFlip" in e for e in events), events
         cluster.in_len, cluster.out_len = 50.0, 50.0
-        # up to t=28.5, before the next decision (t=30): the flip step runs at t=25.5 on [4.5, 25.5]:
-        # I = (12 x 300 + 9 x 50) / 21 = 193, O = (12 x 10 + 9 x 50) / 21 = 27.1 at 40 req/s ->
-        # decode needs 40 x 27.1 / 1000 = 1.09 -> 2 (short by 1), prefill 40 x 193 / 10 000 = 0.77 -> keeps 1
+        # up to t=28.5, before the next decision (t=30): the flip step runs every 5 s (a quarter window), on
+        # the 1.5 s ticks at t=21 (4.5 s of the new mix: decode needs less than 1) and t=27 on [7, 27]:
+        # I = (9.5 x 300 + 10.5 x 50) / 20 = 169, O = (9.5 x 10 + 10.5 x 50) / 20 = 31 at 40 req/s ->
+        # decode needs 40 x 31 / 1000 = 1.24 -> 2 (short by 1), prefill 40 x 169 / 10 000 = 0.68 -> keeps 1
         events = _run(cluster, scaler, 12)
         assert sup.log == []  # flips only: no process started or stopped
         with httpx.Client() as h:
@@ -58,7 +59,7 @@ def test_the_flip_window_flips_a_worker_between_decisions(monkeypatch: pytest.Mo
             assert any("prefill 2->1, decode 1->2 (RoleFlipShortWindow: last 20 s" in e for e in events), events
             assert any("flipped prefill-1: prefill -> decode" in e for e in events), events
             assert scaler.workers["prefill-1"] == ("decode", url) and role == "decode"
-            assert scaler.state.prefill.last_change == scaler.state.decode.last_change == 25.5
+            assert scaler.state.prefill.last_change == scaler.state.decode.last_change == 27.0
         else:
             assert not any("RoleFlip" in e for e in events), events
             assert scaler.workers["prefill-1"] == ("prefill", url) and role == "prefill"

@@ -121,7 +121,7 @@ def test_the_last_decision_in_status_gives_the_recommendations():
     assert fw.last_recommended({}) == {}
     assert fw.last_recommended({"lastDecision": {"prefill": {"recommended": True}, "decode": {"recommended": -1}}}) \
         == {"prefill": None, "decode": None}
-    assert fw.period(20) == 10 and fw.period(4) == 5
+    assert fw.period(20) == 5 and fw.period(60) == 15 and fw.period(4) == 5
 
 
 # ---- the operator's step (scaling.py): between decisions and on a decision's tick ---------------------
@@ -158,7 +158,7 @@ async def test_between_decisions_the_operator_flips_on_the_short_window_and_keep
     assert "last 20 s" in s.scaled_message
     assert s.autoscaler_status["lastEvaluationTime"] == first.autoscaler_status["lastEvaluationTime"]
     assert s.autoscaler_status["lastDecision"]["reason"] == "RoleFlipShortWindow"
-    assert s.next_delay == 10  # the step's own period
+    assert s.next_delay == 5  # the step's own period (a quarter window)
     # the next pass, 5 s later with the flip in flight (decode 1 of 2 ready): nothing, and no flip back
     old2 = {"prefill": {"desiredReplicas": 2}, "decode": {"desiredReplicas": 2}, "autoscaler": s.autoscaler_status}
     s2 = await scaling.step(spec, old2, pools(2, 2, ready=(2, 1)), NOW - 25, cluster="demo",
@@ -194,7 +194,7 @@ async def test_on_a_decisions_tick_that_changes_nothing_the_flip_step_runs_too()
     assert s.desired == {"prefill": 2, "decode": 2}
     assert s.autoscaler_status["lastEvaluationTime"] == st.fmt_time(NOW)  # the decision was made: due again in 30 s
     assert {c["type"] for c in s.conditions} >= {"MetricsAvailable", "ScalingLimited", "SLOMet"}
-    assert s.next_delay == 10
+    assert s.next_delay == 5
 
 
 def test_o_is_read_by_completion_where_requests_finished_in_the_window():

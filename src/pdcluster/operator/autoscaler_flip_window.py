@@ -4,7 +4,7 @@
 give way to long outputs) it sees the new mix one to two windows late, since its I and O are means over two
 minutes that are mostly the old mix. A pod order has to wait for that evidence (a pod costs a pod start and
 stays a stabilization period), but a flip costs seconds and no pod, and the next flip undoes it: so flips
-may act on a shorter window. Every `period` (half the window, 5 s at least; between decisions and on a
+may act on a shorter window. Every `period` (a quarter of the window, 5 s at least; between decisions and on a
 decision's tick when it changed nothing) this step reads the last `flipWindowSeconds` of rate, I and O
 and the queue gauges, and moves running workers between the pools toward the split that window asks for:
 
@@ -24,7 +24,7 @@ and the queue gauges, and moves running workers between the pools toward the spl
   overshoots once the backlog drains (1,009-1,356 against ~900); the finished requests' mean read 650 and
   838 at 20 and 30 s, and stays within ~5 % after. Shift traces cold: -0.4 to -3.6 points against the oracle
   before, -0.2 to -2.3 after, at the same or fewer instance-hours (docs/benchmarks/autoscaler.md). No headroom: headroom provisions for load that moves faster than pods start, and
-  a flip follows the load in seconds, re-read every half window; with `decide`'s headroom (1.5 on bursty
+  a flip follows the load in seconds, re-read every quarter window; with `decide`'s headroom (1.5 on bursty
   load) a 20 s window of Mooncake conversation read 1.13 decode instances for a pool of 1 and flipped 4-5
   prefill workers away that the burst memory held (96.28 % -> 96.18 %, dominated). A pool is **short**
   when `ceil(need)` exceeds its size, and the other has **slack** above `keep`: `ceil(need·(1 +
@@ -59,9 +59,11 @@ MIN_REQUESTS = 30  # requests a window must hold before its mix is trusted (modu
 
 
 def period(window_seconds: float) -> float:
-    """How often the step runs: every half window (5 s at least), so a turn of the mix is read within half a
-    window of the window being full of it."""
-    return max(5.0, window_seconds / 2)
+    """How often the step runs: every quarter window (5 s at least: the router's scrape interval in the chart),
+    so a turn of the mix is read within a quarter window of the window being full of it. Half the window (10 s)
+    left a primed start meeting the other mix 5 s longer on the wrong split: 0.2 to 2 points on every shift
+    trace primed (docs/benchmarks/autoscaler.md)."""
+    return max(5.0, window_seconds / 4)
 
 
 def last_recommended(autoscaler_status: Mapping[str, Any]) -> dict[str, int | None]:

@@ -332,7 +332,7 @@ class Autoscaling(SpecModel):
     )
     flipWindowSeconds: int = Field(
         default=20, ge=0, le=600,
-        description="With role flips: every half of this many seconds (5 at least), read the last "
+        description="With role flips: every quarter of this many seconds (5 at least), read the last "
         "flipWindowSeconds of request rate, prompt/output lengths and queues, and flip workers toward the "
         "split they ask for when the window holds at least 30 requests (flips only: no pod is started or "
         "removed); a decision's scale-up that window does not ask for is held. Needs the router scraped "

@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(spec.autoscaling.flipWindowSeconds, operator/autoscaler_flip_window.py; default "
                    f"{FLIP_WINDOW_S:g}, the CRD's; 0: off)")
     p.add_argument("--flip-tick", type=cli_args.non_negative_float, default=None, metavar="SECONDS",
-                   help="run the short-window flip step every SECONDS between decisions (default: half the flip "
+                   help="run the short-window flip step every SECONDS between decisions (default: a quarter of the flip "
                    "window, 5 s at least, as the operator does; 0: only on the decisions' tick)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")

@@ -257,7 +257,7 @@ def make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | None
     gauges every `fast_s` seconds between their decisions (`operator/autoscaler_fast.py`; 0: never); those
     that flip, but the oracle (which reads the mix every 10 s already), flip on a `flip_window_s` window
     too (`operator/autoscaler_flip_window.py`; None: the CRD's flipWindowSeconds, 0: never), every
-    `flip_tick_s` (None: the operator's period, half the window; 0: on their decisions' tick only)."""
+    `flip_tick_s` (None: the operator's period, a quarter of the window; 0: on their decisions' tick only)."""
     policy = _make(name, prefill_tps, decode_tps, bounds, trace, slo, headroom)
     if isinstance(policy, Core):
         policy.fast_s = fast_s

@@ -23,7 +23,7 @@ while the other has slack (`autoscaler_flip.applied`) first moves running worker
 worker that is stopped is its own pool's again: its process restarts with its `--role`.
 
 With flips, the short-window step of the operator (`autoscaler_flip_window`, `--flip-window`: the CRD's
-`spec.autoscaling.flipWindowSeconds`; 0 = off) runs every half window between decisions and on a decision's
+`spec.autoscaling.flipWindowSeconds`; 0 = off) runs every quarter window between decisions and on a decision's
 tick that changes nothing: its observation is the same one over the last `--flip-window` seconds of scrapes
 (`window_observation`), and it only flips running workers (a failed flip starts or stops nothing). A
 decision's own flips keep what that window asks (`autoscaler_flip.applied`'s `keep`), as in the operator.

@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "where both pools run the same tensor-parallel size, before starting one (the CRD's spec.roleFlips; "
            "default: %(default)s)")
     a("--flip-window", type=types.non_negative_float, default=crd_flip_window(), metavar="SECONDS",
-      help="with --autoscale and role flips: every half of this many seconds (5 at least) between decisions, "
+      help="with --autoscale and role flips: every quarter of this many seconds (5 at least) between decisions, "
            "flip workers toward the split the last SECONDS of traffic ask for (flips only; the CRD's "
            "spec.autoscaling.flipWindowSeconds, default: %(default)s; 0 = off)")
     a("--tool-call-parser", choices=list(PARSERS), default=None,
