@@ -62,7 +62,7 @@ def period(window_seconds: float) -> float:
     """How often the step runs: every quarter window (5 s at least: the router's scrape interval in the chart),
     so a turn of the mix is read within a quarter window of the window being full of it. Half the window (10 s)
     left a primed start meeting the other mix 5 s longer on the wrong split: 0.2 to 2 points on every shift
-    trace primed (docs/benchmarks/autoscaler.md)."""
+    trace primed without aggregation (docs/benchmarks/autoscaler.md)."""
     return max(5.0, window_seconds / 4)
 
 
