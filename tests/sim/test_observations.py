@@ -108,3 +108,35 @@ def test_o_by_completion_is_the_mean_length_of_the_requests_that_finished():
     s.record_counters(60.0, c.c)
     assert s.observation(60.0, 1, 1).finished_output_tokens == pytest.approx((1 + 50 + 400 + 7) / 4)
     assert s.short(60.0, 60.0).finished_output_tokens == pytest.approx((1 + 50 + 400 + 7) / 4)
+
+
+def test_with_a_scrape_interval_every_step_reads_the_counters_of_the_last_scrape():
+    """`ServiceModel.scrape_s` (`simulate --scrape-interval`): counters are sampled on their own grid, half an
+    interval off the autoscaler's steps, and never at a step; without it every step samples them exactly."""
+    from pdcluster.bench.sim.cluster import Cluster
+
+    reqs = tuple(Request(t=0.25 * k, input_tokens=2_000, output_tokens=100) for k in range(400))
+    trace = Trace(reqs, schema="mooncake", source="t")
+    seen: list[tuple[float, float]] = []
+
+    def spy(policy):
+        inner = policy.decide
+
+        def decide(inp):
+            seen.append((inp.now, c.sampler.times[-1]))
+            return inner(inp)
+        policy.decide = decide
+        return policy
+
+    policy = spy(pol.make("pdcluster", 10_000.0, 2_000.0, trace=trace))
+    c = Cluster(trace, ServiceModel(scrape_s=5.0), policy)
+    c.run()
+    assert [t for t in c.sampler.times if t] == [2.5 + 5 * k for k in range(len(c.sampler.times) - 1)]
+    assert seen and all(last == now - 2.5 for now, last in seen)  # as of the scrape 2.5 s before each decision
+    policy = spy(pol.make("pdcluster", 10_000.0, 2_000.0, trace=trace))
+    seen.clear()
+    c = Cluster(trace, ServiceModel(), policy)
+    c.run()
+    assert seen and all(last == now for now, last in seen)
+    with pytest.raises(ValueError, match="scrape interval"):
+        ServiceModel(scrape_s=-1.0)

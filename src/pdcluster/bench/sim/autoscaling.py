@@ -8,6 +8,8 @@ how its answer reaches the pools (`cluster.py` holds the pools and the request p
 - The short-window flip step (`operator/autoscaler_flip_window.py`): a policy with `flip_window_s` sees the
   last `flip_window_s` of rate, lengths and queues at each tick, and every `flip_tick_s` between ticks
   (counters are then sampled at those moments too, so the window is exact).
+- Scrapes (`ServiceModel.scrape_s`, `simulate --scrape-interval`): the counters are sampled on their own grid
+  instead, and every step reads them as of the last scrape, as Prometheus answers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 TICK = 5  # a decision
 FAST = 8  # the fast scale-up path between two ticks
 FLIPW = 9  # the short-window flip step between two ticks
+SCRAPE = 10  # Prometheus scrapes the counters (with `ServiceModel.scrape_s`; else each step reads them exactly)
 
 
 def start(c: Cluster) -> None:
@@ -34,14 +37,29 @@ def start(c: Cluster) -> None:
         c.push(c.fast_s, FAST)
     if c.flipw_s and 0 < c.flipw_tick_s < c.interval_s:
         c.push(c.flipw_tick_s, FLIPW)
+    if c.m.scrape_s:
+        c.push(c.m.scrape_s / 2, SCRAPE)
 
 
-def tick(c: Cluster, now: float) -> None:
-    """A decision: the policy sees the window (and the flip window) as Prometheus would show it."""
+def _record(c: Cluster, now: float) -> None:
+    """The counters as of `now` (the decode pool's fluid progress brought up to date first)."""
     for inst in c.pools["decode"].instances:
         if inst.ended is None:
             c.advance(inst, now)
     c.sampler.record_counters(now, c.c)
+
+
+def scrape(c: Cluster, now: float) -> None:
+    """A Prometheus scrape: what the next steps read until the one after it."""
+    _record(c, now)
+    if now + c.m.scrape_s <= c.horizon:
+        c.push(now + c.m.scrape_s, SCRAPE)
+
+
+def tick(c: Cluster, now: float) -> None:
+    """A decision: the policy sees the window (and the flip window) as Prometheus would show it."""
+    if not c.m.scrape_s:
+        _record(c, now)
     p, d = c.pools["prefill"], c.pools["decode"]
     inp = PolicyInput(
         now=now,
@@ -89,10 +107,8 @@ def flip_tick(c: Cluster, now: float) -> None:
     """The short-window flip step between two ticks (a tick at the same moment runs it itself)."""
     k = round(now / c.interval_s)
     if abs(now - k * c.interval_s) > 1e-6:
-        for inst in c.pools["decode"].instances:
-            if inst.ended is None:
-                c.advance(inst, now)
-        c.sampler.record_counters(now, c.c)
+        if not c.m.scrape_s:
+            _record(c, now)
         p, d = c.pools["prefill"], c.pools["decode"]
         views = (PoolView(p.desired, p.ready_count(), since=0.0), PoolView(d.desired, d.ready_count(), since=0.0))
         want = c.policy.flip_window(now, c.sampler.short(now, c.flipw_s), *views)

@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flip-tick", type=cli_args.non_negative_float, default=None, metavar="SECONDS",
                    help="run the short-window flip step every SECONDS between decisions (default: a quarter of the flip "
                    "window, 5 s at least, as the operator does; 0: only on the decisions' tick)")
+    p.add_argument("--scrape-interval", type=cli_args.non_negative_float, default=ServiceModel.scrape_s,
+                   metavar="SECONDS", help="Prometheus scrapes the router's counters every SECONDS, and every "
+                   "autoscaler step reads them as of the last scrape, half an interval before it (default 0: "
+                   "read exactly at each step)")
     p.add_argument("--headroom", type=cli_args.between(1.0, 10.0), default=1.5,
                    help="spec.autoscaling.headroom of the pdcluster policies (default 1.5, the CRD default)")
     p.add_argument("--cold", action="store_true",
@@ -111,7 +115,8 @@ def _model(args: argparse.Namespace) -> ServiceModel:
     return ServiceModel(prefill_tps=float(cp), decode_tps=float(cd), decode_batch=int(batch),
                         pod_start_s=args.pod_start, flip_s=args.flip_time, prefix_cache_tokens=0 if args.no_prefix_cache else
                         ServiceModel.prefix_cache_tokens,
-                        aggregate_ttft_s=args.slo_ttft if getattr(args, "load_aggregation", False) else 0.0)
+                        aggregate_ttft_s=args.slo_ttft if getattr(args, "load_aggregation", False) else 0.0,
+                        scrape_s=getattr(args, "scrape_interval", 0.0))
 
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
                   "pod_start_s": model.pod_start_s, "flip_s": model.flip_s, "max_queue_depth": model.max_queue_depth,
                   "primed": not args.cold, "prefix_cache_tokens": model.prefix_cache_tokens,
                   "load_aggregation_ttft_s": model.aggregate_ttft_s, "burst_window_s": pol.BURST_S, "headroom": args.headroom, "fast_path_s": args.fast_path,
-                  "flip_window_s": args.flip_window, "flip_tick_s": flip_tick,
+                  "flip_window_s": args.flip_window, "flip_tick_s": flip_tick, "scrape_interval_s": model.scrape_s,
                   "simulation_seconds": round(elapsed, 2)},
     }
     (args.out / "summary.json").write_text(json.dumps(doc, indent=1))

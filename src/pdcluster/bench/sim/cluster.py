@@ -41,6 +41,7 @@ SAMPLE = 6
 LOCAL_DONE = aggregation.LOCAL_DONE  # 7
 FAST = autoscaling.FAST  # 8: the fast scale-up path between two ticks
 FLIPW = autoscaling.FLIPW  # 9: the short-window flip step between two ticks
+SCRAPE = autoscaling.SCRAPE  # 10: a Prometheus scrape of the counters (with ServiceModel.scrape_s)
 
 
 class Instance:
@@ -340,6 +341,8 @@ class Cluster:
                 autoscaling.fast_tick(self, now)
             elif kind == FLIPW:
                 autoscaling.flip_tick(self, now)
+            elif kind == SCRAPE:
+                autoscaling.scrape(self, now)
             elif kind == SAMPLE:
                 self.sampler.record_queues(now, len(self.pqueue) - self.phead, len(self.dqueue) - self.dhead)
                 if now + self.sampler.step_s <= self.horizon:

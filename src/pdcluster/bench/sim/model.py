@@ -31,6 +31,9 @@ class ServiceModel:
     prefix_cache_tokens: int = 500_000
     # The router's --ttft-slo (load-driven aggregation, worker/router/aggregate.py); 0: off, as the router's
     aggregate_ttft_s: float = 0.0
+    # Prometheus's scrape interval of the router's counters: the autoscaler reads them as of the last scrape,
+    # half an interval before its steps (scrapes at s/2 + k·s). 0: read exactly at each step (the default).
+    scrape_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_tps", "decode_tps", "kv_transfer_tps"):
@@ -43,6 +46,8 @@ class ServiceModel:
             raise ValueError(f"pod start delay must be >= 0 (got {self.pod_start_s})")
         if self.flip_s < 0:
             raise ValueError(f"flip time must be >= 0 (got {self.flip_s})")
+        if not (math.isfinite(self.scrape_s) and self.scrape_s >= 0):
+            raise ValueError(f"scrape interval must be >= 0 (got {self.scrape_s})")
 
     def step_s(self, n: int) -> float:
         full = self.decode_batch / self.decode_tps
