@@ -73,23 +73,31 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
             if killed is None and tokens >= FREEZE_AT:
                 # Both decode workers frozen at once, on the token event (no further token can be made: a fast
                 # worker could otherwise finish the stream while the test asks), then the one holding this
-                # stream by the router's own accounting, which cannot change while they are frozen.
+                # stream by the router's own accounting, which cannot change while they are frozen. Between two
+                # legs (the router resuming a leg that broke by itself: a KV read failing under load) no decode
+                # worker holds it: both go on, and the next token event tries again.
                 groups = {u: os.getpgid(pids[int(u.rsplit(":", 1)[1])]) for u in decode_urls}
                 for g in groups.values():
                     os.killpg(g, signal.SIGSTOP)
                 frozen = httpx.get(f"{router}/cluster", timeout=10).json()
                 busy = [w["url"] for w in frozen["decode"] if w["in_flight"] == 1]
-                assert len(busy) == 1 and sum(w["in_flight"] for w in frozen["decode"]) == 1, frozen["decode"]
-                assert frozen["router"]["resumes"] == before["resumes"]
+                if len(busy) != 1 or sum(w["in_flight"] for w in frozen["decode"]) != 1:
+                    assert sum(w["in_flight"] for w in frozen["decode"]) == 0, frozen["decode"]  # one stream only
+                    for g in groups.values():
+                        os.killpg(g, signal.SIGCONT)
+                    continue
+                resumes_at_kill = frozen["router"]["resumes"]
                 os.killpg(groups[busy[0]], signal.SIGKILL)
                 for u, g in groups.items():
                     if u != busy[0]:
                         os.killpg(g, signal.SIGCONT)
                 killed = busy[0]
-    assert killed is not None
+    assert killed is not None, f"no decode worker held the stream at any token event{up3.log_tails()}"
     assert text == want_text  # nothing missing, nothing twice
     assert finish == "length"
     assert usage is not None and usage["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # the client's prompt
     assert usage["completion_tokens"] == MAX_TOKENS  # counted over both legs
     after = httpx.get(f"{router}/cluster", timeout=10).json()["router"]
-    assert after["resumes"] == before["resumes"] + 1  # the counter our engine's resumes go to
+    # the counter our engine's resumes go to (a leg that broke by itself before the kill counts before it: the
+    # text above is whole either way, and more than `max_retries` would have ended in an error event)
+    assert after["resumes"] == resumes_at_kill + 1, f"{resumes_at_kill - before['resumes']} resumes before the kill"
