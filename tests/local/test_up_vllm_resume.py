@@ -3,7 +3,9 @@ workers (three vLLM servers, ~15 GiB: the most this suite keeps alive at once, e
 greedy stream goes prefill -> decode; at its Nth token both decode workers are frozen (SIGSTOP) and the one the
 router's own in-flight accounting names is killed with its engine (SIGKILL on its process group, as a pod dies). The
 client's stream goes on without a break and ends equal to one plain vLLM server's answer: no token missing,
-none twice; the router counts one resume, as for our engine.
+none twice; the router counts one resume, as for our engine. The decode workers run at the lowest CPU priority,
+and a stream that ends before any token event finds one holding it (a client starved on a loaded machine
+reads its first tokens late) is checked whole and tried again, up to ATTEMPTS streams.
 
 Skipped when the vLLM environment is absent (`scripts/setup.sh vllm`)."""
 
@@ -24,6 +26,7 @@ from .test_up_vllm import PROMPTS, Up, needs_vllm, started_up
 # (the remaining ~400 tokens take seconds on any machine that runs vLLM at all), within --max-model-len 512.
 MAX_TOKENS = 400
 FREEZE_AT = 3
+ATTEMPTS = 3  # streams tried until one is caught mid-way on a decode worker (each ends whole either way)
 
 
 @pytest.fixture(scope="module")
@@ -54,45 +57,19 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
     pids = _ports_to_pids(up3)
     snap = httpx.get(f"{router}/cluster", timeout=10).json()
     before, decode_urls = snap["router"], [w["url"] for w in snap["decode"]]
+    groups = {u: os.getpgid(pids[int(u.rsplit(":", 1)[1])]) for u in decode_urls}
+    # The decode workers yield the CPU to this test: on a loaded machine (make test's other workers) a starved
+    # client could otherwise read its first tokens only after a decode worker has streamed all 400.
+    for g in groups.values():
+        os.setpriority(os.PRIO_PGRP, g, 19)
 
-    text, tokens, finish, usage, killed = "", 0, None, None, None
-    with httpx.stream("POST", f"{router}/v1/completions", timeout=600,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, f"{ev} after {tokens} tokens (killed: {killed}){up3.log_tails()}"
-            usage = ev.get("usage") or usage
-            for ch in ev["choices"]:
-                assert ch.get("token_ids") is None  # the router's own request for token ids stays hidden
-                text += ch["text"]
-                tokens += 1  # vLLM streams one token per event
-                finish = ch.get("finish_reason") or finish
-            if killed is None and tokens >= FREEZE_AT:
-                # Both decode workers frozen at once, on the token event (no further token can be made: a fast
-                # worker could otherwise finish the stream while the test asks), then the one holding this
-                # stream by the router's own accounting, which cannot change while they are frozen. Between two
-                # legs (the router resuming a leg that broke by itself: a KV read failing under load) no decode
-                # worker holds it: both go on, and the next token event tries again.
-                groups = {u: os.getpgid(pids[int(u.rsplit(":", 1)[1])]) for u in decode_urls}
-                for g in groups.values():
-                    os.killpg(g, signal.SIGSTOP)
-                frozen = httpx.get(f"{router}/cluster", timeout=10).json()
-                busy = [w["url"] for w in frozen["decode"] if w["in_flight"] == 1]
-                if len(busy) != 1 or sum(w["in_flight"] for w in frozen["decode"]) != 1:
-                    assert sum(w["in_flight"] for w in frozen["decode"]) == 0, frozen["decode"]  # one stream only
-                    for g in groups.values():
-                        os.killpg(g, signal.SIGCONT)
-                    continue
-                resumes_at_kill = frozen["router"]["resumes"]
-                os.killpg(groups[busy[0]], signal.SIGKILL)
-                for u, g in groups.items():
-                    if u != busy[0]:
-                        os.killpg(g, signal.SIGCONT)
-                killed = busy[0]
-    assert killed is not None, f"no decode worker held the stream at any token event{up3.log_tails()}"
+    for _attempt in range(ATTEMPTS):
+        text, _tokens, finish, usage, resumes_at_kill = _stream_and_kill(router, body, groups, up3)
+        if resumes_at_kill is not None:
+            break
+        # the stream ended before any token event found a decode worker holding it: a whole answer all the same
+        assert text == want_text and finish == "length", (text, finish)
+    assert resumes_at_kill is not None, f"no decode worker held the stream at any token event in {ATTEMPTS} streams"
     assert text == want_text  # nothing missing, nothing twice
     assert finish == "length"
     assert usage is not None and usage["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # the client's prompt
@@ -101,3 +78,45 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
     # the counter our engine's resumes go to (a leg that broke by itself before the kill counts before it: the
     # text above is whole either way, and more than `max_retries` would have ended in an error event)
     assert after["resumes"] == resumes_at_kill + 1, f"{resumes_at_kill - before['resumes']} resumes before the kill"
+
+
+
+def _stream_and_kill(router: str, body: dict, groups: dict[str, int], up: Up
+                     ) -> tuple[str, int, str | None, dict | None, int | None]:
+    """One stream through the router; at the first token event (from the FREEZE_AT-th on) at which the router's
+    own accounting has a decode worker holding it, that worker is killed. (text, tokens, finish, usage, the
+    router's resume count at the kill or None without a kill)."""
+    text, tokens, finish, usage, resumes_at_kill = "", 0, None, None, None
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=600,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, f"{ev} after {tokens} tokens (killed: {resumes_at_kill is not None}){up.log_tails()}"
+            usage = ev.get("usage") or usage
+            for ch in ev["choices"]:
+                assert ch.get("token_ids") is None  # the router's own request for token ids stays hidden
+                text += ch["text"]
+                tokens += 1  # vLLM streams one token per event
+                finish = ch.get("finish_reason") or finish
+            if resumes_at_kill is None and tokens >= FREEZE_AT:
+                # Both decode workers frozen at once, on the token event (no further token can be made: a fast
+                # worker could otherwise finish the stream while the test asks), then the one holding this
+                # stream by the router's own accounting, which cannot change while they are frozen. None holds
+                # it between two legs (the router resuming a leg that broke by itself) or once the stream is
+                # all sent: both go on, and the next token event tries again.
+                for g in groups.values():
+                    os.killpg(g, signal.SIGSTOP)
+                frozen = httpx.get(f"{router}/cluster", timeout=10).json()
+                busy = [w["url"] for w in frozen["decode"] if w["in_flight"] == 1]
+                held = len(busy) == 1 and sum(w["in_flight"] for w in frozen["decode"]) == 1
+                assert held or sum(w["in_flight"] for w in frozen["decode"]) == 0, frozen["decode"]  # one stream
+                if held:
+                    resumes_at_kill = frozen["router"]["resumes"]
+                    os.killpg(groups[busy[0]], signal.SIGKILL)
+                for u, g in groups.items():
+                    if not held or u != busy[0]:
+                        os.killpg(g, signal.SIGCONT)
+    return text, tokens, finish, usage, resumes_at_kill
