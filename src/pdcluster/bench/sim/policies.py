@@ -6,7 +6,7 @@
   (spec.autoscaling.slo = the simulation's SLO), the peak λ over `burstWindowSeconds`, the prefix-hit
   discount and role flips (`spec.roleFlips`, on by default wherever the pools are compatible): a short
   pool takes its growth from the other pool's slack by flips first (`operator/autoscaler_flip.py`;
-  `ServiceModel.flip_s`), and every 10 s a flip-only step on the last 20 s moves workers toward the split
+  `ServiceModel.flip_s`), and every 5 s a flip-only step on the last 20 s moves workers toward the split
   that window asks for (`operator/autoscaler_flip_window.py`, spec.autoscaling.flipWindowSeconds): the
   defaults a PDCluster gets.
 - `pdcluster-no-flips`: the same with `spec.roleFlips: false` (or pools a flip cannot join: another
