@@ -64,7 +64,7 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
         os.setpriority(os.PRIO_PGRP, g, 19)
 
     for _attempt in range(ATTEMPTS):
-        text, _tokens, finish, usage, resumes_at_kill = _stream_and_kill(router, body, groups, up3)
+        text, finish, usage, resumes_at_kill = _stream_and_kill(router, body, groups, up3)
         if resumes_at_kill is not None:
             break
         # the stream ended before any token event found a decode worker holding it: a whole answer all the same
@@ -82,10 +82,10 @@ def test_vllm_decode_death_mid_stream_resumes_greedy_identical(up3: Up) -> None:
 
 
 def _stream_and_kill(router: str, body: dict, groups: dict[str, int], up: Up
-                     ) -> tuple[str, int, str | None, dict | None, int | None]:
+                     ) -> tuple[str, str | None, dict | None, int | None]:
     """One stream through the router; at the first token event (from the FREEZE_AT-th on) at which the router's
-    own accounting has a decode worker holding it, that worker is killed. (text, tokens, finish, usage, the
-    router's resume count at the kill or None without a kill)."""
+    own accounting has a decode worker holding it, that worker is killed. (text, finish, usage, the router's
+    resume count at the kill or None without a kill)."""
     text, tokens, finish, usage, resumes_at_kill = "", 0, None, None, None
     with httpx.stream("POST", f"{router}/v1/completions", timeout=600,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
@@ -119,4 +119,4 @@ def _stream_and_kill(router: str, body: dict, groups: dict[str, int], up: Up
                 for u, g in groups.items():
                     if not held or u != busy[0]:
                         os.killpg(g, signal.SIGCONT)
-    return text, tokens, finish, usage, resumes_at_kill
+    return text, finish, usage, resumes_at_kill

@@ -92,4 +92,4 @@ def window_inputs(d: asc.Decision) -> str:
 
     return (f"last {i['flipWindowSeconds']:g} s: rate {f(i['requestRate'], ' req/s')}, "
             f"I {f(i['meanInputTokens'])}, O {f(i['meanOutputTokens'])} "
-            f"(by completion {f(i.get('finishedOutputTokens'))}), need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}")
+            f"(by completion {f(i['finishedOutputTokens'])}), need prefill {f(i['prefillWindowNeed'])}, decode {f(i['decodeWindowNeed'])}")

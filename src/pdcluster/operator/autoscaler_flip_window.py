@@ -15,15 +15,7 @@ and the queue gauges, and moves running workers between the pools toward the spl
   its `last_change`): a window half before and half after a flip describes neither pool as it is;
 - **the split**: per pool `λ·work + queue·work/window` (work = I'/C_p, O/C_d + t_join at the
   capacities `decide` uses, SLO correction included; the queue the pool's gauge at the window's end, worked
-  off within one window).
-- **O by completion**: O is the mean length of the requests that *finished* in the window (the router's
-  `pdcluster_request_generation_tokens`, vLLM's `vllm:request_generation_tokens`), not `decide`'s tokens
-  generated per request admitted. That ratio lags a turn toward long answers by the answers' length (a
-  900-token answer is generated over many seconds after its request was admitted: 20 s after the turn of
-  shift seed 5 it read O = 265 against a true 890, and a decode pool at full batch caps it at C_d·n/λ), and
-  overshoots once the backlog drains (1,009-1,356 against ~900); the finished requests' mean read 650 and
-  838 at 20 and 30 s, and stays within ~5 % after. Shift traces cold: -0.4 to -3.6 points against the oracle
-  before, -0.2 to -2.3 after, at the same or fewer instance-hours (docs/benchmarks/autoscaler.md). No headroom: headroom provisions for load that moves faster than pods start, and
+  off within one window). No headroom: headroom provisions for load that moves faster than pods start, and
   a flip follows the load in seconds, re-read every quarter window; with `decide`'s headroom (1.5 on bursty
   load) a 20 s window of Mooncake conversation read 1.13 decode instances for a pool of 1 and flipped 4-5
   prefill workers away that the burst memory held (96.28 % -> 96.18 %, dominated). A pool is **short**
@@ -31,6 +23,14 @@ and the queue gauges, and moves running workers between the pools toward the spl
   DOWN_TOLERANCE))`, its minimum at least. Not above the last (long-window) recommendation: after a turn of
   the mix that is the stale belief this step exists to overtake; but a pool without one (metrics or
   capacity unknown) has no slack;
+- **O by completion**: O is the mean length of the requests that *finished* in the window (the router's
+  `pdcluster_request_generation_tokens`, vLLM's `vllm:request_generation_tokens`), not `decide`'s tokens
+  generated per request admitted. That ratio lags a turn toward long answers by the answers' length (a
+  900-token answer is generated over many seconds after its request was admitted: 20 s after the turn of
+  shift seed 5 it read O = 265 against a true 890, and a decode pool at full batch caps it at C_d·n/λ), and
+  overshoots once the backlog drains (1,009-1,356 against ~900); the finished requests' mean read 650 and
+  838 at 20 and 30 s, and stays within ~5 % after. Shift traces cold: -0.4 to -3.6 points against the oracle
+  before, -0.2 to -2.3 after, at the same or fewer instance-hours (docs/benchmarks/autoscaler.md).
 - **never pods**: the total of the pools is unchanged; flips = min(short, slack), within
   `maxScaleUpStep`, the replica bounds and `spec.autoscaling.ratio` (fewer until it holds);
 - **hysteresis**: the giving pool keeps the 10 % margin of scale-down (`DOWN_TOLERANCE`), and the next flip
@@ -80,17 +80,6 @@ def last_recommended(autoscaler_status: Mapping[str, Any]) -> dict[str, int | No
     return rec
 
 
-def trusted(obs: asc.Observation | None, window_seconds: float, min_requests: int = MIN_REQUESTS
-            ) -> asc.Observation | None:
-    """The short window `obs` with O by completion (`by_completion`) when it holds enough requests to be
-    trusted (module docstring), else None: the evidence of `short_needs`, and `decide`'s `mix`."""
-    if obs is None or obs.request_rate is None or window_seconds <= 0:
-        return None
-    if obs.request_rate * window_seconds < min_requests:
-        return None
-    return by_completion(obs)
-
-
 def by_completion(obs: asc.Observation) -> asc.Observation:
     """`obs` with O by completion where the window saw requests finish (module docstring, "O")."""
     fin = obs.finished_output_tokens
@@ -110,12 +99,14 @@ class ShortNeeds:
 
 def short_needs(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, window_seconds: float,
                 min_requests: int = MIN_REQUESTS) -> ShortNeeds | None:
-    """The needs of the short window `obs`, or None when it cannot be trusted (too few requests, a length or a
-    capacity unknown)."""
-    obs = trusted(obs, window_seconds, min_requests)
-    if obs is None or obs.request_rate is None:
+    """The needs of the short window `obs`, or None when it cannot be trusted (the window off, too few
+    requests, a length or a capacity unknown)."""
+    if obs is None or obs.request_rate is None or window_seconds <= 0:
         return None
     rate = obs.request_rate
+    if rate * window_seconds < min_requests:
+        return None
+    obs = by_completion(obs)
     need: dict[str, float] = {}
     for r in asc.POOLS:
         w = slo_guard.work(policy, obs, state.pool(r), r)
@@ -132,7 +123,7 @@ def need(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, wind
          ) -> dict[str, float] | None:
     """What a decision's formula scale-up must exceed, with its headroom (`decide`'s `short_need`): the trusted
     short window's need per pool; None with the window off (0) or not to be trusted."""
-    sn = short_needs(policy, state, obs, window_seconds) if window_seconds else None
+    sn = short_needs(policy, state, obs, window_seconds)
     return sn.need if sn is not None else None
 
 
@@ -140,7 +131,7 @@ def keep(policy: asc.Policy, state: asc.State, obs: asc.Observation | None, wind
          ) -> dict[str, int] | None:
     """What a decision's own flips leave each pool (`autoscaler_flip.plan`'s `keep`): the trusted short
     window's `keep`; None (no floor) with the window off (0) or not to be trusted."""
-    sn = short_needs(policy, state, obs, window_seconds) if window_seconds else None
+    sn = short_needs(policy, state, obs, window_seconds)
     return sn.keep if sn is not None else None
 
 
