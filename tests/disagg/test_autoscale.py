@@ -35,6 +35,23 @@ def test_counters_sum_series_across_labels() -> None:
     assert counters(text) == {"pdcluster_requests_total": 5.0, "foo": 1.0}
 
 
+def test_observation_reads_the_prompts_the_routers_load_rule_placed_on_decode() -> None:
+    """The load-aggregated rate (decode's TPOT breach is then the valve's price: autoscaler_guard.valve_explains):
+    the router's placements by its load rule, not its other placements on decode workers."""
+    def placements(load: int, short: int) -> str:
+        return ('# TYPE pdcluster_router_placements_total counter\n'
+                f'pdcluster_router_placements_total{{role="router",placement="aggregated",reason="prefill_backlog"}} {load}\n'
+                f'pdcluster_router_placements_total{{role="router",placement="aggregated",reason="short_prompt"}} {short}\n'
+                'pdcluster_router_placements_total{role="router",placement="disaggregated",reason="prompt_length"} 9\n')
+    before, after = counters(placements(3, 100)), counters(placements(23, 500))
+    assert before["pdcluster_router_placements_total"] == 112  # every placement still sums under its name
+    first = Scrape(0.0, {**_router(100, 10_000, 2_000), **before})
+    last = Scrape(10.0, {**_router(140, 14_000, 20_000), **after})
+    obs = observation(first, last, {})
+    assert obs is not None and obs.load_aggregated_rate == 20 / 10
+    assert observation(first, Scrape(10.0, _router(140, 14_000, 20_000)), {}).load_aggregated_rate is None
+
+
 def _router(n: float, prompt: float, gen: float) -> dict[str, float]:
     return {"pdcluster_requests_total": n, "pdcluster_prompt_tokens_total": prompt,
             "pdcluster_generation_tokens_total": gen}

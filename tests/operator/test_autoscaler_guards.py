@@ -111,6 +111,25 @@ def test_a_broken_tpot_grows_decode() -> None:
     assert (dec.prefill.desired, dec.decode.desired) == (3, 12) and dec.decode.reason == asc.SLO_GUARD  # 3 x 4
 
 
+def test_a_tpot_breach_the_load_valve_explains_grows_no_decode() -> None:
+    # the router had decode workers prefill prompts (load-driven aggregation): their batches stood still, so
+    # the broken TPOT is the valve's price; the breach is still reported, and the prefill side is what grows
+    pol = policy(slo_tpot_seconds=0.05, slo_ttft_seconds=2.0)
+    # a decode queue of 1 adds 0.25 s (1 / 4 req/s): a wait against TPOT's 0.05 s, none worth a pod against TTFT's 2 s
+    o = obs(4, tpot_seconds=0.2, ttft_seconds=6.0, prefill_queue_mean=20.0, prefill_queue_now=20.0,
+            decode_queue_mean=1.0, decode_queue_now=1.0)
+    grown = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
+    assert grown.decode.reason == asc.SLO_GUARD and grown.decode.desired > 3  # without the valve: decode's breach
+    o = obs(4, tpot_seconds=0.2, ttft_seconds=6.0, prefill_queue_mean=20.0, prefill_queue_now=20.0,
+            decode_queue_mean=1.0, decode_queue_now=1.0, load_aggregated_rate=0.3)
+    dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
+    assert dec.decode.desired == 3 and dec.decode.slo_breached and dec.state.decode.slo_breaches == 0
+    assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired > 3
+    # a TPOT that holds while the valve works changes nothing either
+    o = obs(4, tpot_seconds=0.04, load_aggregated_rate=0.3)
+    assert asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0).decode.desired == 3
+
+
 def test_the_guard_acts_once_per_window_and_not_during_a_rollout() -> None:
     pol = policy(slo_ttft_seconds=2.0, window_seconds=120)
     o = obs(4, ttft_seconds=2.5)  # 1.25x the target: one replica a step (ceil(3 x 1.25) = 4)

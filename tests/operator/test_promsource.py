@@ -31,6 +31,7 @@ HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix
 TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
 FIN_RATE, FIN_OUT = 3.0, 768  # requests/s finishing, and their mean length (O by completion)
 VLLM_FIN_OUT = 640
+AGG_RATE = 0.5  # prompts/s the router's load rule prefilled on decode workers
 JOIN = 0.04  # t_join: seconds from a request's KV being complete to its first output on a decode worker
 
 
@@ -84,6 +85,13 @@ class Workload:
         yield k
         yield counter("pdcluster_kv_transfer_failures_total", "failed transfers", [
             (["demo", "prefill", "p0"], 0.01 * n), (["demo", "decode", "d0"], 0.01 * n)])
+        pl = CounterMetricFamily("pdcluster_router_placements", "placements",
+                                 labels=["pdcluster", "role", "worker", "placement", "reason"])
+        for placement, reason, per_s in (("aggregated", "prefill_backlog", AGG_RATE),  # the load rule's
+                                         ("aggregated", "short_prompt", 1.0),  # not the load rule's
+                                         ("disaggregated", "prompt_length", RATE - 1.0 - AGG_RATE)):
+            pl.add_metric(["demo", "router", "r0", placement, reason], per_s * t, timestamp=now)
+        yield pl
         g = GaugeMetricFamily("pdcluster_requests_waiting", "queue", labels=["pdcluster", "role", "worker"])
         for w in ("p0", "p1"):
             g.add_metric(["demo", "prefill", w], 3, timestamp=now)  # the prefill queue never empties: saturated
@@ -234,6 +242,8 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.decode_join_seconds == pytest.approx(JOIN, rel=0.02)  # rate of the sum over rate of the count
     # O by completion: the mean length of the requests that finished, from the router's histogram
     assert o.finished_output_tokens == pytest.approx(FIN_OUT, rel=0.02)
+    # the prompts the router's load rule had decode workers prefill (its other placements not counted)
+    assert o.load_aggregated_rate == pytest.approx(AGG_RATE, rel=0.05)
     # without the SLO guard or a burst window, those queries are not asked
     o = source.observe("demo", window_seconds=WINDOW, at=at)
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None

@@ -42,6 +42,22 @@ def test_a_burst_of_long_prompts_is_partly_prefilled_on_decode() -> None:
     assert on.prefilled_tokens == off.prefilled_tokens - 4000 * on.aggregated
 
 
+def test_the_autoscaler_reads_the_load_rules_placements() -> None:
+    """What the router's pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}
+    counts, per second of the window (the operator's load-aggregated rate: autoscaler_guard.valve_explains)."""
+    from pdcluster.bench.sim.cluster import Cluster
+    from pdcluster.bench.sim.observe import Counters, Sampler
+
+    c = Cluster(burst(), replace(ServiceModel(), aggregate_ttft_s=SLO_.ttft_s), pol.Static(1, 1))
+    result = c.run()
+    assert c.c.load_aggregated == result.aggregated > 0
+    s = Sampler(window_s=120.0)
+    s.record_counters(0.0, Counters())
+    s.record_counters(120.0, c.c)
+    o = s.observation(120.0, 1, 1)
+    assert o is not None and o.load_aggregated_rate == pytest.approx(result.aggregated / 120.0)
+
+
 def test_prompts_longer_than_a_decode_instance_may_take_stay_on_the_prefill_pool() -> None:
     """40k-token prompts take 4 s on one instance: more than LOCAL_BUDGET of the 5 s target, so however long
     the prefill queue gets, no decode batch is stalled for one."""

@@ -89,6 +89,10 @@ class Observation:
     # pdcluster_request_generation_tokens sum / count): O by completion, which does not lag a turn of the mix
     # toward long answers as O by admission does (autoscaler_flip_window)
     finished_output_tokens: float | None = None
+    # requests/s the router prefilled on decode workers because the prefill queue missed its TTFT target
+    # (pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}): their batches
+    # waited meanwhile, so decode's TPOT breach in such a window is the valve's price (autoscaler_guard.targets)
+    load_aggregated_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         "prefillCapacitySource": source["prefill"], "decodeCapacitySource": source["decode"],
         "headroom": round(headroom, 4), "headroomCeiling": policy.headroom,
         "ttftSeconds": slo["prefill"][0], "tpotSeconds": slo["decode"][0], "decodeJoinSeconds": join,
+        "loadAggregatedRate": obs.load_aggregated_rate if obs else None,  # a TPOT breach it explains grows no decode
         "ratioMin": policy.ratio.min, "ratioMax": policy.ratio.max,
         "maxScaleUpStep": policy.max_up_step, "maxScaleDownStep": policy.max_down_step,
     }

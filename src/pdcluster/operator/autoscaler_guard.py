@@ -2,7 +2,8 @@
 
 A pool grows past the formula (reason `SLOBreached`) when its percentile is broken *and* a queue in front
 of it explains the breach, still there at the window's end, and the breach is news (see `fires`). The
-decode pool answers for TPOT, and for TTFT when its own queue waits (`targets`); decode's queue is the
+decode pool answers for TPOT (unless the router's load-driven aggregation explains the breach:
+`valve_explains`), and for TTFT when its own queue waits (`targets`); decode's queue is the
 window's mean or, while it builds, the queue at the window's end (`rules.queue_in_front`), prefill's the
 mean. Pure: the autoscaler core's types come from `autoscaler.py`, which imports this module.
 """
@@ -33,6 +34,8 @@ def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
     formula's O (generated tokens / requests) is capped by what the saturated pool produces, so nothing
     else would grow decode (a shift from 6k-token prompts to 900-token outputs: minutes of misses)."""
     out = slo_targets(policy, obs)
+    if valve_explains(obs, *out["decode"]):
+        out["decode"] = (None, out["decode"][1])
     observed, target = out["decode"]
     ttft, ttft_target = out["prefill"]
     if obs is not None and ttft is not None and ttft_target is not None and not rules.breached(observed, target) \
@@ -42,6 +45,18 @@ def targets(policy: Policy, obs: Observation | None) -> dict[str, Pair]:
         if w is not None and rules.guard_applies(q, obs.request_rate, ttft_target):
             out["decode"] = (min(ttft, ttft_target + w), ttft_target)
     return out
+
+
+def valve_explains(obs: Observation | None, tpot: float | None, target: float | None) -> bool:
+    """Whether decode's TPOT breach is the price of the router's load-driven aggregation rather than news of
+    a short decode pool: in a window where the router had decode workers prefill prompts themselves because
+    the prefill queue missed its TTFT target (worker/router/aggregate.py), their batches stood still
+    meanwhile. The cure is prefill capacity, which the prefill pool's own formula and guard order; decode pods
+    ordered for it start after the backlog that engaged the valve and only take more of its prompts (Azure
+    cold with aggregation: 3 decode pods for 6 minutes, 0 requests more within SLO). The aggregation only
+    takes a decode worker with a free slot and nothing queued for decode, so decode had slack when it did;
+    a decode queue that waits while TPOT holds still answers for TTFT (`targets`)."""
+    return bool(obs is not None and obs.load_aggregated_rate and rules.breached(tpot, target))
 
 
 def queue_mean(obs: Observation | None, role: str) -> float | None:

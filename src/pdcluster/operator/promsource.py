@@ -26,6 +26,9 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
   a transferred request's KV complete -> its first output) less the decode workers' mean step (the same of
   `pdcluster_time_per_output_token_seconds`): `autoscaler_rules.join_cost` (optional: missing on older
   workers, or no transfer in the window -> the formula without the term)
+- load-aggregated rate = rate(pdcluster_router_placements_total{placement="aggregated",
+  reason="prefill_backlog"}): prompts the router had decode workers prefill because the prefill queue missed
+  its TTFT target (optional: decode's TPOT breach is then the valve's price, `autoscaler_guard.valve_explains`)
 - TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
   (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
@@ -72,6 +75,8 @@ SERIES: dict[str, dict[str, str | None]] = {
         "join": "pdcluster_decode_join_seconds",
         "kv_transfers": "pdcluster_kv_transfer_seconds_count",
         "kv_transfer_failures": "pdcluster_kv_transfer_failures_total",
+        # the router's only: prompts it had a decode worker prefill because the prefill queue missed its target
+        "load_aggregated": 'pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}',
     },
     "vllm": {
         # vLLM names its series `vllm:...`; prometheus_client serves them as `vllm_...` to a scraper that
@@ -99,6 +104,12 @@ def _series(name: str | None, sel: str) -> str:
     if name is not None and "[" in name:
         return '{__name__=~"' + name + '",' + sel[1:]
     return f"{name}{sel}"
+
+
+def _labelled(series: str, sel: str) -> str:
+    """`name{labels}` of a SERIES entry that carries its own labels, joined with the selector `sel`."""
+    name, own = series.rstrip("}").split("{", 1)
+    return f"{name}{{{own},{sel[1:]}"
 
 
 def _sel(cluster: str, role: str) -> str:
@@ -278,4 +289,5 @@ class PrometheusSource:
             decode_queue_now=queue_now(decode),
             kv_transfers_per_second=scalar(f"sum(rate({_series(wk['kv_transfers'], cl)}[{w}]))"),
             kv_transfer_failures_per_second=scalar(f"sum(rate({_series(wk['kv_transfer_failures'], cl)}[{w}]))"),
+            load_aggregated_rate=scalar(f"sum(rate({_labelled(ROUTER['load_aggregated'], router)}[{w}]))"),
         )

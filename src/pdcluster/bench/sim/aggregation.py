@@ -5,7 +5,8 @@ prefill instances, at `prefill_tps`. When that misses the target and a decode in
 (nothing queued for decode, no local prefill under way there), that instance prefills the prompt itself at
 `prefill_tps`: its batch makes no progress meanwhile (the interference disaggregation avoids; the engine's
 mixed steps slow decoding instead of stopping it, so this is the pessimistic side), then the request decodes
-there. KV memory is not modelled (batch slots only). Counted in `RunResult.aggregated`."""
+there. KV memory is not modelled (batch slots only). Counted as the router counts them
+(`Counters.load_aggregated`, which the autoscaler reads; `RunResult.aggregated`)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def place(c: Cluster, rid: int, now: float) -> bool:
     c.advance(d, now)
     d.n += 1  # its slot from now; its batch waits while it prefills (the clock resumes at d.last)
     d.last = max(d.last, now) + tokens / c.m.prefill_tps
-    c.aggregated += 1
+    c.c.load_aggregated += 1  # the router's placements counter (load rule), which the autoscaler reads too
     c.push(d.last, LOCAL_DONE, d, rid)
     c.reschedule(d, now)
     return True

@@ -142,7 +142,6 @@ class Cluster:
         self.timeline: list[tuple[float, int, int, int, int, float]] = []
         self.pqueued_tokens = 0  # prompt tokens admitted to the prefill pool and not yet prefilled
         self.agg_engaged = False
-        self.aggregated = 0
 
     # ---- plumbing --------------------------------------------------------------------------------
     def push(self, t: float, kind: int, a: object = None, b: int = 0) -> None:
@@ -362,7 +361,7 @@ class Cluster:
             scale_events=self.scale_events,
             max_prefill=max(t[1] for t in self.timeline), max_decode=max(t[2] for t in self.timeline),
             timeline=self.timeline, generated_tokens=self.c.generated, prefilled_tokens=self.c.prefill_tokens,
-            prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips, aggregated=self.aggregated,
+            prefix_hit_tokens=self.c.prefix_hit_tokens, flips=self.flips, aggregated=self.c.load_aggregated,
             steps_by_cause=dict(getattr(self.policy, "steps", {})),
             decision_log=list(getattr(self.policy, "log", None) or []),
         )

@@ -11,7 +11,8 @@ The optional observations the same way: the prefix-cache hit rate = hit tokens /
 prefill pool over the window; the peak λ = the highest `burst_s` request rate at sub-steps of `burst_s/2`
 within the window (the `max_over_time(rate(...[b])[w:b/2])` subquery); TTFT/TPOT at a percentile =
 `histogram_quantile` over the router's histogram buckets (`worker/api/metrics.py`) filled by the requests
-observed within the window, interpolated inside a bucket as Prometheus does.
+observed within the window, interpolated inside a bucket as Prometheus does; the load-aggregated rate = the
+prompts the router's load rule placed on decode instances per second of the window.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pdcluster.operator.autoscaler import Observation
 from pdcluster.operator.autoscaler_fast import Gauges
 from pdcluster.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
-Snapshot = tuple[int, int, int, float, int, int, int]  # Counters' fields, in order
+Snapshot = tuple[int, int, int, float, int, int, int, int]  # Counters' fields, in order
 
 
 @dataclass
@@ -36,10 +37,11 @@ class Counters:
     prefix_hit_tokens: int = 0  # pdcluster_prefix_cache_hit_tokens_total{role="prefill"}
     finished: int = 0  # pdcluster_request_generation_tokens_count{role="router"}: requests that ended
     finished_tokens: int = 0  # ..._sum: their generated tokens
+    load_aggregated: int = 0  # pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}
 
     def snapshot(self) -> Snapshot:
         return (self.admitted, self.prompt_tokens, self.prefill_tokens, self.generated, self.prefix_hit_tokens,
-                self.finished, self.finished_tokens)
+                self.finished, self.finished_tokens, self.load_aggregated)
 
 
 def histogram_quantile(q: float, buckets: tuple[float, ...], values: list[float]) -> float | None:
@@ -141,7 +143,7 @@ class Sampler:
         d = self._delta(now)
         if d is None:
             return None  # no series yet: the autoscaler holds (MetricsUnavailable)
-        span, (adm, prompt, prefilled, gen, hits, fin, fin_tokens) = d
+        span, (adm, prompt, prefilled, gen, hits, fin, fin_tokens, agg) = d
         rate = adm / span
         return Observation(
             request_rate=rate,
@@ -160,6 +162,7 @@ class Sampler:
             prefill_queue_now=float(self.pq[-1]) if self.pq else None,
             decode_queue_now=float(self.dq[-1]) if self.dq else None,
             finished_output_tokens=fin_tokens / fin if fin else None,
+            load_aggregated_rate=agg / span,
         )
 
     def short(self, now: float, window_s: float) -> Observation | None:
@@ -171,7 +174,7 @@ class Sampler:
         span = self.times[-1] - self.times[j]
         if span <= 0:
             return None
-        adm, prompt, prefilled, gen, hits, fin, fin_tokens = (
+        adm, prompt, prefilled, gen, hits, fin, fin_tokens, _ = (
             b - a for a, b in zip(self.snaps[j], self.snaps[-1], strict=True))
         return Observation(request_rate=adm / span, mean_input_tokens=prompt / adm if adm else None,
                            mean_output_tokens=gen / adm if adm else None,

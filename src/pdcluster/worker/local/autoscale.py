@@ -7,6 +7,8 @@ quantities are computed from counter deltas between the first and the last scrap
 
 - λ = requests/s at the router; I, O = the router's prompt/output tokens per request; O by completion = the
   mean length of the requests that finished (the router's `pdcluster_request_generation_tokens` sum / count);
+  the load-aggregated rate = the router's `pdcluster_router_placements_total{placement="aggregated",
+  reason="prefill_backlog"}` per second;
 - per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
   by how many of them answered;
 - saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window;
@@ -46,18 +48,27 @@ from pdcluster.worker.transfer.secret import internal_headers
 POOLS = ("prefill", "decode")
 # Which counter measures a pool's work (as in promsource): prompt tokens for prefill, output tokens for decode.
 POOL_COUNTER = {"prefill": "pdcluster_prompt_tokens_total", "decode": "pdcluster_generation_tokens_total"}
+# The router's placements the load rule made (promsource's load-aggregated rate), kept apart by `counters`.
+PLACEMENTS = "pdcluster_router_placements_total"
+LOAD_AGGREGATED = {"placement": "aggregated", "reason": "prefill_backlog"}
+LOAD_AGGREGATED_KEY = PLACEMENTS + ":load"
 
 
 def counters(text: str) -> dict[str, float]:
-    """Prometheus text -> {series name: value summed over its label sets}."""
+    """Prometheus text -> {series name: value summed over its label sets}, and the router's load-rule placements
+    under LOAD_AGGREGATED_KEY besides."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
         name, value = line.rsplit(" ", 1)
         key = name.split("{", 1)[0]
+        keys = [key]
+        if key == PLACEMENTS and all(f'{k}="{v}"' in name for k, v in LOAD_AGGREGATED.items()):
+            keys.append(LOAD_AGGREGATED_KEY)
         try:
-            out[key] = out.get(key, 0.0) + float(value)
+            for k in keys:
+                out[k] = out.get(k, 0.0) + float(value)
         except ValueError:
             continue
     return out
@@ -92,6 +103,8 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
     gen = _increase(first.router, last.router, "pdcluster_generation_tokens_total") / dt
     finished = _increase(first.router, last.router, "pdcluster_request_generation_tokens_count")
     finished_tokens = _increase(first.router, last.router, "pdcluster_request_generation_tokens_sum")
+    aggregated = (_increase(first.router, last.router, LOAD_AGGREGATED_KEY) / dt
+                  if LOAD_AGGREGATED_KEY in last.router else None)  # the load rule has not placed one yet
 
     def per_instance(role: str) -> float | None:
         now = {n: s for n, (r, s) in last.workers.items() if r == role}
@@ -120,6 +133,7 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         decode_saturated=bool(waiting.get("decode")) and min(waiting["decode"]) > 0,
         decode_join_seconds=join(),
         finished_output_tokens=finished_tokens / finished if finished > 0 else None,
+        load_aggregated_rate=aggregated,
     )
 
 
