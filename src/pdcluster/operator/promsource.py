@@ -106,9 +106,9 @@ def _series(name: str | None, sel: str) -> str:
     return f"{name}{sel}"
 
 
-def _labelled(series: str, sel: str) -> str:
+def _labelled(series: str | None, sel: str) -> str:
     """`name{labels}` of a SERIES entry that carries its own labels, joined with the selector `sel`."""
-    name, own = series.rstrip("}").split("{", 1)
+    name, own = str(series).rstrip("}").split("{", 1)
     return f"{name}{{{own},{sel[1:]}"
 
 
