@@ -91,7 +91,7 @@ class Observation:
     finished_output_tokens: float | None = None
     # requests/s the router prefilled on decode workers because the prefill queue missed its TTFT target
     # (pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}): their batches
-    # waited meanwhile, so decode's TPOT breach in such a window is the valve's price (autoscaler_guard.targets)
+    # waited meanwhile, so decode's TPOT breach in such a window is the valve's price (autoscaler_guard.valve_explains)
     load_aggregated_rate: float | None = None
 
 

@@ -43,6 +43,7 @@ import httpx
 from pdcluster.operator import autoscaler_explain, autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
 from pdcluster.operator.autoscaler_rules import join_cost
+from pdcluster.worker.router import aggregate as agg
 from pdcluster.worker.transfer.secret import internal_headers
 
 POOLS = ("prefill", "decode")
@@ -50,7 +51,7 @@ POOLS = ("prefill", "decode")
 POOL_COUNTER = {"prefill": "pdcluster_prompt_tokens_total", "decode": "pdcluster_generation_tokens_total"}
 # The router's placements the load rule made (promsource's load-aggregated rate), kept apart by `counters`.
 PLACEMENTS = "pdcluster_router_placements_total"
-LOAD_AGGREGATED = {"placement": "aggregated", "reason": "prefill_backlog"}
+LOAD_AGGREGATED = {"placement": agg.AGGREGATED, "reason": agg.PREFILL_BACKLOG}
 LOAD_AGGREGATED_KEY = PLACEMENTS + ":load"
 
 
