@@ -249,6 +249,14 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None
 
 
+def test_the_load_rules_placements_are_read_under_the_routers_own_labels() -> None:
+    from pdcluster.operator.promsource import ROUTER
+    from pdcluster.worker.router import aggregate as agg
+
+    want = f'pdcluster_router_placements_total{{placement="{agg.AGGREGATED}",reason="{agg.PREFILL_BACKLOG}"}}'
+    assert ROUTER["load_aggregated"] == want
+
+
 def test_missing_series_and_unreachable_server(prometheus: str) -> None:
     with pytest.raises(MetricsUnavailable) as e:
         PrometheusSource(prometheus).observe("nobody", window_seconds=WINDOW)

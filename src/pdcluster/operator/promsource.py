@@ -50,7 +50,6 @@ from typing import Any
 
 from pdcluster.operator.autoscaler import Observation
 from pdcluster.operator.autoscaler_rules import join_cost
-from pdcluster.worker.router.aggregate import AGGREGATED, PREFILL_BACKLOG  # the router's placement labels
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,8 @@ SERIES: dict[str, dict[str, str | None]] = {
         "kv_transfers": "pdcluster_kv_transfer_seconds_count",
         "kv_transfer_failures": "pdcluster_kv_transfer_failures_total",
         # the router's only: prompts it had a decode worker prefill because the prefill queue missed its target
-        "load_aggregated": f'pdcluster_router_placements_total{{placement="{AGGREGATED}",reason="{PREFILL_BACKLOG}"}}',
+        # (labels: worker/router/aggregate.py's AGGREGATED, PREFILL_BACKLOG; the operator does not import it)
+        "load_aggregated": 'pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}',
     },
     "vllm": {
         # vLLM names its series `vllm:...`; prometheus_client serves them as `vllm_...` to a scraper that
