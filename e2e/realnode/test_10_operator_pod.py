@@ -17,6 +17,22 @@ def _operator_pods(kube: Kube, op: dict[str, Any]) -> list[dict[str, Any]]:
     return items if len(items) == want and all(ready(p) for p in items) else []
 
 
+def _without_kopf_cancel_race(log: str) -> str:
+    """The log less kopf's own cancel-callback failure (kopf 1.45.2, `_cogs/clients/api.py`
+    `request_cancel_callback`: `asyncio.current_task()` is None in a future's done-callback). It is logged by
+    asyncio when peering pauses a replica while its first watch request waits for headers: both replicas
+    start in the same second and one yields to the other. Nothing of ours runs in it and the paused replica
+    resumes as usual; any other traceback still fails the test."""
+    records, out = log.splitlines(keepends=True), []
+    skipping = False
+    for line in records:
+        if line[:4].isdigit():  # a new record: "2026-12-07 04:46:17,929 LEVEL logger: ..."
+            skipping = "request_cancel_callback" in line
+        if not skipping:
+            out.append(line)
+    return "".join(out)
+
+
 def test_operator_pod_runs_on_the_real_node(kube: Kube, real_operator: dict[str, Any]):
     pods = wait_until("the operator pods Ready", lambda: _operator_pods(kube, real_operator), timeout=180)
     pod = pods[0]
@@ -43,7 +59,7 @@ def test_operator_pod_runs_on_the_real_node(kube: Kube, real_operator: dict[str,
         assert again and all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in again), again
         # the operator talks to the API server from inside the pod (the `kubernetes` Service)
         log = kube.run("logs", "-n", ns, name, "--tail=200").stdout
-        assert "Traceback" not in log, log[-3000:]
+        assert "Traceback" not in _without_kopf_cancel_race(log), log[-3000:]
     except AssertionError:
         print(dump(kube, ns))
         raise
