@@ -34,7 +34,7 @@ def test_summary_schema_and_plots(tmp_path, small_trace, capsys):
     assert doc["trace"]["requests"] == 600
     # the trace has hash_ids (prefix reuse): the default set adds the pdcluster policy without the discount
     assert set(doc["policies"]) == {"pdcluster", "pdcluster-no-flips", "pdcluster-no-prefix", "reactive-oracle",
-                                    "no-headroom", "independent", "static-1:1", "static-best"}
+                                    "no-headroom", "independent", "keda-tokens", "static-1:1", "static-best"}
     # prompts of at most 4000 tokens take 0.4 s of prefill: none is infeasible at a 3 s TTFT
     inf = doc["trace"]["infeasible_requests"]
     assert inf["count"] == 0 and inf["why"] == {"prefill_exceeds_ttft": 0, "decode_step_exceeds_tpot": 0}

@@ -69,6 +69,8 @@ def tick(c: Cluster, now: float) -> None:
         prefill_utilisation=c.sampler.utilisation(now, "prefill", p.reporting(), c.m.prefill_tps),
         decode_utilisation=c.sampler.utilisation(now, "decode", d.reporting(), c.m.decode_tps),
         short_observation=c.sampler.short(now, c.flipw_s) if c.flipw_s else None,
+        prefill_inflight_tokens=float(c.pqueued_tokens),
+        decode_occupancy=sum(i.n for i in d.instances if i.ready and i.ended is None) / c.m.decode_batch,
     )
     apply(c, c.policy.decide(inp), now, inp.observation.request_rate or 0.0 if inp.observation else 0.0)
     if now + c.interval_s <= c.horizon:

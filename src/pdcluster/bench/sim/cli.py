@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, type=Path, help="Azure CSV or Mooncake JSONL trace")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--policy", action="extend", nargs="+", default=None, metavar="NAME",
-                   help=f"policies to compare (default: all of {', '.join(pol.NAMES)}; also static-P:D)")
+                   help=f"policies to compare (default: all of {', '.join(pol.NAMES)}; also {', '.join(pol.EXTRA)}, "
+                        "static-P:D)")
     p.add_argument("--slo-ttft", type=cli_args.positive_float, default=SLO.ttft_s, help="TTFT SLO, seconds (default 5)")
     p.add_argument("--slo-tpot", type=cli_args.positive_float, default=SLO.tpot_s, help="TPOT SLO, seconds (default 0.1)")
     p.add_argument("--slo-target", type=cli_args.fraction, default=SLO.target,

@@ -73,6 +73,10 @@ class PolicyInput:
     prefill_utilisation: float | None  # busy share of the reporting instances' capacity over the window
     decode_utilisation: float | None
     short_observation: Observation | None = None  # the flip window's (`Sampler.short`), when the policy has one
+    # gauges a peer's scaler reads (keda.py): prompt tokens sent to the prefill pool and not yet prefilled, and
+    # the decode instances' batch occupancy summed (pods' worth of full batch: the simulator's KV usage)
+    prefill_inflight_tokens: float | None = None
+    decode_occupancy: float | None = None
 
 
 @dataclass

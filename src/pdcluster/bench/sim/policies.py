@@ -19,6 +19,8 @@
 - `independent`: each pool sized alone from its own utilisation, as an HPA would do it:
   `desired = ceil(ready · utilisation / target)` with target 1/1.5 (the same headroom), a 10% tolerance,
   a 300 s scale-down stabilization (the highest recommendation in the window) and the same step limits.
+- `keda-tokens`: llm-d's token-aware KEDA autoscaling for P/D as its guide ships it (`keda.py`): prefill on
+  seconds of prompt tokens in flight, decode on its KV usage, each an HPA of its own: the peer users deploy.
 - `static-P:D`: fixed sizes, never scaled.
 """
 
@@ -38,8 +40,8 @@ from pdcluster.operator.autoscaler_fast import Gauges
 from pdcluster.operator.models import Autoscaling
 from pdcluster.operator.planner import Bounds, plan
 
-NAMES = ("pdcluster", "pdcluster-no-flips", "reactive-oracle", "no-headroom", "independent", "static-1:1",
-         "static-best")
+NAMES = ("pdcluster", "pdcluster-no-flips", "reactive-oracle", "no-headroom", "independent", "keda-tokens",
+         "static-1:1", "static-best")
 EXTRA = ("pdcluster-no-prefix",)
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
 # spec.autoscaling.flipWindowSeconds' default: `pdcluster` flips on that short window too (autoscaler_flip_window)
@@ -294,6 +296,12 @@ def _make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | Non
         return Core(core_policy(prefill_tps, decode_tps, 1.0, bounds, slo), "no-headroom", start(1.0), flip=True)
     if name == "independent":
         return Independent(bounds, start=start(1.5))
+    if name == "keda-tokens":
+        from pdcluster.bench.sim.keda import KedaTokens
+
+        isl = (sum(r.input_tokens for r in trace.requests) / len(trace.requests)) if trace and trace.requests else 0.0
+        ttft = slo.ttft_s if slo else SLO().ttft_s
+        return KedaTokens(bounds, prefill_tps, KedaTokens.target_s(ttft, isl, prefill_tps), start=start(1.5))
     if name.startswith("static-") and ":" in name:
         p, _, d = name[len("static-"):].partition(":")
         if p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1:

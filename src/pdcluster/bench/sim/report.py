@@ -76,7 +76,7 @@ def goal_check(policies: dict[str, dict], target: float) -> dict | None:
            "cost_vs_static_best": cost,
            "met_attainment": pd["slo_attainment"] >= target,
            "met_cost": cost is not None and cost <= 1.2}
-    for other in ("no-headroom", "independent"):
+    for other in ("no-headroom", "independent", "keda-tokens"):
         if other in policies:
             out[f"beats_{other.replace('-', '_')}"] = pd["slo_attainment"] > policies[other]["slo_attainment"]
     out["dominated_by"] = dominated_by(policies, "pdcluster")
