@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pdcluster.bench.sim import decisions
+from pdcluster.bench.sim.keda import KedaTokens
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Trace
@@ -297,8 +298,6 @@ def _make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | Non
     if name == "independent":
         return Independent(bounds, start=start(1.5))
     if name == "keda-tokens":
-        from pdcluster.bench.sim.keda import KedaTokens
-
         isl = (sum(r.input_tokens for r in trace.requests) / len(trace.requests)) if trace and trace.requests else 0.0
         ttft = slo.ttft_s if slo else SLO().ttft_s
         return KedaTokens(bounds, prefill_tps, KedaTokens.target_s(ttft, isl, prefill_tps), start=start(1.5))
