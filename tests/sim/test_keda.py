@@ -8,6 +8,7 @@ import pytest
 from pdcluster.bench.sim import keda
 from pdcluster.bench.sim import policies as pol
 from pdcluster.bench.sim.cluster import simulate
+from pdcluster.bench.sim.hpa import HpaPool
 from pdcluster.bench.sim.model import SLO, ServiceModel
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.bench.trace import Request, Trace
@@ -15,21 +16,21 @@ from pdcluster.operator.planner import Bounds
 
 
 def test_the_hpa_grows_one_pod_per_period_and_shrinks_after_its_window() -> None:
-    p = keda._Pool()
+    p = HpaPool()
     # 9 s of backlog at 1.5 s a replica asks for 6: one pod now, none more within 180 s
-    assert keda.hpa_step(p, 0.0, 2, 9.0, 1.5, 1, None) == 3
-    assert keda.hpa_step(p, 15.0, 3, 9.0, 1.5, 1, None) == 3
-    assert keda.hpa_step(p, 180.0, 3, 9.0, 1.5, 1, None) == 4
+    assert p.step(keda.BEHAVIOR, 0.0, 2, 9.0, 1.5, 1, None) == 3
+    assert p.step(keda.BEHAVIOR, 15.0, 3, 9.0, 1.5, 1, None) == 3
+    assert p.step(keda.BEHAVIOR, 180.0, 3, 9.0, 1.5, 1, None) == 4
     # within the 10 % tolerance nothing moves
-    assert keda.hpa_step(keda._Pool(), 0.0, 4, 6.3, 1.5, 1, None) == 4
+    assert HpaPool().step(keda.BEHAVIOR, 0.0, 4, 6.3, 1.5, 1, None) == 4
     # the load is gone: the highest recommendation of the last 300 s holds the pool, then one pod per 300 s
-    assert keda.hpa_step(p, 200.0, 4, 0.0, 1.5, 1, None) == 4
-    assert keda.hpa_step(p, 481.0, 4, 0.0, 1.5, 1, None) == 3
-    assert keda.hpa_step(p, 600.0, 3, 0.0, 1.5, 1, None) == 3
-    assert keda.hpa_step(p, 781.0, 3, 0.0, 1.5, 1, None) == 2
+    assert p.step(keda.BEHAVIOR, 200.0, 4, 0.0, 1.5, 1, None) == 4
+    assert p.step(keda.BEHAVIOR, 481.0, 4, 0.0, 1.5, 1, None) == 3
+    assert p.step(keda.BEHAVIOR, 600.0, 3, 0.0, 1.5, 1, None) == 3
+    assert p.step(keda.BEHAVIOR, 781.0, 3, 0.0, 1.5, 1, None) == 2
     # the replica bounds
-    assert keda.hpa_step(keda._Pool(), 0.0, 1, 0.0, 1.5, 1, None) == 1
-    assert keda.hpa_step(keda._Pool(), 0.0, 4, 90.0, 1.5, 1, 4) == 4
+    assert HpaPool().step(keda.BEHAVIOR, 0.0, 1, 0.0, 1.5, 1, None) == 1
+    assert HpaPool().step(keda.BEHAVIOR, 0.0, 4, 90.0, 1.5, 1, 4) == 4
 
 
 def test_the_prefill_target_is_the_ttft_budget_less_one_prompt() -> None:
@@ -59,5 +60,5 @@ def test_a_backlog_of_prompts_grows_the_prefill_pool_in_the_simulator() -> None:
     r = simulate(trace, ServiceModel(), policy)
     sizes = [(t, p) for t, p, *_ in r.timeline]
     ups = [t for (_, p), (t, q) in zip(sizes, sizes[1:], strict=False) if q > p]
-    assert ups and all(b - a >= keda.UP_PERIOD_S for a, b in zip(ups, ups[1:], strict=False))
+    assert ups and all(b - a >= keda.BEHAVIOR.up_period_s for a, b in zip(ups, ups[1:], strict=False))
     assert max(p for _, p in sizes) >= 3

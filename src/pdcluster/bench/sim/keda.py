@@ -17,49 +17,19 @@ ours. Two ScaledObjects, each pool blind to the other:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pdcluster.bench.sim.hpa import Behavior, HpaPool
 from pdcluster.bench.sim.observe import PolicyInput
 from pdcluster.operator.planner import Bounds
 
 POLL_S = 15.0  # pollingInterval
-TOLERANCE = 0.1  # the HPA's default
-UP_PERIOD_S, DOWN_PERIOD_S = 180.0, 300.0  # behavior: one pod per period
-DOWN_STABILIZATION_S = 300.0
+# behavior: one pod per 180 s up, one per 300 s down after a 300 s window (the guide's, for weights that load in
+# minutes)
+BEHAVIOR = Behavior(tolerance=0.1, stabilization_s=300.0, up_pods=1, up_period_s=180.0, down_pods=1,
+                    down_period_s=300.0)
 DECODE_TARGET = 0.8  # pods' worth of full KV cache per replica
 MIN_PREFILL_TARGET_S = 0.5  # a floor for TTFT - ISL/V_P where prompts alone nearly fill the TTFT budget
-
-
-@dataclass
-class _Pool:
-    """One HPA: its recommendations (for the scale-down window) and its last changes (for the rate limits)."""
-
-    recs: list[tuple[float, int]] = field(default_factory=list)
-    ups: list[float] = field(default_factory=list)
-    downs: list[float] = field(default_factory=list)
-
-    def shifted(self, dt: float) -> _Pool:
-        return _Pool([(t - dt, n) for t, n in self.recs], [t - dt for t in self.ups], [t - dt for t in self.downs])
-
-
-def hpa_step(pool: _Pool, now: float, current: int, metric: float, target: float, lo: int, hi: int | None,
-             up_period_s: float = UP_PERIOD_S) -> int:
-    """The HPA's next size for one pool (AverageValue: the metric is the pool's total)."""
-    ratio = metric / (target * current) if current else math.inf
-    rec = current if abs(ratio - 1.0) <= TOLERANCE else max(1, math.ceil(metric / target - 1e-9))
-    rec = max(lo, rec if hi is None else min(hi, rec))
-    pool.recs = [(t, n) for t, n in pool.recs if now - t < DOWN_STABILIZATION_S] + [(now, rec)]
-    if rec > current:
-        if any(now - t < up_period_s for t in pool.ups):
-            return current
-        pool.ups.append(now)
-        return current + 1
-    stable = max(n for _, n in pool.recs)
-    if stable < current and not any(now - t < DOWN_PERIOD_S for t in pool.downs):
-        pool.downs.append(now)
-        return current - 1
-    return current
 
 
 @dataclass
@@ -71,9 +41,9 @@ class KedaTokens:
     prefill_target_s: float  # seconds of prefill backlog per replica
     name: str = "keda-tokens"
     start: tuple[int, int] | None = None
-    pools: dict[str, _Pool] = field(default_factory=lambda: {"prefill": _Pool(), "decode": _Pool()})
+    pools: dict[str, HpaPool] = field(default_factory=lambda: {"prefill": HpaPool(), "decode": HpaPool()})
     interval_s: float = POLL_S  # the simulated loop ticks at the polling interval
-    up_period_s: float = UP_PERIOD_S  # the guide's, for weights that load in minutes
+    behavior: Behavior = BEHAVIOR
 
     @staticmethod
     def target_s(ttft_s: float, mean_input_tokens: float, prefill_tps: float) -> float:
@@ -86,13 +56,13 @@ class KedaTokens:
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
         b = self.bounds
         backlog_s = (inp.prefill_inflight_tokens or 0.0) / self.prefill_tps
-        p = hpa_step(self.pools["prefill"], inp.now, inp.prefill_current, backlog_s, self.prefill_target_s,
-                     b.min_prefill, b.max_prefill, self.up_period_s)
-        d = hpa_step(self.pools["decode"], inp.now, inp.decode_current, inp.decode_occupancy or 0.0, DECODE_TARGET,
-                     b.min_decode, b.max_decode, self.up_period_s)
+        # KEDA never asks for fewer than one replica (its minReplicaCount is 1 at least)
+        p = self.pools["prefill"].step(self.behavior, inp.now, inp.prefill_current, backlog_s, self.prefill_target_s,
+                                       max(1, b.min_prefill), b.max_prefill)
+        d = self.pools["decode"].step(self.behavior, inp.now, inp.decode_current, inp.decode_occupancy or 0.0,
+                                      DECODE_TARGET, max(1, b.min_decode), b.max_decode)
         return p, d
 
     def carried(self, duration_s: float, sizes: tuple[int, int]) -> KedaTokens:
         """After a first pass over the trace (`policies.carry_over`): its history moved back, its sizes."""
-        return KedaTokens(self.bounds, self.prefill_tps, self.prefill_target_s, self.name, sizes,
-                          {r: p.shifted(duration_s) for r, p in self.pools.items()}, self.interval_s, self.up_period_s)
+        return replace(self, start=sizes, pools={r: p.shifted(duration_s) for r, p in self.pools.items()})

@@ -26,14 +26,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from pdcluster.bench.sim import decisions
+from pdcluster.bench.sim.hpa import Behavior, HpaPool
 from pdcluster.bench.sim.keda import KedaTokens
 from pdcluster.bench.sim.model import SLO
 from pdcluster.bench.sim.observe import PolicyInput
-from pdcluster.bench.trace import Trace
+from pdcluster.bench.trace import Trace, summarize
 from pdcluster.operator import autoscaler_explain, autoscaler_fast, autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, PoolView, State, decide
 from pdcluster.operator.autoscaler import Policy as CorePolicy
@@ -188,9 +188,7 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
                     fast_s=policy.fast_s, last_obs=policy.last_obs, last_rec=dict(policy.last_rec),
                     flip_window_s=policy.flip_window_s, flip_tick_s=policy.flip_tick_s)
     if isinstance(policy, Independent):
-        hist = {r: [(t - duration_s, n) for t, n in h] for r, h in policy.history.items()}
-        return Independent(policy.bounds, policy.target, policy.tolerance, policy.stabilization_s,
-                           policy.max_up_step, policy.max_down_step, policy.name, sizes, hist)
+        return replace(policy, start=sizes, pools={r: p.shifted(duration_s) for r, p in policy.pools.items()})
     return policy
 
 
@@ -200,13 +198,10 @@ class Independent:
 
     bounds: Bounds
     target: float = 1 / 1.5
-    tolerance: float = 0.1
-    stabilization_s: float = 300.0
-    max_up_step: int = 4
-    max_down_step: int = 1
+    behavior: Behavior = Behavior()  # a 10 % tolerance, 300 s scale-down window, 4 up and 1 down a decision
     name: str = "independent"
     start: tuple[int, int] | None = None
-    history: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    pools: dict[str, HpaPool] = field(default_factory=lambda: {"prefill": HpaPool(), "decode": HpaPool()})
 
     def initial(self) -> tuple[int, int]:
         return self.start or (self.bounds.min_prefill, self.bounds.min_decode)
@@ -216,15 +211,7 @@ class Independent:
         hi = self.bounds.max_prefill if role == "prefill" else self.bounds.max_decode
         if util is None or ready < current:  # no metrics, or pods still starting: hold, like HPA
             return current
-        ratio = util * ready / (current * self.target) if current else 0.0
-        rec = current if abs(ratio - 1.0) <= self.tolerance else math.ceil(current * ratio - 1e-9)
-        rec = max(lo, rec if hi is None else min(hi, rec))
-        hist = [(t, r) for t, r in self.history[role] if now - t < self.stabilization_s] + [(now, rec)]
-        self.history[role] = hist
-        if rec > current:
-            return min(rec, current + self.max_up_step)
-        stable = max(r for _, r in hist)  # scale down only to the highest recommendation in the window
-        return max(stable, current - self.max_down_step) if stable < current else current
+        return self.pools[role].step(self.behavior, now, current, util * ready, self.target, lo, hi)
 
     def decide(self, inp: PolicyInput) -> tuple[int, int]:
         return (self._pool("prefill", inp.now, inp.prefill_current, inp.prefill_ready, inp.prefill_utilisation),
@@ -298,7 +285,7 @@ def _make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | Non
     if name == "independent":
         return Independent(bounds, start=start(1.5))
     if name == "keda-tokens":
-        isl = (sum(r.input_tokens for r in trace.requests) / len(trace.requests)) if trace and trace.requests else 0.0
+        isl = summarize(trace)["mean_input_tokens"] if trace and trace.requests else 0.0
         ttft = slo.ttft_s if slo else SLO().ttft_s
         return KedaTokens(bounds, prefill_tps, KedaTokens.target_s(ttft, isl, prefill_tps), start=start(1.5))
     if name.startswith("static-") and ":" in name:
