@@ -101,16 +101,14 @@ ROUTER = SERIES["pdcluster"]
 
 
 def _series(name: str | None, sel: str) -> str:
-    """`name{labels}`, or for a name pattern (SERIES of vllm) `{__name__=~"pattern",labels}`."""
+    """`name{labels}`, or for a name pattern (SERIES of vllm) `{__name__=~"pattern",labels}`; an entry with labels
+    of its own (`name{a="b"}`) keeps them beside the selector's."""
     if name is not None and "[" in name:
         return '{__name__=~"' + name + '",' + sel[1:]
+    if name is not None and "{" in name:
+        base, own = name.rstrip("}").split("{", 1)
+        return f"{base}{{{own},{sel[1:]}"
     return f"{name}{sel}"
-
-
-def _labelled(series: str | None, sel: str) -> str:
-    """`name{labels}` of a SERIES entry that carries its own labels, joined with the selector `sel`."""
-    name, own = str(series).rstrip("}").split("{", 1)
-    return f"{name}{{{own},{sel[1:]}"
 
 
 def _sel(cluster: str, role: str) -> str:
@@ -290,5 +288,5 @@ class PrometheusSource:
             decode_queue_now=queue_now(decode),
             kv_transfers_per_second=scalar(f"sum(rate({_series(wk['kv_transfers'], cl)}[{w}]))"),
             kv_transfer_failures_per_second=scalar(f"sum(rate({_series(wk['kv_transfer_failures'], cl)}[{w}]))"),
-            load_aggregated_rate=scalar(f"sum(rate({_labelled(ROUTER['load_aggregated'], router)}[{w}]))"),
+            load_aggregated_rate=scalar(f"sum(rate({_series(ROUTER['load_aggregated'], router)}[{w}]))"),
         )
