@@ -3,6 +3,8 @@ prefix-cache hits and bursts (peak λ). Each drives the pure core (`autoscaler.d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdcluster.operator import autoscaler as asc
@@ -120,9 +122,8 @@ def test_a_tpot_breach_the_load_valve_explains_grows_no_decode() -> None:
             decode_queue_mean=1.0, decode_queue_now=1.0)
     grown = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
     assert grown.decode.reason == asc.SLO_GUARD and grown.decode.desired > 3  # without the valve: decode's breach
-    o = obs(4, tpot_seconds=0.2, ttft_seconds=6.0, prefill_queue_mean=20.0, prefill_queue_now=20.0,
-            decode_queue_mean=1.0, decode_queue_now=1.0, load_aggregated_rate=0.3)
-    dec = asc.decide(pol, asc.State(), o, asc.PoolView(3, 3), asc.PoolView(3, 3), 1000.0)
+    dec = asc.decide(pol, asc.State(), replace(o, load_aggregated_rate=0.3), asc.PoolView(3, 3), asc.PoolView(3, 3),
+                     1000.0)
     assert dec.decode.desired == 3 and dec.decode.slo_breached and dec.state.decode.slo_breaches == 0
     assert dec.prefill.reason == asc.SLO_GUARD and dec.prefill.desired > 3
     # a TPOT that holds while the valve works changes nothing either
