@@ -279,3 +279,22 @@ def test_observation_reads_o_by_completion_from_the_routers_histogram() -> None:
     obs = observation(first, last, {})
     assert obs is not None and obs.mean_output_tokens == 18_000 / 40 and obs.finished_output_tokens == 18_000 / 20
     assert observation(first, Scrape(10.0, {**_router(140, 14_000, 20_000), **fin}), {}).finished_output_tokens is None
+
+
+def test_observation_reads_the_prompt_length_scv_from_the_routers_histogram() -> None:
+    """The prefill tail need's SCV (autoscaler_tail.histogram_scv) from the increases of the router's real
+    pdcluster_request_prompt_tokens buckets between the window's scrapes (the prompts finished before it left out)."""
+    from pdcluster.operator.autoscaler_tail import histogram_scv
+    from pdcluster.worker.api.metrics import WorkerMetrics
+
+    m = WorkerMetrics("router", process=False)
+    for _ in range(50):
+        m.request_finished("stop", 40_000, 10)  # before the window: not counted
+    before = counters(m.render().decode())
+    for n in [800] * 16 + [40_000] * 4:
+        m.request_finished("stop", n, 10)
+    after = counters(m.render().decode())
+    obs = observation(Scrape(0.0, {**_router(100, 1, 1), **before}), Scrape(10.0, {**_router(120, 2, 2), **after}), {})
+    want = histogram_scv([(512.0, 0.0), (1024.0, 16.0), (32768.0, 16.0), (65536.0, 20.0), (float("inf"), 20.0)])
+    assert obs is not None and obs.prompt_length_scv == pytest.approx(want) and want > 2.0
+    assert observation(Scrape(0.0, _router(100, 1, 1)), Scrape(10.0, _router(120, 2, 2)), {}).prompt_length_scv is None

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdcluster.operator import autoscaler as asc
+from pdcluster.operator.autoscaler_tail import histogram_scv
 from pdcluster.operator.promsource import MetricsUnavailable, PrometheusSource
 
 from ..netutil import free_port
@@ -31,6 +32,8 @@ HIT = 0.25  # share of the prefill workers' prompt tokens served from the prefix
 TTFT = ((0.5, 0.6), (1.0, 0.9), (5.0, 1.0))
 FIN_RATE, FIN_OUT = 3.0, 768  # requests/s finishing, and their mean length (O by completion)
 VLLM_FIN_OUT = 640
+# the router's prompt-length histogram of finished requests: 80 % up to 1024 tokens, 20 % in (8192, 65536]
+PROMPTS = ((1024.0, 0.8), (8192.0, 0.8), (65536.0, 1.0))
 AGG_RATE = 0.5  # prompts/s the router's load rule prefilled on decode workers
 JOIN = 0.04  # t_join: seconds from a request's KV being complete to its first output on a decode worker
 
@@ -74,6 +77,11 @@ class Workload:
         f.add_metric(["demo", "router", "r0"], [("+Inf", FIN_RATE * t)], sum_value=FIN_RATE * FIN_OUT * t,
                      timestamp=now)
         yield f
+        pt = HistogramMetricFamily("pdcluster_request_prompt_tokens", "finished prompt lengths",
+                                   labels=["pdcluster", "role", "worker"])
+        pt.add_metric(["demo", "router", "r0"], [(str(le), share * FIN_RATE * t) for le, share in PROMPTS]
+                      + [("+Inf", FIN_RATE * t)], sum_value=FIN_RATE * t * 5000, timestamp=now)
+        yield pt
         j = HistogramMetricFamily("pdcluster_decode_join_seconds", "join", labels=["pdcluster", "role", "worker"])
         for w in ("d0", "d1"):  # each decode worker admits half the requests
             j.add_metric(["demo", "decode", w], [("0.05", n / 2), ("+Inf", n / 2)], sum_value=JOIN * n / 2,
@@ -244,6 +252,11 @@ def test_optional_observations_from_a_real_prometheus(prometheus: str) -> None:
     assert o.finished_output_tokens == pytest.approx(FIN_OUT, rel=0.02)
     # the prompts the router's load rule had decode workers prefill (its other placements not counted)
     assert o.load_aggregated_rate == pytest.approx(AGG_RATE, rel=0.05)
+    # the prompt lengths' SCV from the router's buckets over the tail rule's longer range (bucket rates are in
+    # the ratio of the counts): each bucket uniform between its bounds, E[x] 7782, E[x^2] 3.27e8
+    want = histogram_scv(list(PROMPTS))
+    assert want == pytest.approx(4.397, abs=0.001)
+    assert o.prompt_length_scv == pytest.approx(want, rel=0.01)
     # without the SLO guard or a burst window, those queries are not asked
     o = source.observe("demo", window_seconds=WINDOW, at=at)
     assert o.ttft_seconds is None and o.peak_request_rate is None and o.prefix_hit_rate is not None

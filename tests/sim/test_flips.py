@@ -41,7 +41,7 @@ def test_flips_serve_a_shift_from_prefill_to_decode_sooner_and_cheaper():
     assert s_flip["role_flips"] == flipped.flips
     # each pool size change is counted under its cause (operator/autoscaler_explain.py), flips as "flip"
     assert s_flip["scaling_steps_by_cause"].get("decode:flip", 0) >= 1
-    assert all(k.split(":")[1] in ("formula", "burst", "slo-guard", "flip", "bound", "stabilization", "limit",
+    assert all(k.split(":")[1] in ("formula", "burst", "tail", "slo-guard", "flip", "bound", "stabilization", "limit",
                                    "hold") for k in s_plain["scaling_steps_by_cause"])
     assert sum(s_plain["scaling_steps_by_cause"].values()) >= 1
     # nothing lost: every admitted request finished

@@ -140,3 +140,22 @@ def test_with_a_scrape_interval_every_step_reads_the_counters_of_the_last_scrape
     assert seen and all(last == now for now, last in seen)
     with pytest.raises(ValueError, match="scrape interval"):
         ServiceModel(scrape_s=-1.0)
+
+
+def test_the_prompt_length_scv_is_read_from_the_routers_buckets_of_finished_requests():
+    """Sampler.prompts (the router's pdcluster_request_prompt_tokens, observed as each request ends): the SCV of the
+    prefill tail need, from LENGTH_BUCKETS as Prometheus would hold them, over SCV_WINDOW_SECONDS."""
+    from pdcluster.operator.autoscaler_tail import SCV_WINDOW_SECONDS, histogram_scv
+
+    reqs = [Request(t=0.1 * k, input_tokens=n, output_tokens=2) for k, n in enumerate([500, 900, 40_000, 700] * 5)]
+    trace = Trace(tuple(reqs), schema="mooncake", source="t")
+    from pdcluster.bench.sim.cluster import Cluster
+
+    c = Cluster(trace, ServiceModel(), pol.make("static-1:1", 10_000.0, 2_000.0))
+    c.run()
+    assert sorted(n for _, n in c.sampler.prompts) == sorted(r.input_tokens for r in reqs)
+    end = max(t for t, _ in c.sampler.prompts)
+    # 5 in (256, 512], 10 in (512, 1024], 5 in (32768, 65536]
+    want = histogram_scv([(256.0, 0.0), (512.0, 5.0), (1024.0, 15.0), (32768.0, 15.0), (65536.0, 20.0)])
+    assert c.sampler.prompt_scv(end) == pytest.approx(want) and want > 2.0
+    assert c.sampler.prompt_scv(end + SCV_WINDOW_SECONDS + 1) is None  # none finished within the range

@@ -7,7 +7,8 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
   with w_d = O/C_d + t_join (with a configured C_d only: the configured t_join, else the observed decode
   admission seconds per request; `autoscaler_rules.join_seconds`), where I' = I·(1 - prefix hit rate) and
   λ_peak the highest `burstWindowSeconds` (b) rate in the window; clamped to the bounds (`maxTotalReplicas` keeps the
-  ratio). Zero traffic -> the minimums.
+  ratio). Zero traffic -> the minimums. With a TTFT target, prefill needs at least the instances its
+  prompt-length tail asks for (`autoscaler_tail`: M/G/c at max(λ, λ_peak·b/(b+TTFT)), applied past an SCV of 1).
 - Capacities: the spec's, else learned from saturated windows (EWMA; `autoscaler_rules.learn_capacity`),
   never from warm-up windows (pods starting, or a window that began before the pool's last change);
   either one times the SLO correction. Capacity unknown -> hold the pool.
@@ -36,6 +37,7 @@ from typing import Any
 from pdcluster.operator import autoscaler_guard as slo_guard
 from pdcluster.operator import autoscaler_ratio as ratio_bounds
 from pdcluster.operator import autoscaler_rules as rules
+from pdcluster.operator import autoscaler_tail as tails
 from pdcluster.operator.autoscaler_ratio import RATIO_BOUND, RatioBounds
 from pdcluster.operator.planner import Bounds, clamp_pair, replicas_for
 
@@ -93,6 +95,9 @@ class Observation:
     # (pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}): their batches
     # waited meanwhile, so decode's TPOT breach in such a window is the valve's price (autoscaler_guard.valve_explains)
     load_aggregated_rate: float | None = None
+    # squared coefficient of variation of the prompt lengths of the requests that finished in the window (the
+    # router's pdcluster_request_prompt_tokens buckets, `autoscaler_tail.histogram_scv`): the prefill tail need
+    prompt_length_scv: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class Policy:
     use_prefix_hits: bool = True  # discount I by the observed prefix-cache hit rate
     adaptive_headroom: bool = True  # headroom follows the window's variability, `headroom` its ceiling
     ratio: RatioBounds = field(default_factory=RatioBounds)  # spec.autoscaling.ratio (P/D), kept by every decision
+    tail_need: bool = True  # prefill also sized for the prompt-length tail (autoscaler_tail), with a TTFT target
 
     @classmethod
     def from_spec(cls, spec: Any) -> Policy:
@@ -381,6 +387,7 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
     # it alive). A peak close to the mean is noise, and the edge of a level shift that the pool absorbed
     # breaks nothing: the ordinary stabilization window holds those.
     need: dict[str, float | None] = {}
+    works: dict[str, float] = {}  # one request's instance-seconds per pool, where the need is computed
     burst_need = {r: 0.0 for r in POOLS}
     for r in POOLS:
         if not metrics_ok or (rate and capacity[r] is None):
@@ -388,9 +395,15 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         elif rate == 0:
             need[r] = 0.0
         else:
-            work = lens[r] / capacity[r] + (join if r == "decode" else 0.0)  # type: ignore[operator]
+            work = works[r] = lens[r] / capacity[r] + (join if r == "decode" else 0.0)  # type: ignore[operator]
             spread = rules.burst_spread(r, policy.burst_window_seconds, policy.slo_ttft_seconds)
             need[r], burst = rules.pool_need(rate, peak, work, headroom, spread)  # type: ignore[arg-type]
+            if r == "prefill":
+                # the rate the pool serves within the target: the mean, or a burst's peak over b + TTFT
+                tail = inputs["prefillTailNeed"] = tails.pool_tail(
+                    policy, obs, max(rate or 0.0, (peak or 0.0) * spread), work)
+                if tail is not None and tail > need[r]:  # type: ignore[operator]
+                    need[r] = tail
             inputs[f"{r}BurstNeed"] = burst  # explains a step (autoscaler_explain): burst or formula
             bursty = bool(peak and peak >= policy.bursty_ratio * rate)  # type: ignore[operator]
             if bursty and (rules.breached(*gslo[r]) or any(n > 0 for _, n in pool_states[r].recent_bursts)):
@@ -401,6 +414,10 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
         if short_need is not None and (sn := short_need.get(r)) is not None and math.isfinite(sn):
             confirm[r] = inputs[f"{r}ShortNeed"] = headroom * sn
+            short_tail = tails.pool_tail(policy, obs, headroom * sn / w, w) if r == "prefill" and (
+                w := works.get("prefill")) else None
+            if short_tail is not None and short_tail > confirm[r]:  # type: ignore[operator]
+                confirm[r] = short_tail
     raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {

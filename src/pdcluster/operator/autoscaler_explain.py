@@ -7,6 +7,7 @@ is explained per pool by its **cause**, the rule that set the number:
 |---|---|
 | `formula` | the need at the mean rate with headroom (`h·λ·work`), or the formula agrees with the size held |
 | `burst` | the peak (burst-window) rate, or a remembered burst holding the pool up |
+| `tail` | prefill only: the instances a heavy tail of prompt lengths needs for the TTFT target (`autoscaler_tail`), above the formula's |
 | `slo-guard` | an observed percentile over `spec.autoscaling.slo` with a queue in front of the pool |
 | `flip` | workers changing role (`spec.roleFlips`, `autoscaler_flip.applied`, or on a short window: `autoscaler_flip_window`): the pool grew or shrank by them |
 | `bound` | `minReplicas`/`maxReplicas` or `spec.autoscaling.ratio` |
@@ -24,7 +25,7 @@ from pdcluster.operator import autoscaler as asc
 from pdcluster.operator.autoscaler_flip import FLIP, FLIP_WINDOW
 from pdcluster.operator.planner import replicas_for
 
-CAUSES = ("formula", "burst", "slo-guard", "flip", "bound", "stabilization", "limit", "hold")
+CAUSES = ("formula", "burst", "tail", "slo-guard", "flip", "bound", "stabilization", "limit", "hold")
 _HOLDS = {asc.METRICS_UNAVAILABLE, asc.CAPACITY_UNKNOWN, asc.ROLLOUT, asc.DISABLED}
 
 
@@ -56,7 +57,9 @@ def pool_cause(d: asc.Decision, role: str) -> str:
             return "limit"
         if "max-total-replicas" in d.limited_by:
             return "limit"
-        burst, need = i.get(f"{role}BurstNeed"), i.get(f"{role}Need")
+        burst, need, tail = i.get(f"{role}BurstNeed"), i.get(f"{role}Need"), i.get(f"{role}TailNeed")
+        if need is not None and tail is not None and tail >= need and (burst is None or tail > burst):
+            return "tail"
         return "burst" if burst is not None and need is not None and burst >= need else "formula"
     if p.desired < p.current:
         step = i.get("maxScaleDownStep")

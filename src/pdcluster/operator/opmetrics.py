@@ -34,7 +34,7 @@ LEARNED_CAPACITY = Gauge(
 )
 SCALING_STEPS = Counter(
     "pdcluster_autoscaler_scaling_steps_total",
-    "Pool size changes by cause: formula, burst, slo-guard, flip, bound, stabilization, limit "
+    "Pool size changes by cause: formula, burst, tail, slo-guard, flip, bound, stabilization, limit "
     "(operator/autoscaler_explain.py).",
     ["namespace", "pdcluster", "role", "cause"], registry=REGISTRY,
 )

@@ -29,6 +29,9 @@ label `app.kubernetes.io/instance` into `pdcluster`). Over `window` seconds:
 - load-aggregated rate = rate(pdcluster_router_placements_total{placement="aggregated",
   reason="prefill_backlog"}): prompts the router had decode workers prefill because the prefill queue missed
   its TTFT target (optional: decode's TPOT breach is then the valve's price, `autoscaler_guard.valve_explains`)
+- prompt-length SCV = `autoscaler_tail.histogram_scv` of `sum by (le) (rate(pdcluster_request_prompt_tokens_bucket
+  {role="router"}[r]))` over r = max(window, `autoscaler_tail.SCV_WINDOW_SECONDS`): the prefill tail need
+  (optional: no finished request in the range -> no tail need)
 - TTFT / TPOT at `percentile` (with the SLO guard on): `histogram_quantile(q, sum by (le)
   (rate(..._bucket[w])))` of the router's histograms, else the decode workers' (optional)
 
@@ -50,6 +53,7 @@ from typing import Any
 
 from pdcluster.operator.autoscaler import Observation
 from pdcluster.operator.autoscaler_rules import join_cost
+from pdcluster.operator.autoscaler_tail import SCV_WINDOW_SECONDS, histogram_scv
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ SERIES: dict[str, dict[str, str | None]] = {
         # the router's only: prompts it had a decode worker prefill because the prefill queue missed its target
         # (labels: worker/router/aggregate.py's AGGREGATED, PREFILL_BACKLOG; the operator does not import it)
         "load_aggregated": 'pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}',
+        # the router's only: prompt lengths of finished requests (histogram), for their SCV (autoscaler_tail)
+        "prompt_length": "pdcluster_request_prompt_tokens",
     },
     "vllm": {
         # vLLM names its series `vllm:...`; prometheus_client serves them as `vllm_...` to a scraper that
@@ -159,6 +165,23 @@ class PrometheusSource:
         except (KeyError, IndexError, TypeError, ValueError):
             return None
         return None if math.isnan(value) or math.isinf(value) else value
+
+    def buckets(self, query: str, at: float | None = None) -> list[tuple[float, float]]:
+        """A histogram's `(le, value)` pairs from a `sum by (le) (...)` query (empty when Prometheus has none)."""
+        try:
+            result = self._prom().custom_query(query=query, params=None if at is None else {"time": at})
+        except Exception as e:
+            raise MetricsUnavailable("PrometheusUnreachable",
+                                     f"Prometheus at {self.url} did not answer: {type(e).__name__}") from e
+        out = []
+        for row in result or []:
+            try:
+                le, value = float(row["metric"]["le"]), float(row["value"][1])
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+            if not math.isnan(value):
+                out.append((le, value))
+        return out
 
     def _first(self, *queries: str, at: float | None = None) -> float | None:
         for q in queries:
@@ -289,4 +312,7 @@ class PrometheusSource:
             kv_transfers_per_second=scalar(f"sum(rate({_series(wk['kv_transfers'], cl)}[{w}]))"),
             kv_transfer_failures_per_second=scalar(f"sum(rate({_series(wk['kv_transfer_failures'], cl)}[{w}]))"),
             load_aggregated_rate=scalar(f"sum(rate({_series(ROUTER['load_aggregated'], router)}[{w}]))"),
+            prompt_length_scv=histogram_scv(self.buckets(
+                f"sum by (le) (rate({_series(str(ROUTER['prompt_length']) + '_bucket', router)}"
+                f"[{int(max(window_seconds, SCV_WINDOW_SECONDS))}s]))", at)),
         )

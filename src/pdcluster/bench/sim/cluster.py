@@ -256,8 +256,10 @@ class Cluster:
             self.reschedule(d, now)
 
     def finish(self, rid: int, now: float) -> None:
-        """Request `rid` generated its last token (pdcluster_request_generation_tokens observes its length)."""
+        """Request `rid` generated its last token (pdcluster_request_generation_tokens observes its length,
+        pdcluster_request_prompt_tokens its prompt's)."""
         self.done[rid] = now
+        self.sampler.prompts.append((now, self.reqs[rid].input_tokens))
         self.c.finished += 1
         self.c.finished_tokens += self.out[rid]
 

@@ -11,9 +11,12 @@ from typing import Any
 from pdcluster.operator.autoscaler import Decision, Observation, PoolView
 
 OBSERVED = ("request_rate", "peak_request_rate", "mean_input_tokens", "mean_output_tokens", "prefill_queue_mean",
-            "prefill_queue_now", "decode_queue_mean", "decode_queue_now", "ttft_seconds", "tpot_seconds")
+            "prefill_queue_now", "decode_queue_mean", "decode_queue_now", "ttft_seconds", "tpot_seconds",
+            "prompt_length_scv")
+# what decide computed from them (its `inputs`): the pools' needs, unrounded, headroom included
+NEEDS = ("prefillNeed", "prefillTailNeed", "decodeNeed")
 COLUMNS = ("t", *OBSERVED, *(f"{r}_{k}" for r in ("prefill", "decode")
-                            for k in ("current", "ready", "recommended", "desired", "reason")), "reason")
+                            for k in ("current", "ready", "recommended", "desired", "reason")), *NEEDS, "reason")
 
 
 def row(now: float, obs: Observation | None, prefill: PoolView, decode: PoolView, d: Decision) -> dict[str, Any]:
@@ -25,6 +28,9 @@ def row(now: float, obs: Observation | None, prefill: PoolView, decode: PoolView
         p = d.pool(role)
         out.update({f"{role}_current": view.current, f"{role}_ready": view.ready,
                     f"{role}_recommended": p.recommended, f"{role}_desired": p.desired, f"{role}_reason": p.reason})
+    for k in NEEDS:
+        v = d.inputs.get(k)
+        out[k] = None if v is None else round(float(v), 4)
     out["reason"] = d.reason
     return out
 

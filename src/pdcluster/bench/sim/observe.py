@@ -18,12 +18,14 @@ prompts the router's load rule placed on decode instances per second of the wind
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from pdcluster.operator.autoscaler import Observation
 from pdcluster.operator.autoscaler_fast import Gauges
-from pdcluster.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS
+from pdcluster.operator.autoscaler_tail import SCV_WINDOW_SECONDS, histogram_scv
+from pdcluster.worker.api.metrics import LENGTH_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 
 Snapshot = tuple[int, int, int, float, int, int, int, int]  # Counters' fields, in order
 
@@ -89,6 +91,7 @@ class Sampler:
     admit_times: list[float] = field(default_factory=list)
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (when observed, seconds), in time order
     tpot: list[tuple[float, float]] = field(default_factory=list)
+    prompts: list[tuple[float, int]] = field(default_factory=list)  # (when finished, prompt tokens), in time order
     qtimes: list[float] = field(default_factory=list)
     pq: list[int] = field(default_factory=list)
     dq: list[int] = field(default_factory=list)
@@ -133,6 +136,15 @@ class Sampler:
         j = bisect.bisect_right(samples, (now - self.window_s, math.inf))  # (now - w, now], as PromQL
         return histogram_quantile(self.percentile, buckets, [v for _, v in samples[j:]])
 
+    def prompt_scv(self, now: float) -> float | None:
+        """The prompt-length SCV of the requests finished in the window, from the router's histogram buckets."""
+        j = bisect.bisect_right(self.prompts, (now - max(self.window_s, SCV_WINDOW_SECONDS), math.inf))
+        counts = [0] * (len(LENGTH_BUCKETS) + 1)
+        for _, n in self.prompts[j:]:
+            counts[bisect.bisect_left(LENGTH_BUCKETS, n)] += 1
+        cum = list(itertools.accumulate(counts))
+        return histogram_scv([*zip(LENGTH_BUCKETS, cum, strict=False), (math.inf, cum[-1])])
+
     def _queue_mean(self, now: float, queue: list[int]) -> float | None:
         j = bisect.bisect_left(self.qtimes, now - self.window_s - 1e-9)
         vals = queue[j:]
@@ -167,6 +179,7 @@ class Sampler:
             decode_queue_now=float(self.dq[-1]) if self.dq else None,
             finished_output_tokens=fin_tokens / fin if fin else None,
             load_aggregated_rate=agg / span,
+            prompt_length_scv=self.prompt_scv(now),
         )
 
     def short(self, now: float, window_s: float) -> Observation | None:

@@ -13,6 +13,8 @@
   engine, model or layout): every size change is a pod start or a pod stop.
 - `pdcluster-no-prefix`: the same as `pdcluster` without the prefix-hit discount of I (not in the default
   set: to show what the discount is worth on a trace with prefix reuse).
+- `pdcluster-no-tail`: the same as `pdcluster` without the prefill tail need (`operator/autoscaler_tail.py`; not
+  in the default set: what sizing prefill for the prompt-length tail is worth).
 - `reactive-oracle`: the same core (flips included; no flip window: it reads the mix every 10 s already) fed
   the true arrival rate every 10 s (`oracle.py`): a bound, not a policy one could run (it needs the trace).
 - `no-headroom`: the same core (flips and the flip window included) at headroom 1.0.
@@ -43,7 +45,7 @@ from pdcluster.operator.planner import Bounds, plan
 
 NAMES = ("pdcluster", "pdcluster-no-flips", "reactive-oracle", "no-headroom", "independent", "keda-tokens",
          "static-1:1", "static-best")
-EXTRA = ("pdcluster-no-prefix",)
+EXTRA = ("pdcluster-no-prefix", "pdcluster-no-tail")
 BURST_S = 10.0  # spec.autoscaling.burstWindowSeconds' default
 # spec.autoscaling.flipWindowSeconds' default: `pdcluster` flips on that short window too (autoscaler_flip_window)
 FLIP_WINDOW_S = float(Autoscaling.model_fields["flipWindowSeconds"].default)
@@ -273,6 +275,9 @@ def _make(name: str, prefill_tps: float, decode_tps: float, bounds: Bounds | Non
     if name == "pdcluster-no-prefix":
         return Core(core_policy(prefill_tps, decode_tps, headroom, bounds, slo, use_prefix_hits=False),
                     "pdcluster-no-prefix", start(headroom), flip=True)
+    if name == "pdcluster-no-tail":
+        return Core(replace(core_policy(prefill_tps, decode_tps, headroom, bounds, slo), tail_need=False),
+                    name, start(headroom), flip=True)
     if name == "reactive-oracle":
         from pdcluster.bench.sim.oracle import Arrivals, ReactiveOracle  # oracle builds on Core
 

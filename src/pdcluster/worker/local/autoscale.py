@@ -8,7 +8,9 @@ quantities are computed from counter deltas between the first and the last scrap
 - λ = requests/s at the router; I, O = the router's prompt/output tokens per request; O by completion = the
   mean length of the requests that finished (the router's `pdcluster_request_generation_tokens` sum / count);
   the load-aggregated rate = the router's `pdcluster_router_placements_total{placement="aggregated",
-  reason="prefill_backlog"}` per second;
+  reason="prefill_backlog"}` per second; the prompt-length SCV = `autoscaler_tail.histogram_scv` of the increases
+  of the router's `pdcluster_request_prompt_tokens` buckets (over the decision window: `up` keeps no longer
+  history, where the operator reads `SCV_WINDOW_SECONDS`);
 - per-instance throughput = prompt tok/s of the prefill workers (output tok/s of the decode workers) divided
   by how many of them answered;
 - saturated = the pool's summed `pdcluster_requests_waiting` stayed above 0 in every scrape of the window;
@@ -43,6 +45,7 @@ import httpx
 from pdcluster.operator import autoscaler_explain, autoscaler_flip, autoscaler_flip_window
 from pdcluster.operator.autoscaler import Decision, Observation, Policy, PoolView, State, decide
 from pdcluster.operator.autoscaler_rules import join_cost
+from pdcluster.operator.autoscaler_tail import histogram_scv
 from pdcluster.worker.router import aggregate as agg
 from pdcluster.worker.transfer.secret import internal_headers
 
@@ -53,11 +56,13 @@ POOL_COUNTER = {"prefill": "pdcluster_prompt_tokens_total", "decode": "pdcluster
 PLACEMENTS = "pdcluster_router_placements_total"
 LOAD_AGGREGATED = {"placement": agg.AGGREGATED, "reason": agg.PREFILL_BACKLOG}
 LOAD_AGGREGATED_KEY = PLACEMENTS + ":load"
+# The router's prompt-length buckets (the prefill tail need's SCV), one key per `le` besides the sum over them.
+PROMPT_BUCKETS = "pdcluster_request_prompt_tokens_bucket"
 
 
 def counters(text: str) -> dict[str, float]:
-    """Prometheus text -> {series name: value summed over its label sets}, and the router's load-rule placements
-    under LOAD_AGGREGATED_KEY besides."""
+    """Prometheus text -> {series name: value summed over its label sets}, and besides the router's load-rule
+    placements under LOAD_AGGREGATED_KEY and its prompt-length buckets under `PROMPT_BUCKETS:<le>`."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
@@ -67,6 +72,9 @@ def counters(text: str) -> dict[str, float]:
         keys = [key]
         if key == PLACEMENTS and all(f'{k}="{v}"' in name for k, v in LOAD_AGGREGATED.items()):
             keys.append(LOAD_AGGREGATED_KEY)
+        if key == PROMPT_BUCKETS and 'le="' in name:
+            le = name.split('le="', 1)[1].split('"', 1)[0]
+            keys.append(f"{PROMPT_BUCKETS}:{le}")
         try:
             for k in keys:
                 out[k] = out.get(k, 0.0) + float(value)
@@ -124,6 +132,8 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
 
         return join_cost(mean("pdcluster_decode_join_seconds"), mean("pdcluster_time_per_output_token_seconds"))
 
+    buckets = [(float(k.split(":", 1)[1]), _increase(first.router, last.router, k))
+               for k in last.router if k.startswith(PROMPT_BUCKETS + ":")]
     return Observation(
         request_rate=rate,
         mean_input_tokens=prompt / rate if rate > 0 else None,
@@ -135,6 +145,7 @@ def observation(first: Scrape, last: Scrape, waiting: dict[str, list[float]]) ->
         decode_join_seconds=join(),
         finished_output_tokens=finished_tokens / finished if finished > 0 else None,
         load_aggregated_rate=aggregated,
+        prompt_length_scv=histogram_scv(buckets),
     )
 
 
