@@ -48,6 +48,7 @@ def test_tail_need_is_the_count_that_meets_the_share_interpolated() -> None:
     (2.0, 0.0, RATE),  # the mean prompt's own prefill spends the target: no pool size helps
     (2.0, BUDGET, 0.0),  # no load
     (float("nan"), BUDGET, RATE),
+    (2.0, BUDGET, 1e9),  # a load no pool has (a bad observation): no search, bounded work
 ])
 def test_tail_need_is_none_where_it_cannot_help(scv, budget, rate) -> None:
     assert tail.tail_need(rate, WORK, scv, budget, 0.01) is None

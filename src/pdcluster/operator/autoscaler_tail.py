@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 # Past this many instances over the offered load the search stops (a budget too small for any pool size:
 # the prompt itself is longer than the target, which more instances do not shorten).
 MAX_EXTRA = 64
+# Past this many instances of load the search is skipped (None: the formula stands): Erlang C costs O(c) per
+# count, and a pool that large is sized by its mean already (the tail need tends to a + O(sqrt(a)), within any
+# headroom), so a bad observation never buys the operator a long computation.
+MAX_LOAD = 1024.0
 # The formula's headroom was chosen on loads whose service is no more variable than exponential (the Azure
 # code trace's prompts: SCV 0.93; a steady mix: 0.04), and there it already covers the queueing: the rule
 # adds instances only past it (Mooncake conversation 1.72, the synthetic conversation seeds 1.9-2.2).
@@ -77,6 +81,8 @@ def tail_need(rate: float, service: float, scv: float | None, budget: float, mis
     if rate <= 0 or service <= 0 or budget <= 0 or not 0 < miss < 1 or scv <= MIN_SCV:
         return None
     a = rate * service
+    if a > MAX_LOAD:
+        return None
     prev_c, prev_p = a, 1.0  # at c = a the queue is unstable: every prompt waits
     for c in range(max(1, math.floor(a) + 1), math.floor(a) + MAX_EXTRA + 1):
         p = wait_beyond(c, rate, service, scv, budget)

@@ -12,7 +12,9 @@ prefill pool over the window; the peak λ = the highest `burst_s` request rate a
 within the window (the `max_over_time(rate(...[b])[w:b/2])` subquery); TTFT/TPOT at a percentile =
 `histogram_quantile` over the router's histogram buckets (`worker/api/metrics.py`) filled by the requests
 observed within the window, interpolated inside a bucket as Prometheus does; the load-aggregated rate = the
-prompts the router's load rule placed on decode instances per second of the window.
+prompts the router's load rule placed on decode instances per second of the window; the prompt-length SCV =
+`histogram_scv` of the router's `pdcluster_request_prompt_tokens` buckets filled by the requests that finished
+within the last `SCV_WINDOW_SECONDS` (the prefill tail need, `operator/autoscaler_tail.py`).
 """
 
 from __future__ import annotations
