@@ -94,3 +94,18 @@ def test_primed_shifts_are_not_dominated_by_the_oracle_with_flips_on_a_short_win
     assert "reactive-oracle" in goals["0"]["dominated_by"]
     assert goals["20"]["dominated_by"] == []
     assert goals["20"]["points_below_reactive_oracle"] < goals["0"]["points_below_reactive_oracle"]
+
+
+def test_prefill_sized_for_the_prompt_tail_meets_more_of_a_heavy_tailed_slice(tmp_path):
+    # 5 % of the slice's prompts are over 50k tokens, and prompts queue behind them at a load the mean-rate
+    # formula calls enough (the guard waits for a mean queue they rarely build); rule 16
+    # (operator/autoscaler_tail.py) grows prefill for that tail, a step explained by the cause "tail"
+    trace, out = tmp_path / "t.jsonl", tmp_path / "o"
+    assert synth.main(["--out", str(trace), "--seed", "3", "--minutes", "15", "--rate", "0.5"]) == 0
+    assert main(["simulate", "--trace", str(trace), "--out", str(out), "--no-plots", "--cold",
+                 "--policy", "pdcluster", "--policy", "pdcluster-no-tail"]) == 0
+    ps = json.loads((out / "summary.json").read_text())["policies"]
+    tail, no_tail = ps["pdcluster"], ps["pdcluster-no-tail"]
+    assert tail["slo_attainment"] > no_tail["slo_attainment"] + 0.02
+    assert tail["scaling_steps_by_cause"].get("prefill:tail", 0) >= 1
+    assert "prefill:tail" not in no_tail["scaling_steps_by_cause"]
