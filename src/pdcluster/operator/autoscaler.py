@@ -95,8 +95,9 @@ class Observation:
     # (pdcluster_router_placements_total{placement="aggregated",reason="prefill_backlog"}): their batches
     # waited meanwhile, so decode's TPOT breach in such a window is the valve's price (autoscaler_guard.valve_explains)
     load_aggregated_rate: float | None = None
-    # squared coefficient of variation of the prompt lengths of the requests that finished in the window (the
-    # router's pdcluster_request_prompt_tokens buckets, `autoscaler_tail.histogram_scv`): the prefill tail need
+    # squared coefficient of variation of the prompt lengths of the requests that finished over the last
+    # `autoscaler_tail.SCV_WINDOW_SECONDS` (the router's pdcluster_request_prompt_tokens buckets, `histogram_scv`):
+    # the prefill tail need
     prompt_length_scv: float | None = None
 
 
@@ -414,10 +415,9 @@ def decide(policy: Policy, state: State, obs: Observation | None, prefill: PoolV
         inputs[f"{r}Need"] = need[r]  # unrounded instances, headroom included
         if short_need is not None and (sn := short_need.get(r)) is not None and math.isfinite(sn):
             confirm[r] = inputs[f"{r}ShortNeed"] = headroom * sn
-            short_tail = tails.pool_tail(policy, obs, headroom * sn / w, w) if r == "prefill" and (
-                w := works.get("prefill")) else None
-            if short_tail is not None and short_tail > confirm[r]:  # type: ignore[operator]
-                confirm[r] = short_tail
+            if r == "prefill" and (w := works.get(r)):  # the tail need at the rate the short window asks for
+                short_tail = tails.pool_tail(policy, obs, headroom * sn / w, w)
+                confirm[r] = max(headroom * sn, short_tail or 0.0)
     raw = {r: (replicas_for(n) if (n := need[r]) is not None else views[r].current) for r in POOLS}
     clamped_p, clamped_d, limited_by = clamp_pair(raw["prefill"], raw["decode"], policy.bounds)
     rec: dict[str, int | None] = {

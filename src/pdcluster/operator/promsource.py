@@ -145,11 +145,10 @@ class PrometheusSource:
                                                          status_forcelist=[502, 503, 504]))
         return self._client
 
-    def scalar(self, query: str, at: float | None = None) -> float | None:
-        """The value of a one-element instant vector (at Unix time `at`, else now); None when the vector is empty
-        or NaN."""
+    def _query(self, query: str, at: float | None) -> list[dict[str, Any]]:
+        """The instant vector of `query` (at Unix time `at`, else now); MetricsUnavailable when Prometheus fails."""
         try:
-            result = self._prom().custom_query(query=query, params=None if at is None else {"time": at})
+            return self._prom().custom_query(query=query, params=None if at is None else {"time": at}) or []
         except Exception as e:  # requests errors, PrometheusApiClientException, bad JSON
             detail = str(e)
             # requests nests the root cause at the end: "... (Caused by NameResolutionError(...))"
@@ -158,6 +157,11 @@ class PrometheusSource:
             raise MetricsUnavailable("PrometheusUnreachable",
                                      f"Prometheus at {self.url} did not answer: {type(e).__name__}: "
                                      f"{detail[:160]}") from e
+
+    def scalar(self, query: str, at: float | None = None) -> float | None:
+        """The value of a one-element instant vector (at Unix time `at`, else now); None when the vector is empty
+        or NaN."""
+        result = self._query(query, at)
         if not result:
             return None
         try:
@@ -168,13 +172,8 @@ class PrometheusSource:
 
     def buckets(self, query: str, at: float | None = None) -> list[tuple[float, float]]:
         """A histogram's `(le, value)` pairs from a `sum by (le) (...)` query (empty when Prometheus has none)."""
-        try:
-            result = self._prom().custom_query(query=query, params=None if at is None else {"time": at})
-        except Exception as e:
-            raise MetricsUnavailable("PrometheusUnreachable",
-                                     f"Prometheus at {self.url} did not answer: {type(e).__name__}") from e
         out = []
-        for row in result or []:
+        for row in self._query(query, at):
             try:
                 le, value = float(row["metric"]["le"]), float(row["value"][1])
             except (KeyError, IndexError, TypeError, ValueError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdcluster.operator.autoscaler import Observation
@@ -48,13 +49,19 @@ class Counters:
                 self.finished, self.finished_tokens, self.load_aggregated)
 
 
+def bucket_counts(buckets: tuple[float, ...], values: Iterable[float]) -> list[int]:
+    """`values` counted into a Prometheus histogram's buckets of upper bounds `buckets` (the last: +Inf)."""
+    counts = [0] * (len(buckets) + 1)
+    for v in values:
+        counts[bisect.bisect_left(buckets, v)] += 1
+    return counts
+
+
 def histogram_quantile(q: float, buckets: tuple[float, ...], values: list[float]) -> float | None:
     """Prometheus's histogram_quantile over `values` bucketed by upper bounds `buckets` (+Inf implied)."""
     if not values:
         return None
-    counts = [0] * (len(buckets) + 1)
-    for v in values:
-        counts[bisect.bisect_left(buckets, v)] += 1
+    counts = bucket_counts(buckets, values)
     rank, cum = q * len(values), 0
     for i, c in enumerate(counts):
         if cum + c >= rank and c:
@@ -139,12 +146,10 @@ class Sampler:
         return histogram_quantile(self.percentile, buckets, [v for _, v in samples[j:]])
 
     def prompt_scv(self, now: float) -> float | None:
-        """The prompt-length SCV of the requests finished in the window, from the router's histogram buckets."""
+        """The prompt-length SCV of the requests finished in the last `SCV_WINDOW_SECONDS` (at least the window),
+        from the router's histogram buckets."""
         j = bisect.bisect_right(self.prompts, (now - max(self.window_s, SCV_WINDOW_SECONDS), math.inf))
-        counts = [0] * (len(LENGTH_BUCKETS) + 1)
-        for _, n in self.prompts[j:]:
-            counts[bisect.bisect_left(LENGTH_BUCKETS, n)] += 1
-        cum = list(itertools.accumulate(counts))
+        cum = list(itertools.accumulate(bucket_counts(LENGTH_BUCKETS, (n for _, n in self.prompts[j:]))))
         return histogram_scv([*zip(LENGTH_BUCKETS, cum, strict=False), (math.inf, cum[-1])])
 
     def _queue_mean(self, now: float, queue: list[int]) -> float | None:
