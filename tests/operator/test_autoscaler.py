@@ -147,9 +147,21 @@ def test_waits_for_rollout_but_not_forever() -> None:
     pol = policy(rollout_timeout_seconds=600)
     dec = step(pol, asc.State(), obs(40), 1, 1, 0)
     state = dec.state  # last_change = 0 for both pools
-    # the new pods are not ready yet: hold, even though traffic doubled
-    dec = step(pol, state, obs(80), 13, 16, 60, ready=(5, 5))
+    # the new pods are not ready yet and the load they were ordered for is unchanged: hold
+    dec = step(pol, state, obs(40), 13, 16, 60, ready=(5, 5))
     assert dec.reason == asc.ROLLOUT and (dec.prefill.desired, dec.decode.desired) == (13, 16)
+    # traffic doubled meanwhile: the formula's need past the pods already ordered is ordered now (an
+    # absolute count from the rate: the starting pods are not counted twice), not once they are ready
+    up = step(pol, state, obs(80), 13, 16, 60, ready=(5, 5))
+    fresh = step(pol, state, obs(80), 13, 16, 60)  # the same load on a ready pool
+    assert up.reason == asc.SCALE_UP and not up.prefill.rollout_stalled
+    assert (up.prefill.desired, up.decode.desired) == (fresh.prefill.desired, fresh.decode.desired)
+    assert up.prefill.desired > 13 and up.decode.desired > 16
+    # a breach on a pool whose pods are still starting grows nothing: the guard waits for them
+    pol_slo = policy(rollout_timeout_seconds=600, slo_ttft_seconds=2.0)
+    held = step(pol_slo, state, obs(40, ttft_seconds=30.0, prefill_queue_mean=50.0, prefill_queue_now=50.0),
+                13, 16, 60, ready=(5, 5))
+    assert held.prefill.desired == 13 and held.state.prefill.slo_breaches == 0
     # still Pending after the rollout timeout (e.g. no GPUs left): decide anyway and say so
     dec = step(pol, state, obs(80), 13, 16, 700, ready=(5, 5))
     assert dec.prefill.desired > 13 and "rollout-stalled" in dec.limited_by
@@ -222,7 +234,10 @@ def test_a_day_of_noisy_traffic_does_not_flap() -> None:
 def test_a_pool_being_created_waits_for_its_first_rollout() -> None:
     # no recorded change, Deployment just created (since=now), nothing ready yet: wait, do not "stall"
     views = (asc.PoolView(1, 0, since=100.0), asc.PoolView(1, 0, since=100.0))
-    dec = asc.decide(policy(), asc.State(), obs(40), *views, now=100.0)
+    dec = asc.decide(policy(), asc.State(), obs(2), *views, now=100.0)
     assert dec.reason == asc.ROLLOUT and "rollout-stalled" not in dec.limited_by
-    dec = asc.decide(policy(), asc.State(), obs(40), *views, now=100.0 + 601)
-    assert "rollout-stalled" in dec.limited_by and dec.prefill.desired > 1
+    dec = asc.decide(policy(), asc.State(), obs(2), *views, now=100.0 + 601)
+    assert "rollout-stalled" in dec.limited_by
+    # a load past the one pod: ordered at once, not as a stall
+    dec = asc.decide(policy(), asc.State(), obs(40), *views, now=100.0)
+    assert dec.prefill.desired > 1 and "rollout-stalled" not in dec.limited_by

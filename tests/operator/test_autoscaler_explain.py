@@ -50,8 +50,8 @@ def test_stabilization_and_hold():
     dec = decide(pol, None, 3, 3)  # no metrics
     assert ex.causes(dec) == {"prefill": "hold", "decode": "hold"}
     starting = asc.State(prefill=asc.PoolState(last_change=970.0))
-    dec = decide(pol, obs(40), 3, 3, ready=(1, 3), state=starting)  # pods still starting
-    assert ex.pool_cause(dec, "prefill") == "hold"
+    dec = decide(pol, obs(8), 3, 3, ready=(1, 3), state=starting)  # pods still starting, ordered for the load
+    assert dec.prefill.desired == 3 and ex.pool_cause(dec, "prefill") == "hold"
 
 
 def test_a_remembered_burst_holding_the_pool_is_burst():

@@ -24,7 +24,8 @@ converts), so a restarted operator forgets neither capacities nor windows. Rules
   the sliding window of that length, and not below the need of bursts that broke the SLO within
   `burstMemorySeconds`; at most `maxScaleDownStep` per decision.
 - Wait while a change rolls out (ready < desired), but after `rolloutTimeoutSeconds` decide anyway and
-  report the stall (ScalingLimited): Pending pods never wedge the autoscaler. No metrics -> hold.
+  report the stall (ScalingLimited): Pending pods never wedge the autoscaler. A formula need past the pods
+  already ordered does not wait (it counts instances from the rate, not from the pool). No metrics -> hold.
 """
 
 from __future__ import annotations
@@ -300,8 +301,14 @@ def _pool_decision(policy: Policy, role: str, ps: PoolState, view: PoolView, rec
         waited = now - ref if ref is not None else math.inf
         if waited >= policy.rollout_timeout_seconds:
             stalled = True  # decide anyway; surfaced as ScalingLimited
-        else:
+        elif rec <= current:
             return current, ROLLOUT, False, ps
+        else:
+            # The formula's need is an absolute count from the rate, so pods still starting are not counted
+            # twice: a load that outgrew the last order gets the rest now, not a decision period after the
+            # pods ordered for less are ready (a burst onto a pool scaling up from a smaller step: 40 prompts
+            # queued for the 30 s of the hold). The guard (a step relative to the pool) and scale-down wait.
+            guard = False
     load = need or 0.0  # h·λ·len/C: instances needed with headroom, unrounded
     # The sliding window of needs: scale-down targets the highest need of the last stabilization period.
     seed = ps.recent_needs or (  # a state written before the window existed: its max counts once

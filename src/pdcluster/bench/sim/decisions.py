@@ -14,9 +14,13 @@ OBSERVED = ("request_rate", "peak_request_rate", "mean_input_tokens", "mean_outp
             "prefill_queue_now", "decode_queue_mean", "decode_queue_now", "ttft_seconds", "tpot_seconds",
             "prompt_length_scv")
 # what decide computed from them (its `inputs`): the pools' needs, unrounded, headroom included
-NEEDS = ("prefillNeed", "prefillTailNeed", "decodeNeed")
+NEEDS = ("prefillNeed", "prefillTailNeed", "prefillBurstNeed", "decodeNeed", "decodeBurstNeed")
+# what holds a pool up against scale-down: the highest need of the stabilization window and of the remembered
+# bursts (the pool state's max_need), unrounded
+HELD = ("prefill_held_need", "decode_held_need")
 COLUMNS = ("t", *OBSERVED, *(f"{r}_{k}" for r in ("prefill", "decode")
-                            for k in ("current", "ready", "recommended", "desired", "reason")), *NEEDS, "reason")
+                            for k in ("current", "ready", "recommended", "desired", "reason")), *NEEDS, *HELD,
+           "reason")
 
 
 def row(now: float, obs: Observation | None, prefill: PoolView, decode: PoolView, d: Decision) -> dict[str, Any]:
@@ -31,6 +35,9 @@ def row(now: float, obs: Observation | None, prefill: PoolView, decode: PoolView
     for k in NEEDS:
         v = d.inputs.get(k)
         out[k] = None if v is None else round(float(v), 4)
+    for role in ("prefill", "decode"):
+        held = d.state.pool(role).max_need
+        out[f"{role}_held_need"] = None if held is None else round(held, 4)
     out["reason"] = d.reason
     return out
 
