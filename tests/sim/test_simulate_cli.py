@@ -80,6 +80,11 @@ def test_decisions_log_one_row_per_tick_of_the_measured_pass(tmp_path, small_tra
     assert [float(r["t"]) for r in rows] == [30.0 * (k + 1) for k in range(len(rows))]
     sizes = [(int(r["prefill_desired"]), int(r["decode_desired"])) for r in rows]
     assert max(p for p, _ in sizes) == doc["policies"]["pdcluster"]["max_prefill"]
+    # what holds a pool against scale-down is logged beside the needs: never below the need of a tick that
+    # decided (a pool waiting for its rollout keeps the window it had)
+    for r in rows:
+        if r["prefillNeed"] and r["prefill_held_need"] and r["prefill_reason"] != "RolloutInProgress":
+            assert float(r["prefill_held_need"]) >= float(r["prefillNeed"]) - 1e-3
     with (out / "decisions-reactive-oracle.csv").open() as f:
         assert len(list(csv.DictReader(f))) == int(doc["trace"]["duration_s"] // 10)  # the oracle's 10 s ticks
     assert not (out / "decisions-static-1:1.csv").exists()  # a fixed size decides nothing
