@@ -86,3 +86,38 @@ def test_cli_decode_wait_reaches_the_flow_and_is_checked(capsys) -> None:  # typ
     with pytest.raises(SystemExit) as e:  # refused at parse time, one argparse error line
         p.parse_args(["--decode", "http://a:1", "--decode-wait", "-1"])
     assert e.value.code == 2 and "argument --decode-wait" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["pdcluster", "vllm"])
+async def test_a_busy_worker_that_answers_late_stays_a_dead_one_goes(engine: str) -> None:
+    """A probe that times out drops an idle worker after two in a row, a worker busy with requests only after
+    BUSY_DROP_AFTER (a server saturated by its own work answers late without being down); a busy worker that
+    refuses connections is not protected."""
+    import httpx
+
+    from pdcluster.worker.router.pool import BUSY_DROP_AFTER, DROP_AFTER
+
+    slow = {"http://127.0.0.1:11", "http://127.0.0.1:12"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if url in slow:
+            raise httpx.ReadTimeout("no answer within the probe timeout", request=request)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    pool = Pool(prefill_urls=["http://127.0.0.1:11", "http://127.0.0.1:13"], decode_urls=["http://127.0.0.1:12"],
+                engine=engine)
+    await pool.client.aclose()
+    pool.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    busy, dead = pool.get("prefill", "http://127.0.0.1:11"), pool.get("prefill", "http://127.0.0.1:13")
+    idle = pool.get("decode", "http://127.0.0.1:12")
+    for w in (busy, idle, dead):
+        w.healthy = True
+    busy.running, dead.in_flight = 2, 1  # busy: a batch at its last answer; dead: a request of ours in flight
+    for n in range(1, BUSY_DROP_AFTER + 1):
+        await pool.probe_all()
+        assert busy.healthy == (n < BUSY_DROP_AFTER), n
+        assert idle.healthy == (n < DROP_AFTER), n
+        assert dead.healthy == (n < DROP_AFTER), n
+    assert "ReadTimeout" in (busy.last_error or "")
+    await pool.stop()

@@ -124,6 +124,20 @@ def resolve_service(spec: str, default_port: int = 8000) -> list[str] | None:
     return [f"{scheme}://[{a}]:{port}" if ":" in a else f"{scheme}://{a}:{port}" for a in addrs]
 
 
+# Probes failed in a row before a worker leaves rotation: one lost probe is not an outage.
+DROP_AFTER = 2
+# The same for probes that timed out while the worker was busy (requests from this router in flight, or a
+# running or waiting batch at its last answer): a server saturated by its own work (vLLM's /health and /metrics
+# behind a CPU busy with prefill, a starved node) answers late without being down, and dropping it moves its
+# load onto the others, or turns a P/D pair's prefill into aggregated work on decode. A dead worker still drops
+# after DROP_AFTER (refused, reset, HTTP errors), and the request path marks it failed at once.
+BUSY_DROP_AFTER = 5
+
+
+def busy(w: Worker) -> bool:
+    return w.in_flight > 0 or w.running > 0 or w.waiting > 0
+
+
 @dataclass
 class Pool:
     prefill_urls: list[str] = field(default_factory=list)
@@ -256,7 +270,11 @@ class Pool:
         if self.engine == "vllm":  # vLLM workers: /health and their Prometheus series (router/vllm_pd.py)
             from pdcluster.worker.router import vllm_pd
 
-            ok, err = await vllm_pd.probe(self.client, w)
+            try:
+                ok, err = await vllm_pd.probe(self.client, w)
+            except httpx.TimeoutException as e:
+                self._probed(w, False, f"{type(e).__name__}: {e}", slow=True)
+                return
             self._probed(w, ok, err)
             return
         try:
@@ -277,13 +295,19 @@ class Pool:
                 err = None if ok else moved or "not ready"
             else:
                 err = f"HTTP {r.status_code}"
+        except httpx.TimeoutException as e:
+            self._probed(w, False, f"{type(e).__name__}: {e}", slow=True)
+            return
         except (httpx.HTTPError, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
         self._probed(w, ok, err)
 
-    def _probed(self, w: Worker, ok: bool, err: str | None) -> None:
+    def _probed(self, w: Worker, ok: bool, err: str | None, slow: bool = False) -> None:
+        """One probe's outcome. `slow`: it timed out, which on a worker busy with requests is no sign of an
+        outage (BUSY_DROP_AFTER)."""
         was = w.healthy
-        w.healthy, w.failures = health_transition(w.healthy, w.failures, ok)
+        drop_after = BUSY_DROP_AFTER if slow and busy(w) else DROP_AFTER
+        w.healthy, w.failures = health_transition(w.healthy, w.failures, ok, drop_after)
         w.last_error, w.last_probe = err, time.monotonic()
         if w.healthy and not was:
             self.prefix.forget(w.url)  # back from down (maybe restarted): assume its prefix cache is empty
