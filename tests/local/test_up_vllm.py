@@ -141,7 +141,9 @@ def test_router_over_vllm_workers_is_greedy_equal_to_one_vllm_server(up: Up) -> 
     assert text == want[0]
     # the two long prompts (and the streamed one) went prefill -> decode; the short one did not
     after = httpx.get(f"{router}/cluster", timeout=10).json()
-    assert after["router"]["vllm_disaggregated"] - before["router"]["vllm_disaggregated"] == 3
+    # (a prefill worker the router had out of rotation would send a long prompt to decode alone: its probe's
+    # last error is in /cluster, said here so that such a run tells why)
+    assert after["router"]["vllm_disaggregated"] - before["router"]["vllm_disaggregated"] == 3, after["prefill"]
     # and the decode worker pulled their KV over NIXL (one read per request), none failed
     assert _sample(decode, "vllm:nixl_xfer_time_seconds_count") >= 3
     assert _sample(decode, "vllm:nixl_num_failed_transfers_total") == 0
