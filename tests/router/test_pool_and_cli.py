@@ -95,7 +95,7 @@ async def test_a_busy_worker_that_answers_late_stays_a_dead_one_goes(engine: str
     refuses connections is not protected."""
     import httpx
 
-    from pdcluster.worker.router.pool import BUSY_DROP_AFTER, DROP_AFTER
+    from pdcluster.worker.router.picking import BUSY_DROP_AFTER, DROP_AFTER
 
     slow = {"http://127.0.0.1:11", "http://127.0.0.1:12"}
 

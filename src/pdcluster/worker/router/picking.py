@@ -131,7 +131,18 @@ def retry_after_seconds(queued: int, completions_per_s: float) -> int:
     return max(1, min(30, round(queued / completions_per_s)))
 
 
-def health_transition(healthy: bool, consecutive_failures: int, ok: bool, drop_after: int = 2) -> tuple[bool, int]:
+# Probes failed in a row before a worker leaves rotation: one lost probe is not an outage.
+DROP_AFTER = 2
+# The same for probes that only timed out while the worker was busy (pool.busy): a server saturated by its own
+# work (vLLM's /health and /metrics behind a CPU busy with prefill, a starved node) answers late without being
+# down, and dropping it moves its load onto the others, or turns a P/D pair's prefill into aggregated work on
+# decode. A dead worker still drops after DROP_AFTER (refused, reset, HTTP errors), and the request path marks
+# it failed at once.
+BUSY_DROP_AFTER = 5
+
+
+def health_transition(healthy: bool, consecutive_failures: int, ok: bool,
+                      drop_after: int = DROP_AFTER) -> tuple[bool, int]:
     """Next (healthy, consecutive_failures) after one probe: drop after `drop_after` failures in a row
     (one lost probe is not an outage), re-admit on the first success."""
     if ok:

@@ -16,7 +16,7 @@ import httpx
 
 from pdcluster.worker.engine.block_hash import prompt_block_hashes
 from pdcluster.worker.router import options
-from pdcluster.worker.router.picking import WorkerView, health_transition
+from pdcluster.worker.router.picking import BUSY_DROP_AFTER, DROP_AFTER, WorkerView, health_transition
 from pdcluster.worker.router.prefix_index import PrefixIndex, parse_report
 from pdcluster.worker.transfer.secret import internal_headers
 
@@ -124,17 +124,9 @@ def resolve_service(spec: str, default_port: int = 8000) -> list[str] | None:
     return [f"{scheme}://[{a}]:{port}" if ":" in a else f"{scheme}://{a}:{port}" for a in addrs]
 
 
-# Probes failed in a row before a worker leaves rotation: one lost probe is not an outage.
-DROP_AFTER = 2
-# The same for probes that timed out while the worker was busy (requests from this router in flight, or a
-# running or waiting batch at its last answer): a server saturated by its own work (vLLM's /health and /metrics
-# behind a CPU busy with prefill, a starved node) answers late without being down, and dropping it moves its
-# load onto the others, or turns a P/D pair's prefill into aggregated work on decode. A dead worker still drops
-# after DROP_AFTER (refused, reset, HTTP errors), and the request path marks it failed at once.
-BUSY_DROP_AFTER = 5
-
-
 def busy(w: Worker) -> bool:
+    """Requests from this router in flight on it, or a running or waiting batch at its last answer: a probe
+    that times out then counts BUSY_DROP_AFTER times before it drops."""
     return w.in_flight > 0 or w.running > 0 or w.waiting > 0
 
 
