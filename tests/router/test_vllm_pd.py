@@ -98,3 +98,37 @@ def test_a_4xx_error_event_is_the_clients() -> None:
     bad = "data: " + json.dumps({"error": {"message": "bad", "type": "BadRequestError", "code": 400}})
     assert st.line(bad) == (bad, 0) and st.error is None
     assert st.line("data: [DONE]") == ("data: [DONE]", 0) and st.done
+
+
+async def test_a_slow_metrics_page_keeps_a_worker_that_health_answered() -> None:
+    """/health says whether a vLLM worker serves; /metrics only refreshes its load. A worker whose /metrics
+    times out keeps its place and the load of its last page; one whose /health fails leaves after two probes."""
+    from pdcluster.worker.router.picking import DROP_AFTER
+
+    slow_metrics = True
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 21 and request.url.path == "/health":
+            return httpx.Response(503)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if slow_metrics:
+            raise httpx.ReadTimeout("no answer within the probe timeout", request=request)
+        return httpx.Response(200, text=EXPOSITION)
+
+    pool = Pool(prefill_urls=["http://127.0.0.1:20"], decode_urls=["http://127.0.0.1:21"], engine="vllm")
+    await pool.client.aclose()
+    pool.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    alive, failing = pool.get("prefill", "http://127.0.0.1:20"), pool.get("decode", "http://127.0.0.1:21")
+    failing.healthy = True
+    for _ in range(DROP_AFTER + 1):
+        await pool.probe_all()
+        assert alive.healthy and alive.running == 0 and alive.last_error is None
+    assert not failing.healthy and failing.last_error == "HTTP 503"
+    slow_metrics = False
+    await pool.probe_all()
+    assert alive.healthy and (alive.running, alive.waiting, alive.block_size) == (3, 2, 128)
+    slow_metrics = True  # late again: the last page's load stays
+    await pool.probe_all()
+    assert alive.healthy and (alive.running, alive.waiting) == (3, 2)
+    await pool.stop()

@@ -102,17 +102,22 @@ def _label_pairs(labels: str) -> list[str]:
 
 
 async def probe(client: httpx.AsyncClient, w: Worker) -> tuple[bool, str | None]:
-    """(ready, error) of a vLLM worker, filling in its load: the pool's probe for `--engine vllm`. A timeout is
-    raised (httpx.TimeoutException): the pool weighs a late answer by the worker's load (pool.BUSY_DROP_AFTER)."""
+    """(ready, error) of a vLLM worker, filling in its load: the pool's probe for `--engine vllm`. /health
+    alone says whether it serves; /metrics only refreshes its load (a large page, slow on a busy server: one
+    that /health answered stays in rotation with the load of its last page). A /health timeout is raised
+    (httpx.TimeoutException): the pool weighs a late answer by the worker's load (pool.BUSY_DROP_AFTER)."""
     try:
         r = await client.get(f"{w.url}/health")
-        if r.status_code != 200:
-            return False, f"HTTP {r.status_code}"
-        m = await client.get(f"{w.url}/metrics")
     except httpx.TimeoutException:
         raise
     except httpx.HTTPError as e:
         return False, describe(e)
+    if r.status_code != 200:
+        return False, f"HTTP {r.status_code}"
+    try:
+        m = await client.get(f"{w.url}/metrics")
+    except httpx.HTTPError:
+        return True, None
     if m.status_code == 200:
         d = parse_metrics(m.text)
         w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
