@@ -27,7 +27,7 @@ scale-down margin reads as a fourth instance the formula's three never needed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,18 +49,32 @@ MIN_SCV = 1.0
 SCV_WINDOW_SECONDS = 600.0
 
 
+def _erlang_b(a: float, upto: int) -> Iterator[tuple[int, float]]:
+    """(c, Erlang B of c servers at offered load `a`) for c = 1..upto, by the stable recurrence."""
+    b = 1.0
+    for k in range(1, upto + 1):
+        b = a * b / (k + a * b)
+        yield k, b
+
+
+def _c_from_b(c: int, a: float, b: float) -> float:
+    return b / (1.0 - a / c * (1.0 - b))
+
+
 def erlang_c(c: int, a: float) -> float:
     """The chance that an arrival waits in an M/M/c queue with offered load `a` (Erlangs); 1 when a >= c."""
     if c <= 0 or a >= c:
         return 1.0
     if a <= 0:
         return 0.0
-    # Erlang B by its stable recurrence, then C from B.
-    b = 1.0
-    for k in range(1, c + 1):
-        b = a * b / (k + a * b)
-    rho = a / c
-    return b / (1.0 - rho * (1.0 - b))
+    *_, (_, b) = _erlang_b(a, c)  # c >= 1 here: the last of a nonempty run
+    return _c_from_b(c, a, b)
+
+
+def _wait_beyond(c: int, rate: float, service: float, scv: float, t: float, waits: float) -> float:
+    """P(W > t) given `waits`, the Erlang C of `c` instances (c above the load)."""
+    decay = (c / service - rate) * 2.0 / (1.0 + max(0.0, scv))
+    return waits * math.exp(-decay * max(0.0, t))
 
 
 def wait_beyond(c: int, rate: float, service: float, scv: float, t: float) -> float:
@@ -68,8 +82,7 @@ def wait_beyond(c: int, rate: float, service: float, scv: float, t: float) -> fl
     a = rate * service
     if c <= a:
         return 1.0
-    decay = (c / service - rate) * 2.0 / (1.0 + max(0.0, scv))
-    return erlang_c(c, a) * math.exp(-decay * max(0.0, t))
+    return _wait_beyond(c, rate, service, scv, t, erlang_c(c, a))
 
 
 def tail_need(rate: float, service: float, scv: float | None, budget: float, miss: float) -> float | None:
@@ -85,8 +98,12 @@ def tail_need(rate: float, service: float, scv: float | None, budget: float, mis
     if a > MAX_LOAD:
         return None
     prev_c, prev_p = a, 1.0  # at c = a the queue is unstable: every prompt waits
-    for c in range(max(1, math.floor(a) + 1), math.floor(a) + MAX_EXTRA + 1):
-        p = wait_beyond(c, rate, service, scv, budget)
+    first = max(1, math.floor(a) + 1)
+    # Erlang B steps from one count to the next: one pass over the counts, not one per count tried
+    for c, b in _erlang_b(a, math.floor(a) + MAX_EXTRA):
+        if c < first:
+            continue
+        p = _wait_beyond(c, rate, service, scv, budget, _c_from_b(c, a, b))
         if p <= miss:
             if p <= 0.0 or prev_p <= p:
                 return float(c)

@@ -258,41 +258,43 @@ class Pool:
             w.failures = max(w.failures, 1)
 
     async def probe(self, w: Worker) -> None:
-        ok, err = False, None
+        try:
+            ok, err = await self._ask(w)
+        except httpx.TimeoutException as e:  # late, not refused: weighed by the worker's load (_probed)
+            self._probed(w, False, f"{type(e).__name__}: {e}", slow=True)
+            return
+        self._probed(w, ok, err)
+
+    async def _ask(self, w: Worker) -> tuple[bool, str | None]:
+        """(ready, error) of one probe, filling in the worker's load; a timeout is raised."""
         if self.engine == "vllm":  # vLLM workers: /health and their Prometheus series (router/vllm_pd.py)
             from pdcluster.worker.router import vllm_pd
 
-            try:
-                ok, err = await vllm_pd.probe(self.client, w)
-            except httpx.TimeoutException as e:
-                self._probed(w, False, f"{type(e).__name__}: {e}", slow=True)
-                return
-            self._probed(w, ok, err)
-            return
+            return await vllm_pd.probe(self.client, w)
         try:
             r = await self.client.get(f"{w.url}/internal/load")
-            if r.status_code == 200:
-                d = r.json()
-                ok = bool(d.get("ready", True))
-                moved = self._moved(w, d.get("role"))
-                ok = ok and moved is None
-                w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
-                w.tensor_parallel_size = _positive_int(d.get("tensor_parallel_size")) or 1
-                w.kv_direct = d.get("kv_direct") is True
-                w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
-                w.used_blocks = d.get("used_blocks")
-                w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
-                w.prefill_tokens_per_s = _positive_float(d.get("prefill_tokens_per_s"))
-                w.max_batch_size = _positive_int(d.get("max_batch_size"))
-                err = None if ok else moved or "not ready"
-            else:
-                err = f"HTTP {r.status_code}"
-        except httpx.TimeoutException as e:
-            self._probed(w, False, f"{type(e).__name__}: {e}", slow=True)
-            return
-        except (httpx.HTTPError, ValueError) as e:
-            err = f"{type(e).__name__}: {e}"
-        self._probed(w, ok, err)
+        except httpx.TimeoutException:
+            raise
+        except httpx.HTTPError as e:
+            return False, f"{type(e).__name__}: {e}"
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}"
+        try:
+            d = r.json()
+            ok = bool(d.get("ready", True))
+            moved = self._moved(w, d.get("role"))
+            ok = ok and moved is None
+            w.node, w.block_size = d.get("node"), _positive_int(d.get("block_size"))
+            w.tensor_parallel_size = _positive_int(d.get("tensor_parallel_size")) or 1
+            w.kv_direct = d.get("kv_direct") is True
+            w.free_blocks, w.total_blocks = d.get("free_blocks"), _positive_int(d.get("total_blocks"))
+            w.used_blocks = d.get("used_blocks")
+            w.running, w.waiting = int(d.get("running", 0)), int(d.get("waiting", 0))
+            w.prefill_tokens_per_s = _positive_float(d.get("prefill_tokens_per_s"))
+            w.max_batch_size = _positive_int(d.get("max_batch_size"))
+        except ValueError as e:
+            return False, f"{type(e).__name__}: {e}"
+        return ok, None if ok else moved or "not ready"
 
     def _probed(self, w: Worker, ok: bool, err: str | None, slow: bool = False) -> None:
         """One probe's outcome. `slow`: it timed out, which on a worker busy with requests is no sign of an
