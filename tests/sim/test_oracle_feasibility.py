@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdcluster.bench.sim import policies as pol
+from pdcluster.bench.sim.cli import run_policy
 from pdcluster.bench.sim.cluster import simulate
 from pdcluster.bench.sim.feasibility import feasibility
 from pdcluster.bench.sim.model import SLO, ServiceModel
@@ -93,3 +94,18 @@ def test_dominated_by_needs_both_more_attainment_and_less_cost():
           "d": {"slo_attainment": 0.9, "instance_hours": 3.0}}  # as good, cheaper: not strictly better
     assert dominated_by(ps, "a") == ["b"]
     assert dominated_by(ps, "c") == []
+
+
+def test_primed_on_another_trace_the_oracle_reads_the_measured_one():
+    """`run_policy(..., prime=other)`: the first pass over `other`, the measured pass over the trace, and the
+    oracle's true arrivals are the measured trace's (it would otherwise read the priming hour's)."""
+    quiet = Trace(tuple(Request(t=float(i), input_tokens=500, output_tokens=10) for i in range(0, 600, 5)),
+                  "synthetic", "test")
+    busy = Trace(tuple(Request(t=i / 4, input_tokens=4000, output_tokens=10) for i in range(2400)),
+                 "synthetic", "test")
+    policy = pol.make("reactive-oracle", 10_000.0, 2_000.0, trace=quiet, slo=SLO())
+    moved = pol.for_trace(policy, busy)
+    assert moved.arrivals.times == Arrivals.of(busy).times and policy.arrivals.times == Arrivals.of(quiet).times
+    assert pol.for_trace(pol.make("pdcluster", 10_000.0, 2_000.0, trace=quiet), busy).name == "pdcluster"
+    r = run_policy(busy, ServiceModel(), SLO(), "reactive-oracle", primed=True, prime=quiet)
+    assert len(r.arrival) == len(busy.requests) and r.max_prefill >= 2  # it saw the busy hour's 10k tok/s

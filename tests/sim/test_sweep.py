@@ -81,3 +81,11 @@ def test_bad_arguments_exit_2(tmp_path):
         with pytest.raises(SystemExit) as e:
             sweep.main(["--out", str(tmp_path), *argv])
         assert e.value.code == 2
+
+
+def test_prime_other_primes_on_another_seed(tmp_path):
+    assert sweep.main(["--out", str(tmp_path), "--shapes", "bursty", "--seeds", "2", "--minutes", "6",
+                       "--jobs", "1", "--prime", "other"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [(x["mode"], x["primed_on"]) for x in lines] == [("primed", 2 + sweep.PRIME_OFFSET), ("cold", None)]
+    assert (tmp_path / f"bursty-{2 + sweep.PRIME_OFFSET}.jsonl").exists()

@@ -122,14 +122,18 @@ def _model(args: argparse.Namespace) -> ServiceModel:
 
 def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed: bool = True,
                headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float | None = None,
-               flip_tick_s: float | None = None) -> RunResult:
+               flip_tick_s: float | None = None, prime: tr.Trace | None = None) -> RunResult:
     """An autoscaled policy over the trace; `primed`: after a first pass whose final state and sizes it
-    starts from (the hour before looked like this one; see policies.carry_over)."""
-    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=trace, slo=slo, headroom=headroom, fast_s=fast_s,
-                      flip_window_s=flip_window_s, flip_tick_s=flip_tick_s)
+    starts from (the hour before looked like this one; see policies.carry_over), over `prime` if given (an
+    hour of the same kind, not the same hour: the held-out sweep's `--prime other`), else over the trace."""
+    first_trace = prime if primed and prime is not None else trace
+    policy = pol.make(name, model.prefill_tps, model.decode_tps, trace=first_trace, slo=slo, headroom=headroom,
+                      fast_s=fast_s, flip_window_s=flip_window_s, flip_tick_s=flip_tick_s)
     if primed:
-        first = simulate(trace, model, policy)
-        policy = pol.carry_over(policy, trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
+        first = simulate(first_trace, model, policy)
+        policy = pol.carry_over(policy, first_trace.duration_s, (first.timeline[-1][1], first.timeline[-1][2]))
+        if first_trace is not trace:
+            policy = pol.for_trace(policy, trace)
     if log and hasattr(policy, "log"):
         policy.log = []
     return simulate(trace, model, policy)
@@ -137,7 +141,7 @@ def run_policy(trace: tr.Trace, model: ServiceModel, slo: SLO, name: str, primed
 
 def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], primed: bool = True,
             headroom: float = 1.5, log: bool = False, fast_s: float = 0.0, flip_window_s: float | None = None,
-            flip_tick_s: float | None = None) -> tuple[dict, dict[str, RunResult]]:
+            flip_tick_s: float | None = None, prime: tr.Trace | None = None) -> tuple[dict, dict[str, RunResult]]:
     runs: dict[str, RunResult] = {}
     cache: dict[tuple[int, int], RunResult] = {}
 
@@ -155,7 +159,8 @@ def run_all(trace: tr.Trace, model: ServiceModel, slo: SLO, names: list[str], pr
             s = pol.make(name, model.prefill_tps, model.decode_tps)
             runs[name] = static(s.prefill, s.decode)
         else:
-            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log, fast_s, flip_window_s, flip_tick_s)
+            runs[name] = run_policy(trace, model, slo, name, primed, headroom, log, fast_s, flip_window_s, flip_tick_s,
+                                    prime)
     feasible = feasibility(trace, model, slo).feasible
     summaries = {n: policy_summary(r, slo, feasible) for n, r in runs.items()}
     if "static-best" in runs:

@@ -194,6 +194,16 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
     return policy
 
 
+def for_trace(policy, trace: Trace):
+    """The policy, primed on another trace, about to run over `trace`: the oracle reads `trace`'s arrivals
+    (every other policy only carries what it saw)."""
+    if hasattr(policy, "arrivals"):
+        from pdcluster.bench.sim.oracle import Arrivals
+
+        return replace(policy, arrivals=Arrivals.of(trace))
+    return policy
+
+
 @dataclass
 class Independent:
     """HPA-style: each pool from its own utilisation, blind to the other pool and to queues."""

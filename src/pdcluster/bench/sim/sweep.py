@@ -13,9 +13,10 @@ asks the issue's question of traces nobody looked at: for each shape of `synth.p
   1.2× or less).
 
 `python -m pdcluster.bench.sim.sweep --out DIR [--shapes ...] [--seeds 101-110] [--jobs 2]
-[--load-aggregation] [--minutes M]` writes DIR/runs.jsonl (one line per run: trace, mode, every policy's figures) and
+[--load-aggregation] [--prime same|other] [--minutes M]` writes DIR/runs.jsonl (one line per run: trace, mode, every policy's figures) and
 DIR/summary.md, and prints the summary. Seeds from 101 are held out by convention: no rule was chosen on
-them.
+them. `--prime other` primes each run on another seed of its shape: `simulate`'s primed pass replays the
+same hour, so a rule that remembers the hour (the burst memory) meets each burst again at the same minute.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pdcluster.bench.sim.report import dominated_by
 ORACLE = "reactive-oracle"
 MINUTES = {"conversation": 60.0, "shift": 40.0, "bursty": 60.0}
 RATE = {"conversation": 0.5, "shift": 4.0, "bursty": 2.5}  # the tables' "other seeds" rates
+PRIME_OFFSET = 1000  # `--prime other`: seed N is primed on seed N + 1000 of its shape
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Job:
     aggregation: bool
     folder: Path
     minutes: float | None = None  # the shape's default (MINUTES) when None
+    prime_other: bool = False  # primed on another seed of the shape (PRIME_OFFSET), not a replay of this one
 
 
 def seeds(spec: str) -> list[int]:
@@ -73,13 +76,16 @@ def trace_file(folder: Path, shape: str, seed: int, minutes: float | None = None
 def run(job: Job) -> dict:
     """Every policy over one trace, primed or cold: the run's line of runs.jsonl."""
     trace = tr.read_trace(trace_file(job.folder, job.shape, job.seed, job.minutes))
+    prime = (tr.read_trace(trace_file(job.folder, job.shape, job.seed + PRIME_OFFSET, job.minutes))
+             if job.prime_other and not job.cold else None)
     model = ServiceModel(aggregate_ttft_s=SLO().ttft_s if job.aggregation else 0.0)
     names = list(pol.NAMES)
     if any(r.hash_ids for r in trace.requests[:100]):
         names.insert(1, "pdcluster-no-prefix")  # as `simulate` does: prefix reuse in the trace
-    summaries, _ = run_all(trace, model, SLO(), names, primed=not job.cold)
+    summaries, _ = run_all(trace, model, SLO(), names, primed=not job.cold, prime=prime)
     return {"shape": job.shape, "seed": job.seed, "mode": "cold" if job.cold else "primed",
-            "aggregation": job.aggregation, "requests": len(trace.requests),
+            "aggregation": job.aggregation, "primed_on": job.seed + PRIME_OFFSET if prime else None,
+            "requests": len(trace.requests),
             "policies": {n: {k: s[k] for k in ("slo_attainment", "instance_hours")} for n, s in summaries.items()}}
 
 
@@ -127,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="101-110", help="seeds per shape: 101-110 (default), or 3,5,13")
     p.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
     p.add_argument("--load-aggregation", action="store_true", help="every run with simulate's --load-aggregation")
+    p.add_argument("--prime", choices=("same", "other"), default="same",
+                   help="primed runs first pass over the same trace (simulate's way, the default) or over another "
+                   f"seed of its shape (seed + {PRIME_OFFSET}: an hour like it, not the same hour)")
     p.add_argument("--minutes", type=float, default=None,
                    help="trace length (default per shape: 60, shift 40)")
     a = p.parse_args(argv)
@@ -139,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.minutes is not None and not a.minutes > 0:
         p.error("--minutes must be > 0")
     a.out.mkdir(parents=True, exist_ok=True)
-    jobs = [Job(s, n, cold, a.load_aggregation, a.out, a.minutes)
+    jobs = [Job(s, n, cold, a.load_aggregation, a.out, a.minutes, a.prime == "other")
             for s in a.shapes for n in todo for cold in (False, True)]
-    for j in jobs:
-        trace_file(a.out, j.shape, j.seed, j.minutes)  # written once, before the workers read them
+    for j in jobs:  # written once, before the workers read them
+        trace_file(a.out, j.shape, j.seed, j.minutes)
+        if j.prime_other:
+            trace_file(a.out, j.shape, j.seed + PRIME_OFFSET, j.minutes)
     with ProcessPoolExecutor(a.jobs) as ex:
         lines = list(ex.map(run, jobs))
     (a.out / "runs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
