@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 export PATH := $(HOME)/.local/bin:$(PATH)
 
-.PHONY: setup setup-test generate demo test test-quick lint bench bench-sim bench-prefix bench-ratio bench-kernels bench-quality demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
+.PHONY: setup setup-test generate demo test test-quick lint bench bench-sim bench-sweep bench-prefix bench-ratio bench-kernels bench-quality demo-model e2e e2e-build e2e-kind cluster-up cluster-down clean
 
 setup:
 	@scripts/setup.sh python
@@ -53,6 +53,14 @@ bench-sim: setup
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --out docs/benchmarks/sim/mooncake_conversation
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/azure2023_code.csv --cold --out docs/benchmarks/sim/azure2023_code-cold
 	$(VENV)/bin/pdcluster simulate --trace $(TRACES)/mooncake_conversation.jsonl --slo-ttft 15 --cold --out docs/benchmarks/sim/mooncake_conversation-cold
+
+# The autoscaler on 60 held-out synthetic traces (seeds 101-120 of each shape), primed and cold, aggregation off
+# and on (~10 min on 2 cores; docs/benchmarks/autoscaler.md, "Sixty traces"); traces stay in the temp folder.
+bench-sweep: setup
+	@t=$$(mktemp -d) && for agg in off on; do \
+	  $(PY) -m pdcluster.bench.sim.sweep --out $$t/$$agg --seeds 101-120 $$([ $$agg = on ] && echo --load-aggregation) && \
+	  mkdir -p docs/benchmarks/sweep/$$agg && cp $$t/$$agg/summary.md $$t/$$agg/runs.jsonl docs/benchmarks/sweep/$$agg/ || exit 1; \
+	done; rm -rf $$t
 
 # Prefix-aware vs least-loaded routing, two `pdcluster up` stacks interleaved on the Mooncake trace (~17 min;
 # docs/benchmarks.md).
