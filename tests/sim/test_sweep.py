@@ -88,4 +88,4 @@ def test_prime_other_primes_on_another_seed(tmp_path):
                        "--jobs", "1", "--prime", "other"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [(x["mode"], x["primed_on"]) for x in lines] == [("primed", 2 + sweep.PRIME_OFFSET), ("cold", None)]
-    assert (tmp_path / f"bursty-{2 + sweep.PRIME_OFFSET}.jsonl").exists()
+    assert (tmp_path / f"bursty-{2 + sweep.PRIME_OFFSET}-6min.jsonl").exists()  # a length is part of the name

@@ -66,7 +66,7 @@ def seeds(spec: str) -> list[int]:
 
 
 def trace_file(folder: Path, shape: str, seed: int, minutes: float | None = None) -> Path:
-    path = folder / f"{shape}-{seed}.jsonl"
+    path = folder / (f"{shape}-{seed}.jsonl" if minutes is None else f"{shape}-{seed}-{minutes:g}min.jsonl")
     if not path.exists():
         rows = synth.shaped(shape, seed, minutes or MINUTES[shape], RATE[shape])
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
