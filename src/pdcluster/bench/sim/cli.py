@@ -184,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_target)
         model = _model(args)
         trace = tr.scale_time(tr.read_trace(args.trace), args.speedup)
-        if args.policy is None and any(r.hash_ids for r in trace.requests[:100]):
-            names.insert(1, "pdcluster-no-prefix")  # prefix reuse in the trace: show what the discount does
+        if args.policy is None:
+            names = pol.default_names(trace)
         if len(trace.requests) < 2 or trace.duration_s <= 0:
             raise UsageError(f"{args.trace}: the trace needs at least two requests over a positive span")
         args.out.mkdir(parents=True, exist_ok=True)

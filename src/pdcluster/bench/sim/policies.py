@@ -194,6 +194,15 @@ def carry_over(policy, duration_s: float, sizes: tuple[int, int]):
     return policy
 
 
+def default_names(trace: Trace) -> list[str]:
+    """The policies `simulate` runs without `--policy`: NAMES, and `pdcluster-no-prefix` beside `pdcluster` for
+    a trace with prefix reuse (`hash_ids`), to show what the prefix discount does."""
+    names = list(NAMES)
+    if any(r.hash_ids for r in trace.requests[:100]):
+        names.insert(1, "pdcluster-no-prefix")
+    return names
+
+
 def for_trace(policy, trace: Trace):
     """The policy, primed on another trace, about to run over `trace`: the oracle reads `trace`'s arrivals
     (every other policy only carries what it saw)."""

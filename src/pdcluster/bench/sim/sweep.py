@@ -68,8 +68,7 @@ def seeds(spec: str) -> list[int]:
 def trace_file(folder: Path, shape: str, seed: int, minutes: float | None = None) -> Path:
     path = folder / (f"{shape}-{seed}.jsonl" if minutes is None else f"{shape}-{seed}-{minutes:g}min.jsonl")
     if not path.exists():
-        rows = synth.shaped(shape, seed, minutes or MINUTES[shape], RATE[shape])
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        synth.write(synth.shaped(shape, seed, minutes or MINUTES[shape], RATE[shape]), path)
     return path
 
 
@@ -79,10 +78,7 @@ def run(job: Job) -> dict:
     prime = (tr.read_trace(trace_file(job.folder, job.shape, job.seed + PRIME_OFFSET, job.minutes))
              if job.prime_other and not job.cold else None)
     model = ServiceModel(aggregate_ttft_s=SLO().ttft_s if job.aggregation else 0.0)
-    names = list(pol.NAMES)
-    if any(r.hash_ids for r in trace.requests[:100]):
-        names.insert(1, "pdcluster-no-prefix")  # as `simulate` does: prefix reuse in the trace
-    summaries, _ = run_all(trace, model, SLO(), names, primed=not job.cold, prime=prime)
+    summaries, _ = run_all(trace, model, SLO(), pol.default_names(trace), primed=not job.cold, prime=prime)
     return {"shape": job.shape, "seed": job.seed, "mode": "cold" if job.cold else "primed",
             "aggregation": job.aggregation, "primed_on": job.seed + PRIME_OFFSET if prime else None,
             "requests": len(trace.requests),

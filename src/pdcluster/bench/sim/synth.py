@@ -114,14 +114,19 @@ def generate_bursty(seed: int = 1, minutes: float = 60.0, rate: float = 2.5) -> 
     return out
 
 
-SHAPES = ("conversation", "shift", "bursty")
+_GENERATORS = {"conversation": generate, "shift": generate_shift, "bursty": generate_bursty}
+SHAPES = tuple(_GENERATORS)
 DEFAULT_RATE = {"conversation": 0.8, "shift": 4.0, "bursty": 2.5}
 
 
 def shaped(shape: str, seed: int, minutes: float, rate: float) -> list[dict]:
     """The rows of a trace of `shape` (SHAPES)."""
-    gen = {"conversation": generate, "shift": generate_shift, "bursty": generate_bursty}[shape]
-    return gen(seed, minutes, rate)
+    return _GENERATORS[shape](seed, minutes, rate)
+
+
+def write(rows: list[dict], path: Path) -> None:
+    """The rows as a Mooncake-schema JSONL trace (`bench/trace.py` reads it)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.minutes > 0 and rate > 0):
         p.error("--minutes and --rate must be > 0")
     rows = shaped(a.shape, a.seed, a.minutes, rate)
-    a.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write(rows, a.out)
     print(f"wrote {len(rows)} requests to {a.out}")
     return 0
 
