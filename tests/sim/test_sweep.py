@@ -89,3 +89,31 @@ def test_prime_other_primes_on_another_seed(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [(x["mode"], x["primed_on"]) for x in lines] == [("primed", 2 + sweep.PRIME_OFFSET), ("cold", None)]
     assert (tmp_path / f"bursty-{2 + sweep.PRIME_OFFSET}-6min.jsonl").exists()  # a length is part of the name
+
+
+def test_every_policy_is_asked_the_same_question():
+    cold = _line("cold", pdcluster=(0.90, 5.0), reactive_oracle=(0.95, 4.0), keda_tokens=(0.91, 4.5),
+                 static_best=(0.99, 6.0))
+    primed = _line("primed", pdcluster=(0.99, 7.2), reactive_oracle=(0.93, 4.0), static_best=(0.995, 6.0))
+    rows = sweep.every_policy([cold, primed])
+    assert "| pdcluster | 2 | 2 | 2 | keda-tokens 1, reactive-oracle 1, static-best 1 |" in rows  # count, then name
+    assert "| keda-tokens | 1 | 1 | 0 | reactive-oracle 1 |" in rows  # only the oracle: none a cluster can run
+    assert "| reactive-oracle | 2 | 0 | 0 | – |" in rows
+    assert "| static-best | 2 | 0 | 0 | – |" in rows
+
+
+def test_summarize_rewrites_the_summary_from_the_runs(tmp_path, capsys):
+    lines = [_line("cold", pdcluster=(0.90, 5.0), reactive_oracle=(0.95, 4.0), static_best=(0.99, 6.0))]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert sweep.main(["--out", str(tmp_path), "--summarize"]) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert text == sweep.summary(lines) + "\n" and "| reactive-oracle | 1 | 0 | 0 | – |" in text
+    assert not list(tmp_path.glob("bursty-*.jsonl"))  # nothing was run
+    with pytest.raises(SystemExit) as e:  # no runs to summarize: a usage error, not a traceback
+        sweep.main(["--out", str(tmp_path / "none"), "--summarize"])
+    assert e.value.code == 2
+    assert "runs.jsonl" in capsys.readouterr().err
+    (tmp_path / "runs.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--out", str(tmp_path), "--summarize"])
+    assert e.value.code == 2

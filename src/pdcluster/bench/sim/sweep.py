@@ -10,10 +10,13 @@ asks the issue's question of traces nobody looked at: for each shape of `synth.p
   cluster can run (it reads the trace);
 - **cold vs oracle**: `pdcluster`'s points minus the oracle's on the cold runs (the goal: -1 or above);
 - **primed vs static-best**: points minus `static-best`'s, and the cost ratio (the goal: -1 or above at
-  1.2× or less).
+  1.2× or less);
+- and, per policy, how often each one is dominated by another of its run (`every_policy`): the oracle,
+  which sees the true rate, is a measure of how far observation alone takes any policy towards the goal.
 
 `python -m pdcluster.bench.sim.sweep --out DIR [--shapes ...] [--seeds 101-110] [--jobs 2]
-[--load-aggregation] [--prime same|other] [--minutes M]` writes DIR/runs.jsonl (one line per run: trace, mode, every policy's figures) and
+[--load-aggregation] [--prime same|other] [--minutes M]` (or `--summarize`: DIR/summary.md again from
+DIR/runs.jsonl, nothing run) writes DIR/runs.jsonl (one line per run: trace, mode, every policy's figures) and
 DIR/summary.md, and prints the summary. Seeds from 101 are held out by convention: no rule was chosen on
 them. `--prime other` primes each run on another seed of its shape: `simulate`'s primed pass replays the
 same hour, so a rule that remembers the hour (the burst memory) meets each burst again at the same minute.
@@ -119,12 +122,34 @@ def summary(lines: list[dict]) -> str:
             + (f"{statistics.mean(pts):+.2f}, {min(pts):+.2f} ({met}/{len(primed)}) |" if primed else "– |"))
         worst += [f"- {shape} seed {x['seed']} {x['mode']}{' (aggregation)' if x['aggregation'] else ''}: "
                   f"dominated by {', '.join(v['dominated_by'])}" for x, v in dom]
-    return "\n".join(rows + ([""] + worst if worst else []))
+    return "\n".join(rows + ([""] + worst if worst else []) + ["", *every_policy(lines)])
+
+
+def every_policy(lines: list[dict]) -> list[str]:
+    """The goal "never dominated" asked of every policy, not only `pdcluster`: per policy, the runs on which
+    another policy of the same run is within SLO more often and cheaper, and how many of those a policy a
+    cluster can run does (all but the oracle). How often the oracle itself is dominated says how far
+    observation alone takes any policy towards the goal."""
+    names = list(dict.fromkeys(n for x in lines for n in x["policies"]))
+    rows = ["| policy | runs | dominated | by a policy a cluster can run | most often by |", "|---|---|---|---|---|"]
+    for name in names:
+        mine = [x["policies"] for x in lines if name in x["policies"]]
+        doms = [dominated_by(ps, name) for ps in mine]
+        by: dict[str, int] = {}
+        for d in doms:
+            for n in d:
+                by[n] = by.get(n, 0) + 1
+        top = ", ".join(f"{n} {k}" for n, k in sorted(by.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
+        rows.append(f"| {name} | {len(mine)} | {sum(1 for d in doms if d)} | "
+                    f"{sum(1 for d in doms if any(n != ORACLE for n in d))} | {top or '–'} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdcluster.bench.sim.sweep", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--summarize", action="store_true",
+                   help="run nothing: write OUT/summary.md again from OUT/runs.jsonl (after a change to the summary)")
     p.add_argument("--shapes", nargs="+", choices=synth.SHAPES, default=list(synth.SHAPES))
     p.add_argument("--seeds", default="101-110", help="seeds per shape: 101-110 (default), or 3,5,13")
     p.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
@@ -143,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--jobs must be >= 1")
     if a.minutes is not None and not a.minutes > 0:
         p.error("--minutes must be > 0")
+    if a.summarize:
+        try:
+            lines = [json.loads(x) for x in (a.out / "runs.jsonl").read_text().splitlines() if x.strip()]
+        except (OSError, ValueError) as e:
+            p.error(f"--summarize reads {a.out / 'runs.jsonl'}: {e}")
+        return _write_summary(a.out, lines)
     a.out.mkdir(parents=True, exist_ok=True)
     jobs = [Job(s, n, cold, a.load_aggregation, a.out, a.minutes, a.prime == "other")
             for s in a.shapes for n in todo for cold in (False, True)]
@@ -153,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(a.jobs) as ex:
         lines = list(ex.map(run, jobs))
     (a.out / "runs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return _write_summary(a.out, lines)
+
+
+def _write_summary(out: Path, lines: list[dict]) -> int:
     text = summary(lines)
-    (a.out / "summary.md").write_text(text + "\n")
+    (out / "summary.md").write_text(text + "\n")
     print(text)
     return 0
 
