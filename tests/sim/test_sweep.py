@@ -113,7 +113,8 @@ def test_summarize_rewrites_the_summary_from_the_runs(tmp_path, capsys):
         sweep.main(["--out", str(tmp_path / "none"), "--summarize"])
     assert e.value.code == 2
     assert "runs.jsonl" in capsys.readouterr().err
-    (tmp_path / "runs.jsonl").write_text("{not json\n")
-    with pytest.raises(SystemExit) as e:
-        sweep.main(["--out", str(tmp_path), "--summarize"])
-    assert e.value.code == 2
+    for bad in ("{not json\n", "[1, 2]\n", '{"shape": "bursty"}\n'):  # not JSON, or not a sweep's lines
+        (tmp_path / "runs.jsonl").write_text(bad)
+        with pytest.raises(SystemExit) as e:
+            sweep.main(["--out", str(tmp_path), "--summarize"])
+        assert e.value.code == 2

@@ -171,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.summarize:
         try:
             lines = [json.loads(x) for x in (a.out / "runs.jsonl").read_text().splitlines() if x.strip()]
+            return _write_summary(a.out, lines)
         except (OSError, ValueError) as e:
             p.error(f"--summarize reads {a.out / 'runs.jsonl'}: {e}")
-        return _write_summary(a.out, lines)
+        except (KeyError, TypeError, AttributeError) as e:  # JSON, but not lines this sweep wrote
+            p.error(f"--summarize: {a.out / 'runs.jsonl'} is not a sweep's runs.jsonl ({type(e).__name__}: {e})")
     a.out.mkdir(parents=True, exist_ok=True)
     jobs = [Job(s, n, cold, a.load_aggregation, a.out, a.minutes, a.prime == "other")
             for s in a.shapes for n in todo for cold in (False, True)]
