@@ -132,3 +132,47 @@ async def test_a_slow_metrics_page_keeps_a_worker_that_health_answered() -> None
     await pool.probe_all()
     assert alive.healthy and (alive.running, alive.waiting) == (3, 2)
     await pool.stop()
+
+
+async def test_each_attempt_says_where_it_prefilled_and_why() -> None:
+    """`pdcluster_router_placements_total` for vLLM workers: a long prompt handed over (disaggregated,
+    prompt_length); a short one (aggregated, short_prompt); a prefill leg that answers without kv_transfer_params
+    (its request ended at the first token: prefill_ended); a prefill worker that fails its leg is dropped and the
+    retry goes to the decode worker alone (no_prefill). A long prompt on a decode worker alone always says why."""
+    prefill_mode = "params"
+    legs: list[str] = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        url = f"http://{request.url.host}:{request.url.port}"
+        legs.append(url)
+        if url == "http://p:1":
+            if prefill_mode == "fail":
+                return httpx.Response(500, text="engine dead")
+            params = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "e"}
+            return httpx.Response(200, json={"choices": [{"text": "x"}],
+                                             "kv_transfer_params": params if prefill_mode == "params" else None})
+        return httpx.Response(200, json={"choices": [{"text": "out", "finish_reason": "length"}]})
+
+    pool = Pool(prefill_urls=["http://p:1"], decode_urls=["http://d:2"], engine="vllm")
+    await pool.client.aclose()
+    for w in (*pool.pool("prefill"), *pool.pool("decode")):
+        w.healthy = True
+    flow = VLLMFlow(pool, threshold=3, max_retries=2)
+    flow.client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+
+    async def ask(prompt: list[int]) -> list[str]:
+        legs.clear()
+        await flow.run("completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2}, prompt, lambda n: None)
+        return list(legs)
+
+    assert await ask([1, 2, 3, 4]) == ["http://p:1", "http://d:2"]
+    assert await ask([1]) == ["http://d:2"]
+    prefill_mode = "ended"
+    assert await ask([5, 6, 7]) == ["http://p:1", "http://d:2"]
+    prefill_mode = "fail"
+    assert await ask([8, 9, 10]) == ["http://p:1", "http://d:2"]  # the failed leg, then decode alone
+    assert not pool.get("prefill", "http://p:1").healthy
+    assert flow.placements.counts == {("disaggregated", "prompt_length"): 1, ("aggregated", "short_prompt"): 1,
+                                      ("aggregated", "prefill_ended"): 1, ("aggregated", "no_prefill"): 1}
+    assert flow.disaggregated == 1 and flow.retries == 1
+    await flow.close()

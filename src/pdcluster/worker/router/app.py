@@ -102,7 +102,7 @@ class RouterState:
             from pdcluster.worker.router.vllm_pd import VLLMFlow
 
             self.vllm = VLLMFlow(pool, threshold=options.disaggregation_threshold, max_retries=options.max_retries,
-                                 decode_wait=options.decode_wait)
+                                 decode_wait=options.decode_wait, placements=self.flow.placements)
         self.metrics.registry.register(_StageCollector(self))
         self.waiting = 0  # admitted, no first token yet: the router's queue
         self.in_flight = 0

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pdcluster.worker.api import errors
+from pdcluster.worker.router import aggregate as agg
 from pdcluster.worker.router.flow import Chunk
 from pdcluster.worker.router.picking import pick_prefill, rank_decode, should_disaggregate
 from pdcluster.worker.router.pool import Pool, Worker
@@ -45,6 +46,9 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A placement reason of this flow alone: the prefill leg answered without kv_transfer_params (its request ended at
+# the first token, e.g. on EOS), so the decode worker computes the prompt itself.
+PREFILL_ENDED = "prefill_ended"
 
 
 class _Failed(Exception):
@@ -137,8 +141,11 @@ class VLLMFlow:
     """Tokenize (for picking), then prefill leg + decode leg, or the decode worker alone below the threshold."""
 
     def __init__(self, pool: Pool, *, threshold: int, max_retries: int, connect_timeout: float = 2.0,
-                 decode_wait: float = 30.0) -> None:
+                 decode_wait: float = 30.0, placements: agg.Placements | None = None) -> None:
         self.pool, self.threshold, self.max_retries = pool, threshold, max_retries
+        # where each attempt prefilled and why (pdcluster_router_placements_total, /cluster): shared with the
+        # router's own flow, so a long prompt that went to a decode worker alone says why
+        self.placements = placements if placements is not None else agg.Placements()
         self.decode_wait = decode_wait  # a resume waits this long for a healthy decode worker (as Flow's)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
         self.retries = 0
@@ -215,6 +222,7 @@ class VLLMFlow:
         """One pair: prefill (when the prompt is long enough and a prefill worker is healthy), then decode."""
         leg = body
         prefer_node = None
+        reason = agg.SHORT_PROMPT if len(prompt) < self.threshold else agg.NO_PREFILL
         if should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
             cached = self.pool.cached_tokens("prefill", prompt)
             pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
@@ -232,6 +240,9 @@ class VLLMFlow:
                     leg = {**body, "kv_transfer_params": params}
                     prefer_node = p.node
                     self.disaggregated += 1
+                else:  # the prefill leg's request ended at its first token: no KV left to hand over
+                    reason = PREFILL_ENDED
+        self.placements.count(*((agg.DISAGGREGATED, agg.PROMPT_LENGTH) if leg is not body else (agg.AGGREGATED, reason)))
         cached = {} if leg is not body else self.pool.cached_tokens("decode", prompt)
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded, cached=cached)
         if not ranked:
