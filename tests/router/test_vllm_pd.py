@@ -10,7 +10,8 @@ import httpx
 from fastapi.responses import StreamingResponse
 
 from pdcluster.worker.router.pool import Pool
-from pdcluster.worker.router.vllm_pd import VLLMFlow, _api_error, parse_metrics
+from pdcluster.worker.router.vllm_pd import VLLMFlow, _api_error
+from pdcluster.worker.router.vllm_probe import parse_metrics
 from pdcluster.worker.router.vllm_resume import StreamState
 
 EXPOSITION = """\

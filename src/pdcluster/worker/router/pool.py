@@ -267,10 +267,10 @@ class Pool:
 
     async def _ask(self, w: Worker) -> tuple[bool, str | None]:
         """(ready, error) of one probe, filling in the worker's load; a timeout is raised."""
-        if self.engine == "vllm":  # vLLM workers: /health and their Prometheus series (router/vllm_pd.py)
-            from pdcluster.worker.router import vllm_pd
+        if self.engine == "vllm":  # vLLM workers: /health and their Prometheus series (router/vllm_probe.py)
+            from pdcluster.worker.router import vllm_probe
 
-            return await vllm_pd.probe(self.client, w)
+            return await vllm_probe.probe(self.client, w)
         try:
             r = await self.client.get(f"{w.url}/internal/load")
         except httpx.TimeoutException:
