@@ -50,6 +50,7 @@ PROMPT_LENGTH = "prompt_length"  # long enough to disaggregate, and the prefill 
 PREFILL_BACKLOG = "prefill_backlog"  # the prefill queue misses the TTFT target: a decode worker prefills it
 NO_DECODE_SLACK = "no_decode_slack"  # the queue misses the target, but no decode worker has the slack
 SINGLE_TOKEN = "single_token"  # max_tokens 1: runs whole on the prefill worker
+PREFILL_ENDED = "prefill_ended"  # --engine vllm: the prefill leg handed over no KV (its request ended at the first token)
 AGGREGATED, DISAGGREGATED, AT_PREFILL = "aggregated", "disaggregated", "prefill_only"
 
 

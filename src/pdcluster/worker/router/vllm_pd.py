@@ -45,9 +45,6 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# A placement reason of this flow alone: the prefill leg answered without kv_transfer_params (its request ended at
-# the first token, e.g. on EOS), so the decode worker computes the prompt itself.
-PREFILL_ENDED = "prefill_ended"
 
 
 class _Failed(Exception):
@@ -164,7 +161,7 @@ class VLLMFlow:
                     prefer_node = p.node
                     self.disaggregated += 1
                 else:  # the prefill leg's request ended at its first token: no KV left to hand over
-                    reason = PREFILL_ENDED
+                    reason = agg.PREFILL_ENDED
         self.placements.count(*((agg.DISAGGREGATED, agg.PROMPT_LENGTH) if leg is not body else (agg.AGGREGATED, reason)))
         cached = {} if leg is not body else self.pool.cached_tokens("decode", prompt)
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded, cached=cached)
