@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,10 +136,7 @@ def every_policy(lines: list[dict]) -> list[str]:
     for name in names:
         mine = [x["policies"] for x in lines if name in x["policies"]]
         doms = [dominated_by(ps, name) for ps in mine]
-        by: dict[str, int] = {}
-        for d in doms:
-            for n in d:
-                by[n] = by.get(n, 0) + 1
+        by = Counter(n for d in doms for n in d)
         top = ", ".join(f"{n} {k}" for n, k in sorted(by.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
         rows.append(f"| {name} | {len(mine)} | {sum(1 for d in doms if d)} | "
                     f"{sum(1 for d in doms if any(n != ORACLE for n in d))} | {top or '–'} |")

@@ -70,7 +70,11 @@ class VLLMFlow:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
         self.retries = 0
         self.resumes = 0  # streams continued on another decode worker after theirs broke
-        self.disaggregated = 0
+
+    @property
+    def disaggregated(self) -> int:
+        """Attempts whose prompt was handed over prefill -> decode (`/cluster`'s `vllm_disaggregated`)."""
+        return self.placements.counts.get((agg.DISAGGREGATED, agg.PROMPT_LENGTH), 0)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -142,7 +146,7 @@ class VLLMFlow:
         """One pair: prefill (when the prompt is long enough and a prefill worker is healthy), then decode."""
         leg = body
         prefer_node = None
-        reason = agg.SHORT_PROMPT if len(prompt) < self.threshold else agg.NO_PREFILL
+        placed = (agg.AGGREGATED, agg.SHORT_PROMPT if len(prompt) < self.threshold else agg.NO_PREFILL)
         if should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
             cached = self.pool.cached_tokens("prefill", prompt)
             pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
@@ -159,10 +163,10 @@ class VLLMFlow:
                 if params is not None:
                     leg = {**body, "kv_transfer_params": params}
                     prefer_node = p.node
-                    self.disaggregated += 1
+                    placed = (agg.DISAGGREGATED, agg.PROMPT_LENGTH)
                 else:  # the prefill leg's request ended at its first token: no KV left to hand over
-                    reason = agg.PREFILL_ENDED
-        self.placements.count(*((agg.DISAGGREGATED, agg.PROMPT_LENGTH) if leg is not body else (agg.AGGREGATED, reason)))
+                    placed = (agg.AGGREGATED, agg.PREFILL_ENDED)
+        self.placements.count(*placed)
         cached = {} if leg is not body else self.pool.cached_tokens("decode", prompt)
         ranked = rank_decode(self.pool.views("decode"), prefer_node=prefer_node, exclude=excluded, cached=cached)
         if not ranked:
