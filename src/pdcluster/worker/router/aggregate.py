@@ -54,6 +54,12 @@ PREFILL_ENDED = "prefill_ended"  # --engine vllm: the prefill leg handed over no
 AGGREGATED, DISAGGREGATED, AT_PREFILL = "aggregated", "disaggregated", "prefill_only"
 
 
+def alone_reason(prompt_tokens: int, threshold: int) -> str:
+    """Why a prompt that no prefill worker took runs on a decode worker alone: too short to be worth moving, or
+    long enough but no prefill worker in rotation (either flow, before it tries a prefill leg)."""
+    return SHORT_PROMPT if prompt_tokens < threshold else NO_PREFILL
+
+
 @dataclass(frozen=True)
 class PrefillBacklog:
     """The prefill worker the router would pick, as the router sees it."""

@@ -128,8 +128,7 @@ class Flow:
                     stream = (self._at_prefill(arid, prompt, params, excluded, tl) if done_at_prefill
                               else self._placed(arid, prompt, params, excluded, tl))
                 else:
-                    self.placements.count(agg.AGGREGATED, agg.SHORT_PROMPT if len(prompt) < self.threshold
-                                          else agg.NO_PREFILL)
+                    self.placements.count(agg.AGGREGATED, agg.alone_reason(len(prompt), self.threshold))
                     stream = self._direct(arid, prompt, params, excluded, tl)
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for c in chunks:

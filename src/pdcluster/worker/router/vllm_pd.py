@@ -146,7 +146,7 @@ class VLLMFlow:
         """One pair: prefill (when the prompt is long enough and a prefill worker is healthy), then decode."""
         leg = body
         prefer_node = None
-        placed = (agg.AGGREGATED, agg.SHORT_PROMPT if len(prompt) < self.threshold else agg.NO_PREFILL)
+        placed = (agg.AGGREGATED, agg.alone_reason(len(prompt), self.threshold))
         if should_disaggregate(len(prompt), self.threshold, any(w.healthy for w in self.pool.pool("prefill"))):
             cached = self.pool.cached_tokens("prefill", prompt)
             pv = pick_prefill(self.pool.views("prefill"), exclude=excluded, prompt_tokens=len(prompt), cached=cached)
